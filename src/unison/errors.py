@@ -1,0 +1,52 @@
+"""Runtime errors raised by unison.
+
+Bad arguments raise the builtin ``ValueError`` / ``TypeError`` at the API boundary.
+Failures at run time raise a :class:`UnisonError` subclass that also inherits the
+matching builtin, so existing ``except TimeoutError:`` or ``except RuntimeError:``
+clauses keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "UnisonError",
+    "ReplicaError",
+    "MergeCallError",
+    "CollectiveTimeoutError",
+    "PeerLostError",
+    "CollectiveMismatchError",
+    "ClusterError",
+    "AuthenticationError",
+]
+
+
+class UnisonError(Exception):
+    """Base class of every runtime error unison raises."""
+
+
+class ReplicaError(UnisonError, RuntimeError):
+    """A replica function failed; the original exception is the ``__cause__``."""
+
+
+class MergeCallError(UnisonError, RuntimeError):
+    """Replicas disagreed on ``merge_call``: some called it while others returned."""
+
+
+class CollectiveTimeoutError(UnisonError, TimeoutError):
+    """A collective did not complete within ``CommunicationOptions.timeout_seconds``."""
+
+
+class PeerLostError(CollectiveTimeoutError):
+    """A peer task left the process group (crashed, killed or disconnected)."""
+
+
+class CollectiveMismatchError(UnisonError, ValueError):
+    """Workers passed tensors of different shapes or dtypes to the same collective."""
+
+
+class ClusterError(UnisonError, RuntimeError):
+    """The cluster could not be formed or a task of it failed."""
+
+
+class AuthenticationError(UnisonError, PermissionError):
+    """A peer on the coordinator's control channel did not prove the cluster's key."""

@@ -1,0 +1,1 @@
+"""Distributed values and variables."""

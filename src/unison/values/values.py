@@ -1,0 +1,118 @@
+"""Distributed values: one component per replica.
+
+``PerReplica`` holds values that differ between replicas (each replica's batch or
+loss); ``Mirrored`` holds values known to be equal on every replica (the result of an
+all-reduce). Both are plain containers: the strategy decides where components live.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "is_distributed"]
+
+
+class DistributedValues:
+    """Base of every value with one component per replica (``tf.distribute.DistributedValues``).
+
+    ``values`` is the tuple of components, in replica order of this worker.
+    """
+
+    __slots__ = ()
+
+    @property
+    def values(self) -> tuple[Any, ...]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _component_devices(self) -> tuple[Any, ...]:
+        return tuple(v.device if isinstance(v, torch.Tensor) else None for v in self.values)
+
+
+class _ValueContainer(DistributedValues):
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Sequence[Any]):
+        values = tuple(values)
+        if not values:
+            raise ValueError(f"{type(self).__name__} needs at least one component, got none")
+        self._values = values
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        return self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        inner = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n{inner}\n}}"
+
+
+class PerReplica(_ValueContainer):
+    """Values that may differ from replica to replica (``tf.distribute.PerReplica``)."""
+
+    __slots__ = ()
+
+
+class Mirrored(_ValueContainer):
+    """Values that are equal on every replica, one copy per replica device."""
+
+    __slots__ = ()
+
+
+def is_distributed(value: Any) -> bool:
+    """Whether ``value`` is a DistributedValues (container or distributed variable)."""
+    return isinstance(value, DistributedValues)
+
+
+def _is_variable(value: Any) -> bool:
+    return isinstance(value, DistributedValues) and isinstance(value, torch.Tensor)
+
+
+def select_replica(replica_id: int, structure: Any) -> Any:
+    """Replaces every PerReplica/Mirrored leaf of ``structure`` by its component ``replica_id``.
+
+    Distributed variables are kept whole: they resolve to the local component by
+    themselves inside replica context, and merge functions need the variable itself.
+    """
+
+    def pick(leaf: Any) -> Any:
+        if isinstance(leaf, _ValueContainer):
+            if replica_id >= len(leaf.values):
+                raise ValueError(
+                    f"{type(leaf).__name__} has {len(leaf.values)} components but replica "
+                    f"{replica_id} asked for one: pass one component per replica"
+                )
+            return leaf.values[replica_id]
+        return leaf
+
+    return pytree.tree_map(pick, structure, is_leaf=is_distributed)
+
+
+def regroup(per_replica: Sequence[Any], wrap: Callable[[Sequence[Any]], Any] = PerReplica) -> Any:
+    """Turns a list of per-replica structures into one structure of PerReplica leaves.
+
+    Leaves that are the very same object on every replica (a variable, a constant)
+    come back as that object; other leaves become ``wrap(components)``.
+
+    Raises:
+        ValueError: if the replicas returned structures of different shapes.
+    """
+    if len(per_replica) == 1:
+        return per_replica[0]
+    flats, specs = zip(*(pytree.tree_flatten(s, is_leaf=is_distributed) for s in per_replica))
+    for replica_id, spec in enumerate(specs[1:], start=1):
+        if spec != specs[0]:
+            raise ValueError(
+                f"replicas returned different structures: replica 0 gave {specs[0]}, "
+                f"replica {replica_id} gave {spec}; every replica must return the same structure"
+            )
+    leaves = []
+    for components in zip(*flats):
+        first = components[0]
+        leaves.append(first if all(c is first for c in components) else wrap(components))
+    return pytree.tree_unflatten(leaves, specs[0])
