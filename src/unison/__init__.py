@@ -1,1 +1,68 @@
-"""unison."""
+"""unison: tf.distribute-style distribution strategies for PyTorch, on torch.distributed.
+
+The same training step runs on one device (OneDeviceStrategy), on several devices of
+one machine (MirroredStrategy, CentralStorageStrategy) and on a cluster
+(MultiWorkerMirroredStrategy). See README.md for a tour.
+"""
+
+from unison.collectives.base import CrossDeviceOps
+from unison.collectives.local import (
+    AllReduceCrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+    select_cross_device_ops,
+)
+from unison.context import (
+    ReplicaContext,
+    get_cross_replica_context,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from unison.input import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
+from unison.reduce import ReduceOp
+from unison.strategies.base import Strategy, StrategyExtended
+from unison.strategies.central_storage import CentralStorageStrategy
+from unison.strategies.mirrored import MirroredStrategy
+from unison.strategies.one_device import OneDeviceStrategy
+from unison.values.aggregation import VariableAggregation, VariableSynchronization
+from unison.values.creation import Variable
+from unison.values.values import DistributedValues, Mirrored, PerReplica
+from unison.values.variables import MirroredVariable, SyncOnReadVariable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllReduceCrossDeviceOps",
+    "AutoShardPolicy",
+    "CentralStorageStrategy",
+    "CrossDeviceOps",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "Mirrored",
+    "MirroredStrategy",
+    "MirroredVariable",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "SyncOnReadVariable",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "select_cross_device_ops",
+]

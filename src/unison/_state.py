@@ -1,0 +1,51 @@
+"""Per-thread strategy/replica context stack.
+
+One class, one default instance (``STATE``); tests may build their own. Each thread
+has its own stack of (strategy, replica_context) entries: ``strategy.scope()`` pushes
+(strategy, None) — cross-replica context — and each replica thread of ``run`` pushes
+(strategy, its ReplicaContext).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+from contextlib import contextmanager
+
+__all__ = ["ContextEntry", "ProcessState", "STATE"]
+
+
+@dataclass(frozen=True)
+class ContextEntry:
+    strategy: Any
+    replica_context: Any  # ReplicaContext, or None for cross-replica context
+
+
+class ProcessState:
+    """Holds the context stacks of every thread of this process."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _stack(self) -> list[ContextEntry]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def top(self) -> ContextEntry | None:
+        stack = self._stack()
+        return stack[-1] if stack else None
+
+    @contextmanager
+    def push(self, strategy: Any, replica_context: Any) -> Iterator[None]:
+        stack = self._stack()
+        stack.append(ContextEntry(strategy, replica_context))
+        try:
+            yield
+        finally:
+            stack.pop()
+
+
+STATE = ProcessState()

@@ -1,0 +1,420 @@
+"""Packing: many small tensors into a few flat buffers, and back.
+
+One collective call on a large buffer costs far less than one call per small tensor,
+because launch latency dominates small messages. Every packing user in unison shares
+these pure functions: the in-process CrossDeviceOps (``num_packs``), the cross-process
+CollectiveAllReduce (``bytes_per_pack``) and gradient bucketing.
+
+Equivalents: TensorFlow's ``cross_device_utils.group_by_size``, the
+``_ConcatAndSplitPacker`` behind ``AllReduceCrossDeviceOps(num_packs=...)`` and
+tensorpack's ``GradientPacker``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence, Union
+
+import torch
+
+from unison.collectives.gradients import _check_grads
+from unison.devices import canonicalize, torch_device
+
+__all__ = [
+    "group_by_size",
+    "split_sizes",
+    "split_evenly",
+    "flatten_tensors",
+    "unflatten_tensors",
+    "TensorPacker",
+    "GradientPacker",
+]
+
+logger = logging.getLogger(__name__)
+
+SizeLike = Union[torch.Tensor, int]
+ShapeLike = Union[torch.Tensor, torch.Size, Sequence[int]]
+# A run of tensors packed together: (tensor indices, slice lengths of their flat buffer);
+# lengths None means the single tensor travels unpacked.
+_Segment = tuple[list[int], Union[list[int], None]]
+
+
+def _check_count(name: str, value: object, minimum: int | None = None) -> int:
+    """Returns ``value`` if it is an int (>= ``minimum`` when given); else raises naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}: {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _nbytes(item: object, index: int) -> int:
+    """Byte size of a dense tensor, or an explicit non-negative byte count."""
+    field = f"tensors_or_sizes[{index}]"
+    if isinstance(item, torch.Tensor):
+        if item.layout != torch.strided:
+            raise TypeError(
+                f"`{field}` is a {item.layout} tensor: only dense tensors are packed; "
+                f"reduce sparse tensors separately (e.g. by all-gather of indices and values)"
+            )
+        return item.numel() * item.element_size()
+    return _check_count(field, item, 0)
+
+
+def group_by_size(tensors_or_sizes: Sequence[SizeLike], bytes_per_pack: int) -> list[list[int]]:
+    """Partitions indices, in order, into consecutive groups of about ``bytes_per_pack``.
+
+    A group closes as soon as its bytes reach ``bytes_per_pack``, so every group but the
+    last holds at least ``bytes_per_pack`` bytes and packs err on the side of few and
+    large. This is how CollectiveAllReduce batches all-reduces.
+
+    TF equivalent: ``cross_device_utils.group_by_size``, which returns the tensors
+    themselves and closes a group only once it *exceeds* the threshold.
+
+    Args:
+        tensors_or_sizes: dense tensors (size = ``numel * element_size``) or byte counts.
+        bytes_per_pack: target bytes per group; ``<= 0`` puts everything in one group.
+
+    Returns:
+        Lists of indices into ``tensors_or_sizes``; ``[]`` when it is empty.
+
+    Raises:
+        TypeError: if an item is neither a dense tensor nor an int, or if
+            ``tensors_or_sizes`` is a single tensor.
+        ValueError: if a byte count is negative.
+    """
+    if isinstance(tensors_or_sizes, torch.Tensor):
+        raise TypeError("`tensors_or_sizes` must be a list of tensors or byte counts, not one tensor: wrap it as [t]")
+    bytes_per_pack = _check_count("bytes_per_pack", bytes_per_pack)
+    sizes = [_nbytes(item, i) for i, item in enumerate(tensors_or_sizes)]
+    if not sizes:
+        return []
+    if bytes_per_pack <= 0:
+        return [list(range(len(sizes)))]
+    groups: list[list[int]] = [[]]
+    filled = 0
+    for index, size in enumerate(sizes):
+        if filled >= bytes_per_pack:
+            groups.append([])
+            filled = 0
+        groups[-1].append(index)
+        filled += size
+    return groups
+
+
+def split_sizes(total: int, num_packs: int) -> list[int]:
+    """Lengths of ``num_packs`` consecutive slices of a flat buffer of ``total`` elements.
+
+    The rule of TF's ``_ConcatAndSplitPacker`` and tensorpack's ``GradientPacker``: all
+    slices get ``total // num_packs`` elements and the last also takes the remainder.
+    Unlike TF, there are never empty slices: a buffer smaller than ``num_packs`` gets one
+    slice per element (one empty slice when ``total == 0``).
+
+    Raises:
+        ValueError: if ``total < 0`` or ``num_packs < 1``.
+    """
+    _check_count("total", total, 0)
+    _check_count("num_packs", num_packs, 1)
+    parts = max(1, min(num_packs, total))
+    size = total // parts
+    return [size] * (parts - 1) + [total - size * (parts - 1)]
+
+
+def split_evenly(n_items: int, num_packs: int) -> list[list[int]]:
+    """Partitions ``range(n_items)`` into ``num_packs`` consecutive groups by :func:`split_sizes`.
+
+    ``num_packs == 0`` means no packing: one group per item (TF's ``num_packs=0``).
+
+    Raises:
+        ValueError: if ``n_items`` or ``num_packs`` is negative.
+    """
+    _check_count("n_items", n_items, 0)
+    _check_count("num_packs", num_packs, 0)
+    if n_items == 0:
+        return []
+    if num_packs == 0:
+        return [[i] for i in range(n_items)]
+    groups, start = [], 0
+    for size in split_sizes(n_items, num_packs):
+        groups.append(list(range(start, start + size)))
+        start += size
+    return groups
+
+
+def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Copies ``tensors`` into one new contiguous 1-D buffer, in order.
+
+    The buffer never aliases an input, so reducing it in place is safe.
+    PyTorch equivalent: ``torch._utils._flatten_dense_tensors``.
+
+    Raises:
+        ValueError: if ``tensors`` is empty or mixes dtypes or devices.
+        TypeError: if an item is not a dense tensor.
+    """
+    if isinstance(tensors, torch.Tensor) or len(tensors) == 0:
+        raise ValueError("`tensors` must be a non-empty list of tensors to flatten")
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise TypeError(f"`tensors[{i}]` must be a dense torch.Tensor, got {type(t).__name__}")
+        if t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(
+                f"`tensors[{i}]` is {t.dtype} on {t.device} but `tensors[0]` is {first.dtype} on "
+                f"{first.device}: one flat buffer needs one dtype and one device; group by dtype first"
+            )
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _shape_of(item: ShapeLike) -> torch.Size:
+    return item.shape if isinstance(item, torch.Tensor) else torch.Size(item)
+
+
+def unflatten_tensors(flat: torch.Tensor, like: Sequence[ShapeLike]) -> list[torch.Tensor]:
+    """Views into ``flat`` shaped like ``like`` (tensors or shapes), the inverse of flattening.
+
+    PyTorch equivalent: ``torch._utils._unflatten_dense_tensors``.
+
+    Raises:
+        ValueError: if ``flat`` is not 1-D or its length is not the total size of ``like``.
+    """
+    shapes = [_shape_of(item) for item in like]
+    sizes = [shape.numel() for shape in shapes]
+    if flat.dim() != 1 or flat.numel() != sum(sizes):
+        raise ValueError(
+            f"`flat` has shape {tuple(flat.shape)} but `like` needs a 1-D buffer of {sum(sizes)} "
+            f"elements; pass the buffer that flatten_tensors returned for these tensors"
+        )
+    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
+
+
+class TensorPacker:
+    """Packs K devices' lists of N tensors into K x P flat packs, and unpacks K x P to K x N.
+
+    Tensors of different dtypes never share a pack: each dtype (in order of first use)
+    is packed on its own. With ``num_packs=P`` every dtype's tensors are concatenated and
+    cut into ``P`` slices of about equal size (slices may span tensor boundaries); with
+    ``bytes_per_pack=B`` they are grouped at tensor boundaries by :func:`group_by_size`.
+    ``num_packs=0`` packs nothing: the packs are the input tensors themselves. Packs
+    otherwise are fresh buffers, so reducing them in place does not touch the inputs.
+
+    ``pack`` records the layout that ``unpack`` uses; call ``pack`` again for new inputs.
+
+    TF equivalent: ``_pack_tensors`` / ``_unpack_tensors`` with ``_ConcatAndSplitPacker``
+    in ``cross_device_ops.py``, which fails on mixed dtypes instead of grouping them.
+
+    Example:
+        >>> packer = TensorPacker(num_packs=2)
+        >>> packs = packer.pack([[torch.ones(3), torch.ones(2, 2)], [torch.zeros(3), torch.zeros(2, 2)]])
+        >>> summed = [packs[0][p] + packs[1][p] for p in range(len(packs[0]))]
+        >>> [t.shape for t in packer.unpack([summed, summed])[0]]
+        [torch.Size([3]), torch.Size([2, 2])]
+
+    Args:
+        num_packs: packs per dtype; 0 means no packing. Default 1 when neither is given.
+        bytes_per_pack: target bytes per pack (``<= 0``: one pack per dtype).
+
+    Raises:
+        ValueError: if both are given or ``num_packs`` is negative.
+    """
+
+    def __init__(self, num_packs: int | None = None, bytes_per_pack: int | None = None) -> None:
+        if num_packs is not None and bytes_per_pack is not None:
+            raise ValueError(
+                f"give `num_packs` ({num_packs!r}) or `bytes_per_pack` ({bytes_per_pack!r}), not both"
+            )
+        # _count is bytes per pack when bytes_per_pack is given, else packs per dtype.
+        if bytes_per_pack is not None:
+            self._count = _check_count("bytes_per_pack", bytes_per_pack)
+        else:
+            self._count = num_packs = _check_count("num_packs", 1 if num_packs is None else num_packs, 0)
+        self.num_packs = num_packs
+        self.bytes_per_pack = bytes_per_pack
+        self._shapes: list[torch.Size] | None = None
+        self._segments: list[_Segment] = []
+
+    def _plan(self, tensors: Sequence[torch.Tensor]) -> list[_Segment]:
+        if self.num_packs == 0:
+            return [([i], None) for i in range(len(tensors))]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        segments: list[_Segment] = []
+        for indices in by_dtype.values():
+            if self.bytes_per_pack is None:
+                total = sum(tensors[i].numel() for i in indices)
+                segments.append((indices, split_sizes(total, self._count)))
+                continue
+            for group in group_by_size([tensors[i] for i in indices], self._count):
+                members = [indices[g] for g in group]
+                segments.append((members, [sum(tensors[i].numel() for i in members)]))
+        return segments
+
+    def pack(self, device_tensors: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Returns K lists of P packs; pack ``p`` has the same size on every device.
+
+        Raises:
+            ValueError / TypeError: if the lists are ragged, empty, or differ in shape or
+                dtype across devices, or a device's tensors span several devices.
+        """
+        _check_grads(device_tensors, "device_tensors")
+        self._shapes = [t.shape for t in device_tensors[0]]
+        self._segments = self._plan(device_tensors[0])
+        out = []
+        for tensors in device_tensors:
+            packs: list[torch.Tensor] = []
+            for indices, splits in self._segments:
+                if splits is None:
+                    packs.append(tensors[indices[0]])
+                    continue
+                flat = flatten_tensors([tensors[i] for i in indices])
+                packs.extend(flat.split(splits) if len(splits) > 1 else [flat])
+            out.append(packs)
+        return out
+
+    def unpack(self, device_packs: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Returns K lists of N tensors shaped like the last ``pack`` input.
+
+        The tensors are views of the packs (of their concatenation when a dtype has
+        several packs), so they cost no copy beyond that concatenation.
+
+        Raises:
+            RuntimeError: if ``pack`` was never called.
+            ValueError: if the packs do not match the recorded layout.
+        """
+        if self._shapes is None:
+            raise RuntimeError("TensorPacker.unpack needs the layout of a prior TensorPacker.pack call")
+        expected = sum(1 if s is None else len(s) for _, s in self._segments)
+        out = []
+        for k, packs in enumerate(device_packs):
+            if len(packs) != expected:
+                raise ValueError(
+                    f"`device_packs[{k}]` has {len(packs)} packs but pack() produced {expected}: "
+                    f"pass the reduced packs in the order pack() returned them"
+                )
+            tensors: dict[int, torch.Tensor] = {}
+            cursor = 0
+            for indices, splits in self._segments:
+                count = 1 if splits is None else len(splits)
+                chunk = list(packs[cursor : cursor + count])
+                cursor += count
+                if splits is None:
+                    tensors[indices[0]] = chunk[0].reshape(self._shapes[indices[0]])
+                    continue
+                flat = chunk[0] if count == 1 else torch.cat(chunk)
+                for i, view in zip(indices, unflatten_tensors(flat, [self._shapes[i] for i in indices])):
+                    tensors[i] = view
+            out.append([tensors[i] for i in range(len(self._shapes))])
+        return out
+
+
+class GradientPacker:
+    """Concatenates one device's gradients and splits them into ``num_split`` equal packs.
+
+    Fewer, larger all-reduces are faster than many small ones. ``compute_strategy`` is
+    called once with one device's gradients and decides whether packing pays off; the
+    same layout then packs and unpacks every device's gradients.
+
+    tensorpack equivalent: ``graph_builder.utils.GradientPacker``. Devices are unison
+    device names (``"cpu:1"``, ``"cuda:0"``, TF spellings accepted); logical CPU
+    devices all map to the host.
+
+    Args:
+        num_split: number of packs per device.
+
+    Raises:
+        ValueError: if ``num_split < 1``.
+    """
+
+    def __init__(self, num_split: int = 8) -> None:
+        self._num_split = _check_count("num_split", num_split, 1)
+        self._decided: bool | None = None
+        self._shapes: list[torch.Size] = []
+        self._sizes: list[int] = []
+        self._split_sizes: list[int] = []
+        self._grad_dtype: torch.dtype | None = None
+
+    def compute_strategy(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Decides the packing layout from one device's gradients.
+
+        Returns:
+            False (nothing is packed) when the gradients are fewer than 1024 elements per
+            split, mix dtypes or devices, or are not all dense; else True.
+
+        Raises:
+            RuntimeError: on a second call (the layout is fixed once, as in tensorpack).
+            TypeError: if an item is not a tensor.
+        """
+        if self._decided is not None:
+            raise RuntimeError("GradientPacker.compute_strategy may be called only once; create a new GradientPacker")
+        for i, g in enumerate(grads):
+            if not isinstance(g, torch.Tensor):
+                raise TypeError(f"`grads[{i}]` must be a torch.Tensor, got {type(g).__name__}: {g!r}")
+        self._decided = False
+        if any(g.layout != torch.strided for g in grads):
+            logger.info("Skip GradientPacker: sparse gradients cannot be concatenated.")
+            return False
+        self._shapes = [g.shape for g in grads]
+        self._sizes = [g.numel() for g in grads]
+        total = sum(self._sizes)
+        if total / self._num_split < 1024:
+            logger.info("Skip GradientPacker: too few gradient elements (%d).", total)
+            return False
+        if len({g.dtype for g in grads}) != 1 or len({g.device for g in grads}) != 1:
+            logger.info("Skip GradientPacker: gradients differ in dtype or device.")
+            return False
+        self._grad_dtype = grads[0].dtype
+        self._split_sizes = split_sizes(total, self._num_split)
+        logger.info("Will pack %d gradients of %d elements into %d splits.", len(grads), total, self._num_split)
+        self._decided = True
+        return True
+
+    def _require_strategy(self) -> None:
+        if not self._decided:
+            raise RuntimeError(
+                "GradientPacker has no packing layout: call compute_strategy(grads) first and "
+                "pack only when it returned True"
+            )
+
+    def pack(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Returns ``num_split`` 1-D packs (views of one new buffer) of ``grads``.
+
+        Raises:
+            ValueError: if ``grads`` differ in count, shape or dtype from the layout.
+        """
+        self._require_strategy()
+        if len(grads) != len(self._shapes):
+            raise ValueError(f"`grads` has {len(grads)} tensors but the layout has {len(self._shapes)}")
+        for i, g in enumerate(grads):
+            if g.shape != self._shapes[i] or g.dtype != self._grad_dtype:
+                raise ValueError(
+                    f"`grads[{i}]` is {g.dtype} {tuple(g.shape)} but the layout expects "
+                    f"{self._grad_dtype} {tuple(self._shapes[i])}: pack the same gradients on every device"
+                )
+        return list(flatten_tensors(grads).split(self._split_sizes))
+
+    def unpack(self, grad_packs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Returns the gradients, shaped as at ``compute_strategy``, from (reduced) packs.
+
+        Raises:
+            ValueError: if the packs hold a different number of elements.
+        """
+        self._require_strategy()
+        return unflatten_tensors(torch.cat(list(grad_packs)), self._shapes)
+
+    @staticmethod
+    def _devices(devices: Sequence[str], count: int) -> list[torch.device]:
+        if isinstance(devices, str) or len(devices) != count:
+            raise ValueError(f"`devices` must list one device per gradient list ({count}), got {devices!r}")
+        return [torch_device(canonicalize(d)) for d in devices]
+
+    def pack_all(self, all_grads: Sequence[Sequence[torch.Tensor]], devices: Sequence[str]) -> list[list[torch.Tensor]]:
+        """Packs K lists of gradients, device ``k``'s packs on ``devices[k]`` (K x num_split)."""
+        places = self._devices(devices, len(all_grads))
+        return [self.pack([g.to(place) for g in grads]) for place, grads in zip(places, all_grads)]
+
+    def unpack_all(
+        self, all_packed: Sequence[Sequence[torch.Tensor]], devices: Sequence[str]
+    ) -> list[list[torch.Tensor]]:
+        """Unpacks K lists of packs, device ``k``'s gradients on ``devices[k]`` (K x N)."""
+        places = self._devices(devices, len(all_packed))
+        return [self.unpack([p.to(place) for p in packs]) for place, packs in zip(places, all_packed)]

@@ -1,0 +1,371 @@
+"""Strategy and StrategyExtended: the API every strategy shares.
+
+A concrete strategy only chooses components — replica devices, a replica runner, a
+CrossDeviceOps, a variable policy, a gradient synchroniser, and its place in a
+cluster — and hands them to :class:`StrategyExtended`, which implements the
+tf.distribute semantics once on top of them.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from unison._state import STATE
+from unison.collectives.base import CrossDeviceOps
+from unison.devices import canonicalize, canonicalize_all, torch_device
+from unison.reduce import ReduceOp
+from unison.values.values import DistributedValues, Mirrored, PerReplica, is_distributed, regroup, select_replica
+from unison.values.variables import DistributedVariable
+
+__all__ = ["Strategy", "StrategyExtended", "Components", "ClusterPlace"]
+
+HOST = "cpu:0"
+
+
+@dataclass(frozen=True)
+class ClusterPlace:
+    """Where this process sits in the cluster: workers that run replicas, and its index."""
+
+    num_workers: int = 1
+    worker_index: int = 0
+    is_chief: bool = True
+    between_graph: bool = False
+    task_type: str | None = None
+    task_id: int | None = None
+
+
+@dataclass
+class Components:
+    """What a strategy is made of; the strategy's ``extended`` runs on these."""
+
+    devices: tuple[str, ...]
+    parameter_devices: tuple[str, ...]
+    cross_device_ops: CrossDeviceOps
+    variable_policy: Any
+    gradient_sync: Any
+    cluster: ClusterPlace = field(default_factory=ClusterPlace)
+    runner: Any = None
+    is_default: bool = False
+
+
+class StrategyExtended:
+    """Advanced strategy API (``tf.distribute.StrategyExtended``): reduce_to, update, devices."""
+
+    def __init__(self, strategy: "Strategy", components: Components):
+        from unison.strategies.replicas import InlineReplicaRunner, ThreadedReplicaRunner
+
+        self._strategy = strategy
+        self._c = components
+        if components.runner is None:
+            components.runner = (
+                InlineReplicaRunner(strategy) if len(components.devices) == 1
+                else ThreadedReplicaRunner(strategy, components.devices)
+            )
+        self._created: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._pending: list[Any] = []
+        self.gradient_reduce_op = ReduceOp.MEAN
+
+    # -- properties -----------------------------------------------------------------
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """This worker's replica devices, one per local replica."""
+        return self._c.devices
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Devices that hold the variables."""
+        return self._c.parameter_devices
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps:
+        return self._c.cross_device_ops
+
+    @property
+    def _is_default(self) -> bool:
+        return self._c.is_default
+
+    @property
+    def _num_replicas_in_sync(self) -> int:
+        return len(self._c.devices) * self._c.cluster.num_workers
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process should write checkpoints (the chief only, in a cluster)."""
+        return self._c.cluster.is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this process should write summaries (the chief only, in a cluster)."""
+        return self._c.cluster.is_chief
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """Whether this process should run variable initialisers (always, in eager PyTorch)."""
+        return True
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        """True for multi-worker strategies where each worker runs its own program."""
+        return self._c.cluster.between_graph
+
+    def _global_replica_id(self, local_replica_id: int) -> int:
+        return self._c.cluster.worker_index * len(self._c.devices) + local_replica_id
+
+    # -- variables --------------------------------------------------------------------
+    def _track(self, variable: Any) -> Any:
+        self._created.add(variable)
+        self._pending.append(variable)
+        return variable
+
+    def _finish_variable_creation(self) -> None:
+        """Makes every variable created since the last call equal on all replicas and workers."""
+        pending, self._pending = self._pending, []
+        if pending:
+            self._c.variable_policy.finish(pending)
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether ``v`` was created inside this strategy's scope."""
+        try:
+            return v in self._created
+        except TypeError:
+            return False
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable ``value`` is a component of, else ``value`` itself."""
+        for variable in list(self._created):
+            if variable is value:
+                return variable
+            if isinstance(variable, DistributedVariable) and any(c is value for c in variable._others):
+                return variable
+        return value
+
+    # -- reductions ---------------------------------------------------------------------
+    def _destination_devices(self, destinations: Any) -> tuple[str, ...]:
+        if isinstance(destinations, DistributedVariable):
+            return destinations.devices
+        if isinstance(destinations, DistributedValues):
+            return self._c.devices
+        if isinstance(destinations, torch.Tensor):
+            return (canonicalize(destinations.device),)
+        if isinstance(destinations, (str, torch.device)):
+            return (canonicalize(destinations),)
+        if isinstance(destinations, (list, tuple)) and destinations:
+            return canonicalize_all(destinations, field="destinations")
+        raise ValueError(
+            f"destinations {destinations!r} name no device: pass a device string, a tensor, a "
+            f"distributed value or variable, or a list of device strings"
+        )
+
+    def _as_per_replica(self, value: Any) -> PerReplica:
+        if isinstance(value, PerReplica):
+            return value
+        return PerReplica(value.values)
+
+    def reduce_to(self, reduce_op: "ReduceOp | str", value: Any, destinations: Any) -> Any:
+        """Combines ``value`` across replicas (and workers) onto ``destinations``.
+
+        Returns a tensor for one destination device, else a Mirrored value. A value that
+        is not distributed is broadcast for MEAN (or one replica) and rejected for SUM,
+        as in TensorFlow.
+        """
+        return self.batch_reduce_to(reduce_op, [(value, destinations)])[0]
+
+    def batch_reduce_to(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+        """``reduce_to`` for several values at once, packed into fewer transfers."""
+        reduce_op = ReduceOp.from_any(reduce_op)
+        pairs = list(value_destination_pairs)
+        results: list[Any] = [None] * len(pairs)
+        distributed = []
+        for i, (value, destinations) in enumerate(pairs):
+            devices = self._destination_devices(destinations)
+            if is_distributed(value):
+                distributed.append((i, self._as_per_replica(value), devices))
+            else:
+                results[i] = self._reduce_non_distributed(reduce_op, value, devices)
+        if distributed:
+            reduced = self._c.cross_device_ops.batch_reduce(
+                reduce_op, [(v, d) for _, v, d in distributed]
+            )
+            for (i, _, _), r in zip(distributed, reduced):
+                results[i] = r
+        return results
+
+    def _reduce_non_distributed(self, reduce_op: ReduceOp, value: Any, devices: tuple[str, ...]) -> Any:
+        if reduce_op is ReduceOp.SUM and self._num_replicas_in_sync > 1:
+            raise ValueError(
+                f"a value that is not a DistributedValues ({type(value).__name__}) cannot be reduced with "
+                f"ReduceOp.SUM over {self._num_replicas_in_sync} replicas: it is one value, not one per "
+                f"replica; produce it inside strategy.run, or use ReduceOp.MEAN"
+            )
+        return self._broadcast_to(torch.as_tensor(value), devices)
+
+    def _broadcast_to(self, tensor: torch.Tensor, destinations: Any) -> Any:
+        devices = destinations if isinstance(destinations, tuple) and all(isinstance(d, str) for d in destinations) \
+            else self._destination_devices(destinations)
+        return self._c.cross_device_ops.broadcast(tensor, devices)
+
+    def _reduce_components(self, reduce_op: ReduceOp, components: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Reduces one value's local components (and workers) to a tensor on the first device."""
+        return self._c.cross_device_ops.batch_reduce(
+            reduce_op, [(PerReplica(components), (self._c.devices[0],))]
+        )[0]
+
+    def _gather_to(self, value: Any, axis: int, destinations: Any) -> Any:
+        devices = self._destination_devices(destinations)
+        if not is_distributed(value):
+            value = PerReplica([value])
+        return self._c.cross_device_ops.gather(self._as_per_replica(value), devices, axis)
+
+    # -- updates ----------------------------------------------------------------------
+    def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+               group: bool = True) -> Any:
+        """Runs ``fn(component, *args, **kwargs)`` on each component of ``var``, without grad.
+
+        ``args`` may hold Mirrored/PerReplica values; each component gets its own part.
+        In replica context the update happens once, through merge_call.
+        """
+        kwargs = dict(kwargs or {})
+        entry = STATE.top()
+        if entry is not None and entry.replica_context is not None:
+            return entry.replica_context.merge_call(
+                lambda strategy, v, a, k: strategy.extended.update(v, fn, a, k, group), args=(var, args, kwargs)
+            )
+        with torch.no_grad():
+            if isinstance(var, DistributedVariable):
+                results = [fn(c, *select_replica(i, args), **select_replica(i, kwargs)) for i, c in enumerate(var.values)]
+                return regroup(results, Mirrored) if group else tuple(results)
+            return fn(var, *select_replica(0, args), **select_replica(0, kwargs))
+
+    # -- running -----------------------------------------------------------------------
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self._finish_variable_creation()
+        return self._c.runner.run(fn, args, kwargs)
+
+
+class Strategy(abc.ABC):
+    """Distributes a computation over devices and workers (``tf.distribute.Strategy``).
+
+    Create the model and optimizer inside ``scope()``, then call ``run(step_fn, args)``;
+    ``reduce`` brings per-replica results back to the host.
+    """
+
+    def __init__(self, components: Components):
+        self._extended = StrategyExtended(self, components)
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """The advanced API: reduce_to, batch_reduce_to, update, devices."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas that take part in each step, across all workers."""
+        return self._extended._num_replicas_in_sync
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Strategy"]:
+        """Makes this strategy current: variables and modules created inside are distributed.
+
+        Raises:
+            ValueError: if another (non-default) strategy's scope is already open in this thread.
+        """
+        top = STATE.top()
+        if top is not None and top.strategy is not self and not top.strategy.extended._is_default:
+            raise ValueError(
+                f"cannot enter the scope of {type(self).__name__} inside the scope of a different strategy "
+                f"({type(top.strategy).__name__}): strategies cannot be nested or mixed; exit the outer "
+                f"`with strategy.scope():` first, or use the same strategy object"
+            )
+        from unison.values.hooks import install_hooks
+
+        install_hooks()
+        replica_context = top.replica_context if top is not None and top.strategy is self else None
+        outermost = top is None or top.strategy is not self
+        with STATE.push(self, replica_context):
+            try:
+                yield self
+            finally:
+                if outermost:
+                    self._extended._finish_variable_creation()
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Runs ``fn(*args, **kwargs)`` once per replica and returns PerReplica results.
+
+        PerReplica arguments are unwrapped to each replica's component. Exceptions from
+        any replica (or a merge function) are raised here, after every replica stopped.
+        """
+        from unison.values.hooks import install_hooks
+
+        install_hooks()
+        kwargs = dict(kwargs or {})
+        top = STATE.top()
+        if top is not None and top.strategy is self:
+            return self._extended._call_for_each_replica(fn, args, kwargs)
+        with self.scope():
+            return self._extended._call_for_each_replica(fn, args, kwargs)
+
+    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None = None) -> torch.Tensor:
+        """Reduces per-replica ``value`` across all replicas to one tensor on the host.
+
+        With ``axis``, each component is first reduced along that axis; for MEAN the
+        result is the mean over all elements along ``axis`` of all replicas.
+        """
+        reduce_op = ReduceOp.from_any(reduce_op)
+        if axis is None:
+            return self._extended.reduce_to(reduce_op, value, HOST)
+        components = self.experimental_local_results(value)
+        sums = PerReplica([c.sum(dim=axis) for c in components])
+        total = self._extended.reduce_to(ReduceOp.SUM, sums, HOST)
+        if reduce_op is ReduceOp.SUM:
+            return total
+        counts = PerReplica([torch.tensor(float(c.shape[axis]), device=c.device) for c in components])
+        count = self._extended.reduce_to(ReduceOp.SUM, counts, HOST)
+        return total / count
+
+    def gather(self, value: Any, axis: int) -> torch.Tensor:
+        """Concatenates every replica's ``value`` along ``axis`` into one tensor on the host."""
+        return self._extended._gather_to(value, axis, HOST)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The components of ``value`` on this worker's replicas, as a tuple."""
+        if isinstance(value, DistributedValues):
+            return tuple(value.values)
+        return (value,)
+
+    def configure(self, cluster_spec: Any = None, task_type: str | None = None, task_id: int | None = None) -> None:
+        """Connects the strategy to a cluster (used by the distribute coordinator).
+
+        In-process strategies ignore the cluster, as TensorFlow's do.
+        """
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None, **kwargs: Any) -> Any:
+        """Distributes a dataset of *global* batches over this strategy's replicas."""
+        from unison.input.dataset import DistributedDataset
+
+        cluster = self._extended._c.cluster
+        return DistributedDataset(
+            dataset, num_workers=cluster.num_workers, worker_index=cluster.worker_index,
+            devices=self._extended.worker_devices, options=options, agree=self._extended._c.cross_device_ops.agree,
+            **kwargs,
+        )
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+        """Calls ``dataset_fn(InputContext)`` once per input pipeline (worker) and distributes the result."""
+        from unison.input.dataset import DistributedDatasetsFromFunction
+
+        cluster = self._extended._c.cluster
+        return DistributedDatasetsFromFunction(
+            dataset_fn, num_workers=cluster.num_workers, worker_index=cluster.worker_index,
+            devices=self._extended.worker_devices, num_replicas_in_sync=self.num_replicas_in_sync,
+            options=options, agree=self._extended._c.cross_device_ops.agree,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(devices={list(self._extended.worker_devices)})"

@@ -1,0 +1,57 @@
+"""CentralStorageStrategy: variables on one device, compute on several (``tf.distribute.experimental.CentralStorageStrategy``)."""
+
+from __future__ import annotations
+
+import typing
+from typing import Sequence
+
+import torch
+
+from unison.collectives.local import ReductionToOneDevice
+from unison.devices import canonicalize, canonicalize_all, local_devices, torch_device
+from unison.optim import ReplicaGradientSync
+from unison.strategies.base import Components, Strategy
+from unison.strategies.policies import ReplicatedVariablePolicy
+
+__all__ = ["CentralStorageStrategy"]
+
+
+@typing.final
+class CentralStorageStrategy(Strategy):
+    """Keeps each variable once, on the parameter device; replicas compute on their devices.
+
+    Gradients of all replicas are reduced onto the parameter device and the optimizer
+    steps once there.
+
+    Args:
+        compute_devices: replica devices; default every CUDA device, else the CPU.
+        parameter_device: where variables live; default the CPU with several compute
+            devices, else the one compute device.
+
+    Raises:
+        ValueError: for malformed or duplicate devices, or compute devices on another
+            physical device than the parameters (not supported yet: replicas would need
+            a copy of every variable refreshed after each step).
+    """
+
+    def __init__(self, compute_devices: "Sequence[str | torch.device] | None" = None,
+                 parameter_device: "str | torch.device | None" = None):
+        compute = canonicalize_all(compute_devices if compute_devices is not None else local_devices(),
+                                   field="compute_devices")
+        if parameter_device is None:
+            parameter = "cpu:0" if len(compute) > 1 else compute[0]
+        else:
+            parameter = canonicalize(parameter_device)
+        remote = [d for d in compute if torch_device(d) != torch_device(parameter)]
+        if remote:
+            raise ValueError(
+                f"compute_devices {remote!r} are on another physical device than parameter_device "
+                f"{parameter!r}: unison's CentralStorageStrategy keeps compute and parameters on one "
+                f"physical device (logical CPU devices, or one GPU); use MirroredStrategy across GPUs"
+            )
+        sync = ReplicaGradientSync(self, len(compute), central=True) if len(compute) > 1 else None
+        super().__init__(Components(
+            devices=compute, parameter_devices=(parameter,), cross_device_ops=ReductionToOneDevice(),
+            variable_policy=ReplicatedVariablePolicy(self, (parameter, *compute[1:]), gradient_sync=sync, central=True),
+            gradient_sync=sync,
+        ))

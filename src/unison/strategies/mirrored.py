@@ -1,0 +1,56 @@
+"""MirroredStrategy: synchronous replicas on the devices of one machine (``tf.distribute.MirroredStrategy``)."""
+
+from __future__ import annotations
+
+import typing
+from typing import Sequence
+
+import torch
+
+from unison.collectives.base import CrossDeviceOps
+from unison.collectives.local import select_cross_device_ops
+from unison.devices import canonicalize_all, local_devices
+from unison.optim import ReplicaGradientSync
+from unison.strategies.base import Components, Strategy
+from unison.strategies.policies import ReplicatedVariablePolicy
+
+__all__ = ["MirroredStrategy"]
+
+
+@typing.final
+class MirroredStrategy(Strategy):
+    """One replica per device of this machine, kept in sync by all-reduce.
+
+    Variables created in ``scope()`` (and parameters of modules built there) become
+    MirroredVariables with one component per device; each replica runs in its own
+    thread; ``opt.step()`` inside ``run`` averages gradients over the replicas.
+
+    Args:
+        devices: device names (``"cuda:0"``, ``"GPU:1"``, logical ``"cpu:1"``); default
+            every CUDA device, else the CPU.
+        cross_device_ops: the reduction algorithm; default chosen by
+            :func:`select_cross_device_ops`.
+
+    Raises:
+        ValueError: for a malformed or duplicate device, or an algorithm that cannot run
+            on these devices (``NcclAllReduce`` on CPU).
+    """
+
+    def __init__(self, devices: "Sequence[str | torch.device] | None" = None,
+                 cross_device_ops: CrossDeviceOps | None = None):
+        names = canonicalize_all(devices if devices is not None else local_devices())
+        if cross_device_ops is None:
+            cross_device_ops = select_cross_device_ops(names)
+        elif not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                f"cross_device_ops must be a CrossDeviceOps instance, got {type(cross_device_ops).__name__}: "
+                f"{cross_device_ops!r}"
+            )
+        check = getattr(cross_device_ops, "_check_devices", None)
+        if check is not None and len(names) > 1:
+            check(names)
+        sync = ReplicaGradientSync(self, len(names)) if len(names) > 1 else None
+        super().__init__(Components(
+            devices=names, parameter_devices=names, cross_device_ops=cross_device_ops,
+            variable_policy=ReplicatedVariablePolicy(self, names, gradient_sync=sync), gradient_sync=sync,
+        ))

@@ -1,0 +1,96 @@
+"""Variable policies: what a strategy makes of a new variable or module parameter."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from unison.devices import torch_device
+from unison.values.aggregation import VariableAggregation, VariableSynchronization
+from unison.values.hooks import SYNC_ATTRIBUTE
+from unison.values.variables import CentralVariable, DistributedVariable, MirroredVariable, SyncOnReadVariable
+
+__all__ = ["PlainVariablePolicy", "ReplicatedVariablePolicy"]
+
+
+def _plain(value: torch.Tensor, device: str, trainable: bool) -> torch.Tensor:
+    tensor = value.detach().to(torch_device(device))
+    return tensor.requires_grad_(trainable and tensor.is_floating_point())
+
+
+class PlainVariablePolicy:
+    """One replica on one device: variables and parameters stay plain tensors there.
+
+    ``gradient_sync`` (multi-worker) is attached to parameters so ``opt.step()`` finds it;
+    ``on_finish`` makes new variables equal across workers (the chief's values).
+    """
+
+    def __init__(self, device: str, gradient_sync: Any = None, on_finish: Callable[[list], None] | None = None):
+        self._device = device
+        self._gradient_sync = gradient_sync
+        self._on_finish = on_finish
+
+    def wrap_parameter(self, param: nn.Parameter, name: str) -> nn.Parameter | None:
+        target = torch_device(self._device)
+        replacement = None
+        if param.device != target:
+            replacement = nn.Parameter(param.detach().to(target), requires_grad=param.requires_grad)
+        if self._gradient_sync is not None:
+            chosen = replacement if replacement is not None else param
+            setattr(chosen, SYNC_ATTRIBUTE, self._gradient_sync)
+            self._gradient_sync.register(chosen)
+        return replacement
+
+    def create(self, value: torch.Tensor, *, trainable: bool, name: str | None,
+               synchronization: VariableSynchronization, aggregation: VariableAggregation) -> torch.Tensor:
+        return _plain(value, self._device, trainable)
+
+    def finish(self, variables: list) -> None:
+        if self._on_finish is not None:
+            self._on_finish(variables)
+
+
+class ReplicatedVariablePolicy:
+    """Several replicas (or a multi-worker strategy): distributed variables.
+
+    Module parameters become MirroredVariables (CentralVariables under central
+    storage) when there are several local replicas, and stay plain with one.
+    ``unison.Variable`` always gives a distributed variable.
+    """
+
+    def __init__(self, strategy: Any, devices: Sequence[str], *, gradient_sync: Any = None, central: bool = False,
+                 on_finish: Callable[[list], None] | None = None):
+        self._strategy = strategy
+        self._devices = tuple(devices)
+        self._gradient_sync = gradient_sync
+        self._central = central
+        self._on_finish = on_finish
+        self._single = PlainVariablePolicy(self._devices[0], gradient_sync, on_finish) if len(self._devices) == 1 else None
+
+    def wrap_parameter(self, param: nn.Parameter, name: str) -> nn.Parameter | None:
+        if self._single is not None:
+            return self._single.wrap_parameter(param, name)
+        cls = CentralVariable if self._central else MirroredVariable
+        variable = cls(param.detach().to(torch_device(self._devices[0])), self._strategy, self._devices,
+                       VariableAggregation.NONE, name, requires_grad=param.requires_grad)
+        if self._gradient_sync is not None:
+            setattr(variable, SYNC_ATTRIBUTE, self._gradient_sync)
+        return variable
+
+    def create(self, value: torch.Tensor, *, trainable: bool, name: str | None,
+               synchronization: VariableSynchronization, aggregation: VariableAggregation) -> DistributedVariable:
+        data = value.detach().to(torch_device(self._devices[0]))
+        if synchronization is VariableSynchronization.ON_READ:
+            return SyncOnReadVariable(data, self._strategy, self._devices, aggregation, name)
+        cls = CentralVariable if self._central else MirroredVariable
+        return cls(data, self._strategy, self._devices, aggregation, name,
+                   requires_grad=trainable and data.is_floating_point())
+
+    def finish(self, variables: list) -> None:
+        for variable in variables:
+            if isinstance(variable, DistributedVariable):
+                variable._broadcast_primary()
+        if self._on_finish is not None:
+            self._on_finish(variables)

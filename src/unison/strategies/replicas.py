@@ -1,0 +1,190 @@
+"""Replica runners: how ``strategy.run`` executes one function per local replica.
+
+``InlineReplicaRunner`` runs the only replica in the caller's thread: no thread, no
+hand-off, so a one-device step costs what plain PyTorch costs. ``ThreadedReplicaRunner``
+runs one thread per local device, like TensorFlow's MirroredStrategy, and implements
+``merge_call`` as a rendezvous of those threads with the caller's thread, which runs
+the merge function in cross-replica context.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from unison._state import STATE
+from unison.context import ReplicaContext
+from unison.devices import is_cuda, torch_device
+from unison.errors import MergeCallError
+from unison.values.values import regroup, select_replica
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unison.strategies.base import Strategy
+
+__all__ = ["InlineReplicaRunner", "ThreadedReplicaRunner"]
+
+
+class InlineReplicaRunner:
+    """Runs the single local replica in the calling thread."""
+
+    def __init__(self, strategy: "Strategy"):
+        self._strategy = strategy
+        self._context = ReplicaContext(strategy, 0, self._merge)
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        args, kwargs = select_replica(0, (args, kwargs))
+        with STATE.push(self._strategy, self._context):
+            return fn(*args, **kwargs)
+
+    def _merge(self, replica_id: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        with STATE.push(self._strategy, None):
+            result = merge_fn(self._strategy, *args, **kwargs)
+        return select_replica(0, result)
+
+
+class _MergeAborted(BaseException):
+    """Unwinds a replica thread waiting in merge_call after another replica failed."""
+
+
+_RUNNING, _MERGE, _DONE, _FAILED = "running", "merge", "done", "failed"
+
+
+class _Rendezvous:
+    """Shared state of one ``run`` call: replica statuses and merge hand-offs."""
+
+    def __init__(self, num_replicas: int):
+        self.cv = threading.Condition()
+        self.status = [_RUNNING] * num_replicas
+        self.requests: list[Any] = [None] * num_replicas
+        self.results: list[Any] = [None] * num_replicas
+        self.errors: list[BaseException | None] = [None] * num_replicas
+        self.merge_results: list[Any] = [None] * num_replicas
+        self.generation = 0
+        self.aborted = False
+
+    def merge_call(self, replica_id: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        with self.cv:
+            self.status[replica_id] = _MERGE
+            self.requests[replica_id] = (merge_fn, args, kwargs)
+            generation = self.generation
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.generation != generation)
+            if self.aborted:
+                raise _MergeAborted()
+            return self.merge_results[replica_id]
+
+    def settled(self) -> bool:
+        return all(s != _RUNNING for s in self.status)
+
+    def resume(self, aborted: bool = False) -> None:
+        """Wakes every replica waiting in merge_call (lock held by the caller)."""
+        self.aborted = self.aborted or aborted
+        self.status = [_RUNNING if s == _MERGE else s for s in self.status]
+        self.generation += 1
+        self.cv.notify_all()
+
+
+class ThreadedReplicaRunner:
+    """Runs one thread per local replica device and coordinates their merge calls."""
+
+    def __init__(self, strategy: "Strategy", devices: Sequence[str]):
+        self._strategy = strategy
+        self._devices = tuple(devices)
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        n = len(self._devices)
+        rendezvous = _Rendezvous(n)
+        grad_enabled = torch.is_grad_enabled()
+        threads = [
+            threading.Thread(
+                target=self._replica_main,
+                args=(rendezvous, i, fn, *select_replica(i, (args, kwargs)), grad_enabled),
+                name=f"unison-replica-{i}",
+                daemon=True,
+            )
+            for i in range(n)
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            error = self._coordinate(rendezvous)
+        finally:
+            for thread in threads:
+                thread.join()
+        if error is not None:
+            raise error
+        return regroup(rendezvous.results)
+
+    def _replica_main(
+        self, rendezvous: _Rendezvous, replica_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
+        grad_enabled: bool,
+    ) -> None:
+        context = ReplicaContext(self._strategy, replica_id, rendezvous.merge_call)
+        device = self._devices[replica_id]
+        try:
+            with STATE.push(self._strategy, context), torch.set_grad_enabled(grad_enabled):
+                if is_cuda(device):
+                    with torch.cuda.device(torch_device(device)):
+                        result = fn(*args, **kwargs)
+                else:
+                    result = fn(*args, **kwargs)
+        except _MergeAborted:
+            with rendezvous.cv:
+                rendezvous.status[replica_id] = _DONE
+                rendezvous.cv.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of run
+            with rendezvous.cv:
+                rendezvous.errors[replica_id] = exc
+                rendezvous.status[replica_id] = _FAILED
+                rendezvous.cv.notify_all()
+        else:
+            with rendezvous.cv:
+                rendezvous.results[replica_id] = result
+                rendezvous.status[replica_id] = _DONE
+                rendezvous.cv.notify_all()
+
+    def _coordinate(self, rv: _Rendezvous) -> BaseException | None:
+        """Drives merge calls until every replica finished; returns the error to raise."""
+        error: BaseException | None = None
+        with rv.cv:
+            while True:
+                rv.cv.wait_for(rv.settled)
+                failed = [e for e in rv.errors if e is not None]
+                if error is None and failed:
+                    error = failed[0]
+                waiting = [i for i, s in enumerate(rv.status) if s == _MERGE]
+                if error is not None:
+                    if not waiting:
+                        return error
+                    rv.resume(aborted=True)
+                    continue
+                if not waiting:
+                    return None
+                if len(waiting) != len(rv.status):
+                    done = [i for i, s in enumerate(rv.status) if s == _DONE]
+                    error = MergeCallError(
+                        f"replicas {waiting} called merge_call but replicas {done} returned without "
+                        f"calling it: every replica must make the same merge_call/all_reduce calls "
+                        f"(check for replica-dependent control flow around them)"
+                    )
+                    rv.resume(aborted=True)
+                    continue
+                error = self._run_merge(rv)
+                rv.resume(aborted=error is not None)
+
+    def _run_merge(self, rv: _Rendezvous) -> BaseException | None:
+        merge_fn = rv.requests[0][0]
+        args = regroup([request[1] for request in rv.requests])
+        kwargs = regroup([request[2] for request in rv.requests])
+        rv.cv.release()  # replicas are all parked; let merge_fn take as long as it needs
+        try:
+            with STATE.push(self._strategy, None):
+                result = merge_fn(self._strategy, *args, **kwargs)
+            rv.merge_results = [select_replica(i, result) for i in range(len(rv.status))]
+            return None
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of run
+            return exc
+        finally:
+            rv.cv.acquire()

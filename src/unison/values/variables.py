@@ -1,0 +1,308 @@
+"""Distributed variables: MirroredVariable and SyncOnReadVariable.
+
+Both are tensor subclasses whose own storage is component 0 (on the first device);
+the other components are plain leaf tensors on the other replica devices. Which
+component an operation sees is decided per thread (see ``dispatch.py``), so a module
+built inside ``strategy.scope()`` runs unchanged in every replica thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from unison.devices import torch_device
+from unison.reduce import ReduceOp
+from unison.values.aggregation import VariableAggregation, VariableSynchronization
+from unison.values.dispatch import call_plain, find_variables, is_grad_access, is_mutation, map_variables, replica_of
+from unison.values.values import DistributedValues, PerReplica
+
+__all__ = ["DistributedVariable", "MirroredVariable", "SyncOnReadVariable", "CentralVariable"]
+
+_ASSIGN_OPS = {"copy_": "assign", "add_": "add", "sub_": "sub", "__iadd__": "add", "__isub__": "sub"}
+
+
+class DistributedVariable(DistributedValues):
+    """Behaviour shared by MirroredVariable and SyncOnReadVariable (not instantiated alone)."""
+
+    __slots__ = ()
+    _strategy: Any
+    _devices: tuple[str, ...]
+    _others: list[torch.Tensor]
+    _aggregation: VariableAggregation
+    _var_name: str | None
+
+    def _setup(self, strategy: Any, devices: Sequence[str], aggregation: VariableAggregation, name: str | None) -> None:
+        self._strategy = strategy
+        self._devices = tuple(devices)
+        self._aggregation = aggregation
+        self._var_name = name
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            self._others = [
+                self.detach().to(torch_device(d), copy=True).requires_grad_(self.requires_grad)
+                for d in self._devices[1:]
+            ]
+
+    # -- components ---------------------------------------------------------------------
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]:
+        """The components as plain tensors, one per local replica device (component 0 shares storage)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return (self.detach(), *self._others)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Canonical names of the devices that hold the components."""
+        return self._devices
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    @property
+    def name(self) -> str | None:
+        return self._var_name
+
+    def _component(self, replica_id: int) -> torch.Tensor:
+        return self if replica_id == 0 else self._others[replica_id - 1]
+
+    def _component_grad(self, replica_id: int) -> torch.Tensor | None:
+        with torch._C.DisableTorchFunctionSubclass():
+            return self._component(replica_id).grad
+
+    def _set_component_grad(self, replica_id: int, grad: torch.Tensor | None) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            self._component(replica_id).grad = grad
+
+    def _broadcast_primary(self) -> None:
+        """Copies component 0 into every other component."""
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for other in self._others:
+                other.copy_(self)
+
+    # -- TF-style writes ----------------------------------------------------------------
+    def assign(self, value: Any) -> "DistributedVariable":
+        """Writes ``value`` (``tf.Variable.assign``); in replica context it is aggregated."""
+        with torch.no_grad():
+            self.copy_(torch.as_tensor(value, dtype=self.dtype))
+        return self
+
+    def assign_add(self, delta: Any) -> "DistributedVariable":
+        """Adds ``delta`` (``tf.Variable.assign_add``)."""
+        with torch.no_grad():
+            self.add_(torch.as_tensor(delta, dtype=self.dtype))
+        return self
+
+    def assign_sub(self, delta: Any) -> "DistributedVariable":
+        """Subtracts ``delta`` (``tf.Variable.assign_sub``)."""
+        with torch.no_grad():
+            self.sub_(torch.as_tensor(delta, dtype=self.dtype))
+        return self
+
+    def read_value(self) -> torch.Tensor:
+        """The value this context sees, as a plain tensor."""
+        return self.detach()
+
+    def __repr__(self) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            inner = ",\n".join(f"  {i}: {torch.Tensor.__repr__(c.detach())}" for i, c in enumerate(self.values))
+        return f"{type(self).__name__}:{{\n{inner}\n}}"
+
+    # -- dispatch -----------------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        variables = find_variables((args, kwargs), DistributedVariable, [])
+        for var in variables:
+            context, replica_id = replica_of(var)
+            if replica_id is None:
+                handled = var._cross_replica_op(func, args, kwargs)
+            else:
+                handled = var._replica_op(func, args, kwargs, context, replica_id)
+            if handled is not NotImplemented:
+                return handled
+        resolved = {id(v): v._resolve_for_read() for v in variables}
+        args, kwargs = map_variables((args, kwargs), lambda v: resolved[id(v)], DistributedVariable)
+        return call_plain(func, args, kwargs)
+
+    def _resolve_for_read(self) -> torch.Tensor:
+        _, replica_id = replica_of(self)
+        if replica_id is not None:
+            return self._component(replica_id)
+        return self._cross_replica_value()
+
+    def _replica_op(self, func: Callable, args: tuple, kwargs: dict, context: Any, replica_id: int) -> Any:
+        """Handles ``func`` in replica context when it needs more than reading; else NotImplemented."""
+        if is_grad_access(func):
+            return call_plain(func, (self._component(replica_id), *args[1:]), kwargs)
+        return NotImplemented
+
+    def _cross_replica_op(self, func: Callable, args: tuple, kwargs: dict) -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    def _cross_replica_value(self) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+class MirroredVariable(DistributedVariable, nn.Parameter):
+    """A variable with one equal copy per replica device (``tf.distribute.MirroredVariable``).
+
+    Reads inside a replica see that replica's component. Writes in cross-replica
+    context reach every component. A write inside a replica is aggregated across
+    replicas by the variable's ``aggregation`` (``copy_``/``assign``, ``add_``/
+    ``assign_add``, ``sub_``/``assign_sub``); with ``VariableAggregation.NONE`` it is an
+    error, as in TensorFlow. Optimizer steps write each replica's own component.
+    """
+
+    def __new__(cls, data: torch.Tensor, strategy: Any = None, devices: Sequence[str] = ("cpu:0",),
+                aggregation: VariableAggregation = VariableAggregation.NONE, name: str | None = None,
+                requires_grad: bool = True) -> "MirroredVariable":
+        with torch._C.DisableTorchFunctionSubclass():
+            data = data.detach()
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self._setup(strategy, devices, aggregation, name)
+        return self
+
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # Pickles (torch.save, deepcopy) as the plain value of component 0.
+        with torch._C.DisableTorchFunctionSubclass():
+            return nn.Parameter(self.detach().clone(), self.requires_grad).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        with torch._C.DisableTorchFunctionSubclass():
+            return nn.Parameter(self.detach().clone(), self.requires_grad)
+
+    def _cross_replica_value(self) -> torch.Tensor:
+        return self
+
+    def _cross_replica_op(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if is_grad_access(func) or not is_mutation(func, args, kwargs, self):
+            return NotImplemented
+        out = call_plain(func, *map_variables((args, kwargs), lambda v: v._resolve_for_read(), DistributedVariable))
+        self._broadcast_primary()
+        return out
+
+    def _replica_op(self, func: Callable, args: tuple, kwargs: dict, context: Any, replica_id: int) -> Any:
+        handled = super()._replica_op(func, args, kwargs, context, replica_id)
+        if handled is not NotImplemented or context._local_writes or not is_mutation(func, args, kwargs, self):
+            return handled
+        return self._aggregated_write(func, args, kwargs, context)
+
+    def _aggregated_write(self, func: Callable, args: tuple, kwargs: dict, context: Any) -> "MirroredVariable":
+        name = getattr(func, "__name__", repr(func))
+        if self._aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                f"in-place `{name}` on MirroredVariable {self._var_name or ''!s} inside a replica: with "
+                f"aggregation=VariableAggregation.NONE replicas cannot write it, since their writes "
+                f"would differ; create it with aggregation=SUM, MEAN or ONLY_FIRST_REPLICA, or write "
+                f"it in cross-replica context (merge_call / strategy.extended.update)"
+            )
+        kind = _ASSIGN_OPS.get(name)
+        if kind is None or len(args) < 2:
+            raise ValueError(
+                f"in-place `{name}` on a MirroredVariable inside a replica cannot be aggregated: use "
+                f"copy_/assign, add_/assign_add or sub_/assign_sub, or write it in cross-replica context"
+            )
+        alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+        with torch.no_grad():
+            value = torch.as_tensor(args[1], dtype=self.dtype, device=self._component(context._local_replica_id).device)
+            value = value * alpha if kind != "assign" else value.clone()
+            if kind == "sub":
+                value = -value
+        context.merge_call(_merge_aggregated_write, args=(self, value, kind))
+        return self
+
+
+def _merge_aggregated_write(strategy: Any, var: MirroredVariable, value: Any, kind: str) -> None:
+    n = len(var.devices)
+    if not isinstance(value, PerReplica):
+        value = PerReplica([value] * n)
+    if var.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+        reduced = strategy.extended._broadcast_to(value.values[0], var)
+    else:
+        reduced = strategy.extended.reduce_to(var.aggregation.reduce_op(), value, destinations=var)
+    if kind == "assign":
+        strategy.extended.update(var, lambda component, v: component.copy_(v), args=(reduced,))
+    else:
+        strategy.extended.update(var, lambda component, v: component.add_(v), args=(reduced,))
+
+
+class SyncOnReadVariable(DistributedVariable, torch.Tensor):
+    """A variable each replica writes on its own; a cross-replica read aggregates (``tf.distribute.SyncOnReadVariable``).
+
+    Typical use: metrics and statistics. Inside a replica every read and write uses the
+    local component. In cross-replica context a read returns the aggregate of all
+    components (SUM, MEAN or ONLY_FIRST_REPLICA; across workers too); ``copy_``/
+    ``assign`` stores the value so that it reads back unchanged (divided by the number
+    of replicas for SUM); other in-place ops (``zero_()``) apply to every component.
+    """
+
+    def __new__(cls, data: torch.Tensor, strategy: Any = None, devices: Sequence[str] = ("cpu:0",),
+                aggregation: VariableAggregation = VariableAggregation.SUM, name: str | None = None) -> "SyncOnReadVariable":
+        if aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                "SyncOnReadVariable needs an aggregation to read it in cross-replica context, got "
+                "VariableAggregation.NONE; pass aggregation=SUM, MEAN or ONLY_FIRST_REPLICA"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            data = data.detach()
+        self = torch.Tensor._make_subclass(cls, data, False)
+        self._setup(strategy, devices, aggregation, name)
+        return self
+
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return self._cross_replica_value().clone().__reduce_ex__(protocol)
+
+    def _cross_replica_value(self) -> torch.Tensor:
+        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return self.values[0]
+        return self._strategy.extended._reduce_components(self._aggregation.reduce_op(), self.values)
+
+    def _cross_replica_op(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if is_grad_access(func) or not is_mutation(func, args, kwargs, self):
+            return NotImplemented
+        if getattr(func, "__name__", "") == "copy_" and len(args) >= 2:
+            value = torch.as_tensor(args[1], dtype=self.dtype)
+            if self._aggregation is VariableAggregation.SUM:
+                value = value / self._strategy.num_replicas_in_sync
+            with torch.no_grad():
+                for component in self.values:
+                    component.copy_(value)
+            return self
+        with torch.no_grad():
+            for component in self.values:
+                call_plain(func, *map_variables((args, kwargs), lambda v: component if v is self else v._resolve_for_read(), DistributedVariable))
+        return self
+
+
+class CentralVariable(MirroredVariable):
+    """A variable kept once on the parameter device, read by every compute replica.
+
+    Used by CentralStorageStrategy. Replicas other than the first see leaf *aliases* of
+    the one storage, so each replica records its own gradient; the optimizer step runs
+    once, on the one storage. ``values`` therefore has a single component.
+    """
+
+    def _setup(self, strategy: Any, devices: Sequence[str], aggregation: VariableAggregation, name: str | None) -> None:
+        self._strategy = strategy
+        self._devices = tuple(devices[:1])
+        self._aggregation = aggregation
+        self._var_name = name
+        with torch._C.DisableTorchFunctionSubclass():
+            self._others = [self.detach().requires_grad_(self.requires_grad) for _ in devices[1:]]
+
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]:
+        with torch._C.DisableTorchFunctionSubclass():
+            return (self.detach(),)
+
+    def _broadcast_primary(self) -> None:
+        """Nothing to copy: every replica reads the same storage."""
+
+    def __repr__(self) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            return f"CentralVariable({torch.Tensor.__repr__(self.detach())})"
