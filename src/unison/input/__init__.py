@@ -1,0 +1,24 @@
+"""Distributed input: shard datasets across workers and split batches across replicas.
+
+The strategies build :class:`DistributedDataset` (``experimental_distribute_dataset``)
+and :class:`DistributedDatasetsFromFunction` (``distribute_datasets_from_function``);
+users meet :class:`InputContext`, :class:`InputOptions` and :class:`AutoShardPolicy`.
+"""
+
+from unison.input.context import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
+from unison.input.dataset import DistributedDataset
+from unison.input.from_function import DistributedDatasetsFromFunction
+from unison.input.iterator import DistributedIterator, OptionalValue
+from unison.input.sampler import ShardedBatchSampler
+
+__all__ = [
+    "AutoShardPolicy",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
+    "OptionalValue",
+    "ShardedBatchSampler",
+]
