@@ -1,0 +1,107 @@
+"""Find threads and child processes a test left behind.
+
+Used by the autouse fixture in ``tests/conftest.py``: a snapshot before the test, a
+check after it. Both are cheap (one ``/proc`` scan, about a millisecond), because they
+run around every test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from multiprocessing import resource_tracker
+
+__all__ = ["Snapshot", "snapshot", "child_pids", "find_leaks", "kill_processes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """Live non-daemon threads and child processes at one moment."""
+
+    threads: frozenset[threading.Thread]
+    pids: frozenset[int]
+
+
+def child_pids() -> frozenset[int]:
+    """Process ids of this process's live children (zombies excluded), read from /proc."""
+    me = os.getpid()
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # Gone meanwhile.
+        # Fields after the parenthesised command name: state, ppid, ...
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) >= 2 and int(fields[1]) == me and fields[0] != b"Z":
+            found.add(int(name))
+    return frozenset(found)
+
+
+def _non_daemon_threads() -> frozenset[threading.Thread]:
+    return frozenset(t for t in threading.enumerate() if not t.daemon and t.is_alive())
+
+
+def _infrastructure_pids() -> set[int]:
+    """Helper processes multiprocessing keeps for the whole session."""
+    # The spawn start method launches one resource tracker per session, on first use.
+    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+    return {pid} if pid else set()
+
+
+def snapshot() -> Snapshot:
+    """Records the live non-daemon threads and child processes."""
+    multiprocessing.active_children()  # Reaps finished multiprocessing children.
+    return Snapshot(_non_daemon_threads(), child_pids())
+
+
+def find_leaks(
+    before: Snapshot, *, ignore_pids: Iterable[int] = (), settle: float = 1.0
+) -> tuple[list[threading.Thread], list[int]]:
+    """Returns the threads and child processes started since ``before`` still alive.
+
+    Threads and processes that are ending get up to ``settle`` seconds in all.
+
+    Args:
+        before: Snapshot taken before the test.
+        ignore_pids: Processes that may outlive a test (the shared worker pool).
+        settle: Seconds, in total, to wait for threads and processes that are ending.
+
+    Returns:
+        ``(threads, pids)`` that leaked.
+    """
+    deadline = time.monotonic() + settle
+    threads = [t for t in _non_daemon_threads() if t not in before.threads]
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    leaked_threads = [t for t in threads if t.is_alive()]
+
+    allowed = set(before.pids) | set(ignore_pids) | _infrastructure_pids()
+    for process in multiprocessing.active_children():  # Reaps and joins the ending ones.
+        if process.pid not in allowed:
+            process.join(max(0.0, deadline - time.monotonic()))
+    leaked_pids = sorted(child_pids() - allowed)
+    return leaked_threads, leaked_pids
+
+
+def kill_processes(pids: Iterable[int]) -> None:
+    """SIGKILLs leaked child processes, so they cannot disturb later tests.
+
+    Those started by ``multiprocessing`` are reaped here. Others are left for their
+    owner (e.g. a ``subprocess.Popen``) to reap, so it still sees their exit status;
+    meanwhile they are zombies, which :func:`child_pids` does not count.
+    """
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    multiprocessing.active_children()

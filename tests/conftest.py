@@ -1,0 +1,84 @@
+"""Fixtures shared by the whole test suite.
+
+Every test runs with three cheap guards (autouse): ``os.environ`` is restored after it,
+a default ``torch.distributed`` process group it left initialised is destroyed, and it
+fails if it leaves non-daemon threads or child processes running. Multi-process tests
+use ``unison._testing.run_workers`` or the session's warm ``worker_pool``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from unison._testing import WorkerPool, leaks, rendezvous
+
+
+@pytest.fixture(scope="session")
+def worker_pool() -> Iterator[WorkerPool]:
+    """A pool of 2 warm worker processes sharing a gloo process group.
+
+    For the many small collective tests: ``worker_pool.run(fn, *args, timeout=...)``
+    runs ``fn(rank, world_size, *args)`` on both members and returns the results by
+    rank. The processes start on the first ``run``; a failure that leaves a member
+    dead or stuck makes the pool restart on the next call. Tests that form or
+    destroy process groups, or kill workers, use ``run_workers`` instead.
+    """
+    pool = WorkerPool(world_size=2)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_threads_or_processes(worker_pool: WorkerPool) -> Iterator[None]:
+    """Fails a test that leaves non-daemon threads or child processes running.
+
+    The pool's members are expected to outlive tests; requesting the pool here only
+    creates the (idle) object, it starts no process.
+    """
+    before = leaks.snapshot()
+    yield
+    threads, pids = leaks.find_leaks(before, ignore_pids=worker_pool.pids)
+    if pids:
+        leaks.kill_processes(pids)  # So the leak cannot disturb later tests.
+    if threads or pids:
+        names = [t.name for t in threads]
+        pytest.fail(
+            f"test leaked non-daemon threads {names} and/or child processes {pids} "
+            "(processes were killed); join threads and end processes before returning",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ() -> Iterator[None]:
+    """Restores ``os.environ`` after each test."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _destroy_default_process_group() -> Iterator[None]:
+    """Destroys a default process group that a test left initialised."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port that was free a moment ago, for address *strings* only.
+
+    The port is released before the test gets it, so another process may take it:
+    never use it to rendezvous. Real rendezvous goes through the store the parent
+    serves on port 0 (``run_workers`` passes it in ``UNISON_RENDEZVOUS``).
+    """
+    return rendezvous.free_port()
