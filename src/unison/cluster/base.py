@@ -1,0 +1,83 @@
+"""The cluster-resolver contract: how a process learns its cluster and its place in it.
+
+Each scheduler describes a cluster its own way (``TF_CONFIG``, torchrun variables,
+SLURM variables, or an explicit spec). A resolver turns one of them into the same
+answers: the ClusterSpec, this task's type and index, the RPC layer, the number of
+accelerators of a task, and the master address of a task. Strategies take a resolver;
+``cluster.detect`` picks one.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from unison.cluster.spec import ClusterSpec
+
+__all__ = ["ClusterResolver", "format_master_url"]
+
+
+def format_master_url(address: str, rpc_layer: "str | None" = None) -> str:
+    """``"rpc_layer://address"``, or the bare address when there is no RPC layer.
+
+    unison's default layer is ``"tcp"``, which makes a master URL a valid
+    ``torch.distributed`` ``init_method``.
+    """
+    return f"{rpc_layer}://{address}" if rpc_layer else address
+
+
+class ClusterResolver(abc.ABC):
+    """Abstract source of a cluster description.
+
+    Subclasses are final; each implements every abstract member below and nothing else.
+
+    tf.distribute equivalent: ``tf.distribute.cluster_resolver.ClusterResolver``.
+    Difference: ``num_accelerators`` counts CUDA devices, reported under TF's key
+    ``"GPU"`` so code written for TensorFlow reads it unchanged.
+    """
+
+    @abc.abstractmethod
+    def cluster_spec(self) -> ClusterSpec:
+        """The current cluster; empty for local training.
+
+        Raises:
+            ValueError: if the environment describes an invalid cluster.
+        """
+
+    @property
+    @abc.abstractmethod
+    def task_type(self) -> "str | None":
+        """This task's job name ("chief", "worker", "ps", "evaluator"), or None."""
+
+    @property
+    @abc.abstractmethod
+    def task_id(self) -> "int | None":
+        """This task's index within its job, or None."""
+
+    @property
+    @abc.abstractmethod
+    def rpc_layer(self) -> "str | None":
+        """The protocol prefixed to master URLs (e.g. ``"tcp"``), or None for bare addresses."""
+
+    @property
+    @abc.abstractmethod
+    def environment(self) -> str:
+        """The scheduler's name for the environment ("" when unknown)."""
+
+    @abc.abstractmethod
+    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+        """Accelerators available to one task, e.g. ``{"GPU": 2}`` (``{"GPU": 0}`` on CPU)."""
+
+    @abc.abstractmethod
+    def master(
+        self,
+        task_type: "str | None" = None,
+        task_id: "int | None" = None,
+        rpc_layer: "str | None" = None,
+    ) -> str:
+        """The URL of a task (by default this one), prefixed by the RPC layer.
+
+        Returns "" when no task is known (local training or a client).
+
+        Raises:
+            ValueError: if the named task is not in the cluster.
+        """

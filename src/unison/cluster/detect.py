@@ -1,0 +1,75 @@
+"""Chooses the cluster resolver for this process, in one explicit order.
+
+Order: an explicit resolver; ``TF_CONFIG``; torchrun's variables; SLURM's variables;
+else local training (an empty cluster). Naming an environment (``"torchrun"``) that is
+not present raises instead of quietly falling back to local training, so a job that
+was meant to be distributed never trains alone by mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from unison.errors import ClusterError
+from unison.cluster.base import ClusterResolver
+from unison.cluster.env import TF_CONFIG
+from unison.cluster.simple import SimpleClusterResolver
+from unison.cluster.slurm import SlurmClusterResolver
+from unison.cluster.tf_config import TFConfigClusterResolver
+from unison.cluster.torchrun import TorchrunClusterResolver
+
+__all__ = ["ENVIRONMENTS", "detect_cluster_resolver"]
+
+
+#: The environments walked by ``detect_cluster_resolver``, in order:
+#: (name, presence test, resolver factory, the variables that mark it).
+ENVIRONMENTS: tuple[tuple[str, Callable[..., bool], Callable[..., ClusterResolver], str], ...] = (
+    ("tf_config", TFConfigClusterResolver.is_present, lambda environ: TFConfigClusterResolver(environ=environ), TF_CONFIG),
+    ("torchrun", TorchrunClusterResolver.is_present, lambda environ: TorchrunClusterResolver(environ=environ), "RANK, WORLD_SIZE"),
+    ("slurm", SlurmClusterResolver.is_present, lambda environ: SlurmClusterResolver(environ=environ), "SLURM_PROCID, SLURM_NTASKS"),
+)
+
+
+def detect_cluster_resolver(
+    resolver: "ClusterResolver | str | None" = None,
+    *,
+    environ: "Mapping[str, str] | None" = None,
+) -> ClusterResolver:
+    """Returns the resolver for this process.
+
+    Args:
+        resolver: a ClusterResolver (returned as is); or the name of an environment that
+            must be present: ``"tf_config"``, ``"torchrun"``, ``"slurm"`` or ``"local"``;
+            or None to take the first present environment in ``ENVIRONMENTS`` order, else
+            local training.
+        environ: the environment to inspect (default ``os.environ``); the resolver
+            returned reads the same one.
+
+    Returns:
+        A ClusterResolver; for local training a SimpleClusterResolver with an empty cluster.
+
+    Raises:
+        ClusterError: if a named environment is not present.
+        ValueError: if ``resolver`` is an unknown name.
+        TypeError: if ``resolver`` is neither a ClusterResolver, a string nor None.
+    """
+    if isinstance(resolver, ClusterResolver):
+        return resolver
+    if resolver is not None and not isinstance(resolver, str):
+        raise TypeError(f"resolver must be a ClusterResolver, a name or None, got {type(resolver).__name__}: {resolver!r}")
+    names = [name for name, *_ in ENVIRONMENTS] + ["local"]
+    if resolver is not None and resolver not in names:
+        raise ValueError(f"unknown cluster environment {resolver!r}; use one of {names!r}")
+    if resolver == "local":
+        return SimpleClusterResolver()
+    for name, present, make, markers in ENVIRONMENTS:
+        if resolver not in (None, name):
+            continue
+        if present(environ):
+            return make(environ)
+        if resolver == name:
+            raise ClusterError(
+                f"cluster environment {name!r} was requested but is not present ({markers} not set); "
+                f"start the program under it, or pass resolver=None to detect the environment"
+            )
+    return SimpleClusterResolver()

@@ -1,0 +1,257 @@
+"""Cluster from the variables SLURM sets for each task of a job step (``srun``).
+
+SLURM names the step's hosts in a compressed list (``node[001-003,007],gpu-a[1-2]``),
+the tasks per host in a run-length form (``2(x3),1``), and each task's global rank in
+``SLURM_PROCID``. Tasks are laid out in SLURM's default block order: the first host
+runs ranks 0..k-1, and so on. Task ``j`` on a host listens on ``port_base + j``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from typing import Mapping
+
+from unison import devices
+from unison.cluster import multi_worker_util
+from unison.cluster.base import ClusterResolver, format_master_url
+from unison.cluster.spec import ClusterSpec
+
+__all__ = ["SlurmClusterResolver", "expand_hostlist", "expand_tasks_per_node"]
+
+_GROUP = re.compile(r"\[([^\[\]]*)\]")
+_COUNT = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        if depth < 0 or depth > 1:
+            raise ValueError(f"SLURM host list {text!r} has unbalanced or nested brackets at char {i}")
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"SLURM host list {text!r} has an unclosed '['")
+    items.append(text[start:])
+    return items
+
+
+def _expand_group(group: str, text: str) -> list[str]:
+    names: list[str] = []
+    for part in group.split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"SLURM host list {text!r} has range {part!r}, which is not N or N-M")
+        low, high = int(first), int(last) if dash else int(first)
+        if low > high:
+            raise ValueError(f"SLURM host list {text!r} has range {part!r} that runs backwards")
+        names.extend(str(n).zfill(len(first)) for n in range(low, high + 1))
+    return names
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Expands a SLURM host list into host names, in order.
+
+    ``"node[001-003,007],login1"`` -> ``["node001", "node002", "node003", "node007",
+    "login1"]``. Zero padding follows the first number of each range, and several
+    bracket groups in one name expand as a product (``"r[1-2]n[1-2]"`` gives 4 hosts).
+
+    Raises:
+        ValueError: on unbalanced brackets, an empty name or a malformed range.
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(text.strip()):
+        literals = _GROUP.split(item)  # literal, group, literal, group, ..., literal
+        if not item or any("[" in s or "]" in s for s in literals[::2]):
+            raise ValueError(f"SLURM host list {text!r} has an empty or malformed entry {item!r}")
+        choices = [[s] if i % 2 == 0 else _expand_group(s, text) for i, s in enumerate(literals)]
+        hosts.extend("".join(parts) for parts in itertools.product(*choices))
+    return hosts
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """Expands SLURM's tasks-per-node form: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
+
+    Raises:
+        ValueError: if an entry is not ``N`` or ``N(xM)``.
+    """
+    counts: list[int] = []
+    for part in text.strip().split(","):
+        match = _COUNT.match(part.strip())
+        if not match:
+            raise ValueError(f"SLURM tasks per node {text!r} has entry {part!r}, which is not N or N(xM)")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def _first(environ: Mapping[str, str], *names: str) -> "str | None":
+    for name in names:
+        if name in environ:
+            return environ[name]
+    return None
+
+
+class SlurmClusterResolver(ClusterResolver):
+    """Resolves the cluster from SLURM's variables inside ``srun``.
+
+    Reads ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (or ``SLURM_NTASKS``),
+    ``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``/``SLURM_NODELIST``) and
+    ``SLURM_STEP_TASKS_PER_NODE`` (or ``SLURM_TASKS_PER_NODE``; without it tasks are
+    spread evenly).
+
+    tf.distribute equivalent: ``tf.distribute.cluster_resolver.SlurmClusterResolver``.
+    Difference: it does not set ``CUDA_VISIBLE_DEVICES``; the strategy picks devices.
+
+    Args:
+        jobs: job name -> number of tasks, assigned to ranks in this order (default
+            ``{"worker": ntasks}``), e.g. ``{"ps": 1, "worker": 3}``.
+        port_base: port of the first task on each host; task j on a host uses
+            ``port_base + j``.
+        gpus_per_node: CUDA devices per host (default: the devices this host sees).
+        gpus_per_task: CUDA devices per task (default: per node // tasks on this node).
+        rpc_layer: protocol for master URLs.
+        environ: the environment to read (default: ``os.environ`` at each call).
+    """
+
+    def __init__(
+        self,
+        jobs: "Mapping[str, int] | None" = None,
+        port_base: int = 8888,
+        gpus_per_node: "int | None" = None,
+        gpus_per_task: "int | None" = None,
+        rpc_layer: "str | None" = "tcp",
+        *,
+        environ: "Mapping[str, str] | None" = None,
+    ):
+        if not isinstance(port_base, int) or not 1 <= port_base <= 65535:
+            raise ValueError(f"port_base {port_base!r} is not a port in 1..65535; fix `port_base`")
+        if jobs is not None:
+            for job, count in jobs.items():
+                if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                    raise ValueError(f"jobs[{job!r}] is {count!r}, not a positive task count; fix `jobs`")
+        self._jobs = dict(jobs) if jobs is not None else None
+        self._port_base = port_base
+        self._gpus_per_node = gpus_per_node
+        self._gpus_per_task = gpus_per_task
+        self._rpc_layer = rpc_layer
+        self._environ = environ
+
+    @staticmethod
+    def is_present(environ: "Mapping[str, str] | None" = None) -> bool:
+        """Whether this process is a SLURM task (``SLURM_PROCID`` and a task count are set)."""
+        environ = os.environ if environ is None else environ
+        return "SLURM_PROCID" in environ and _first(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") is not None
+
+    def _layout(self) -> tuple[int, list[str], list[int]]:
+        """(rank, host of each rank, local index of each rank)."""
+        environ = os.environ if self._environ is None else self._environ
+        found = {
+            "SLURM_PROCID": environ.get("SLURM_PROCID"),
+            "SLURM_NTASKS": _first(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+            "SLURM_NODELIST": _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+        }
+        raw = {name: value for name, value in found.items() if value is not None}
+        missing = [name for name in found if name not in raw]
+        if missing:
+            raise ValueError(f"SLURM environment is incomplete: {missing!r} not set; run inside `srun`")
+        for name in ("SLURM_PROCID", "SLURM_NTASKS"):
+            if not raw[name].strip().isdigit():
+                raise ValueError(f"SLURM variable {name}={raw[name]!r} is not a non-negative integer")
+        rank, ntasks = int(raw["SLURM_PROCID"]), int(raw["SLURM_NTASKS"])
+        hosts = expand_hostlist(raw["SLURM_NODELIST"])
+        per_node_text = _first(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+        if per_node_text is not None:
+            per_node = expand_tasks_per_node(per_node_text)
+        elif ntasks % len(hosts) == 0:
+            per_node = [ntasks // len(hosts)] * len(hosts)
+        else:
+            raise ValueError(
+                f"SLURM_NTASKS={ntasks} does not divide over {len(hosts)} hosts and "
+                f"SLURM_TASKS_PER_NODE is not set; set it"
+            )
+        if len(per_node) != len(hosts) or sum(per_node) != ntasks:
+            raise ValueError(
+                f"SLURM layout does not add up: hosts {hosts!r}, tasks per node {per_node!r}, "
+                f"SLURM_NTASKS={ntasks}"
+            )
+        if rank >= ntasks:
+            raise ValueError(f"SLURM_PROCID={rank} is out of range for SLURM_NTASKS={ntasks} (valid 0..{ntasks - 1})")
+        rank_hosts = [h for h, n in zip(hosts, per_node) for _ in range(n)]
+        local = [j for n in per_node for j in range(n)]
+        return rank, rank_hosts, local
+
+    def _jobs_for(self, ntasks: int) -> dict[str, int]:
+        jobs = self._jobs if self._jobs is not None else {"worker": ntasks}
+        if sum(jobs.values()) != ntasks:
+            raise ValueError(
+                f"jobs {jobs!r} ask for {sum(jobs.values())} tasks but SLURM runs {ntasks}; "
+                f"fix `jobs` or the number of tasks of the step"
+            )
+        return jobs
+
+    def _task_of(self, rank: int, ntasks: int) -> tuple[str, int]:
+        start = 0
+        for job, count in self._jobs_for(ntasks).items():
+            if rank < start + count:
+                return job, rank - start
+            start += count
+        raise AssertionError("unreachable: ranks are checked against the job sizes")
+
+    def cluster_spec(self) -> ClusterSpec:
+        _, rank_hosts, local = self._layout()
+        addresses = [
+            f"[{h}]:{self._port_base + j}" if ":" in h else f"{h}:{self._port_base + j}"
+            for h, j in zip(rank_hosts, local)
+        ]
+        if self._port_base + max(local) > 65535:
+            raise ValueError(f"port_base {self._port_base} + {max(local)} tasks per host passes 65535; lower `port_base`")
+        cluster, start = {}, 0
+        for job, count in self._jobs_for(len(addresses)).items():
+            cluster[job] = addresses[start : start + count]
+            start += count
+        return multi_worker_util.validate_cluster_spec(cluster, None, None)
+
+    @property
+    def task_type(self) -> str:
+        rank, rank_hosts, _ = self._layout()
+        return self._task_of(rank, len(rank_hosts))[0]
+
+    @property
+    def task_id(self) -> int:
+        rank, rank_hosts, _ = self._layout()
+        return self._task_of(rank, len(rank_hosts))[1]
+
+    @property
+    def rpc_layer(self) -> "str | None":
+        return self._rpc_layer
+
+    @property
+    def environment(self) -> str:
+        return "slurm"
+
+    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+        if self._gpus_per_task is not None:
+            return {"GPU": self._gpus_per_task}
+        per_node = self._gpus_per_node
+        if per_node is None:
+            per_node = sum(devices.is_cuda(d) for d in devices.local_devices())
+        rank, rank_hosts, _ = self._layout()
+        tasks_here = rank_hosts.count(rank_hosts[rank])
+        return {"GPU": per_node // tasks_here}
+
+    def master(
+        self,
+        task_type: "str | None" = None,
+        task_id: "int | None" = None,
+        rpc_layer: "str | None" = None,
+    ) -> str:
+        task_type = task_type if task_type is not None else self.task_type
+        task_id = task_id if task_id is not None else self.task_id
+        address = self.cluster_spec().task_address(task_type, task_id)
+        return format_master_url(address, rpc_layer or self._rpc_layer)

@@ -1,0 +1,233 @@
+"""TF_CONFIG: the cluster description of Kubeflow TFJob, Vertex AI, SageMaker and ``unison launch``.
+
+``TF_CONFIG`` is JSON::
+
+    {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]},
+     "task": {"type": "worker", "index": 1},
+     "rpc_layer": "tcp"}
+
+It is parsed strictly: every mistake raises ``ValueError`` naming the field, the bad
+value and the fix, before any process group forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+from unison import devices
+from unison.cluster import env, multi_worker_util
+from unison.cluster.base import ClusterResolver, format_master_url
+from unison.cluster.spec import ClusterSpec
+
+__all__ = ["TFConfig", "parse_tf_config", "read_tf_config", "TFConfigClusterResolver"]
+
+_KEYS = ("cluster", "task", "rpc_layer", "environment")
+
+
+@dataclasses.dataclass(frozen=True)
+class TFConfig:
+    """A parsed and validated ``TF_CONFIG``.
+
+    Attributes:
+        cluster: the cluster (empty for ``"cluster": {}``).
+        task_type: the task's type, or None when ``task`` is absent (a client).
+        task_id: the task's index (``task.index``, default 0), or None without ``task``.
+        rpc_layer: ``rpc_layer`` if given.
+        environment: ``environment`` if given.
+    """
+
+    cluster: ClusterSpec
+    task_type: "str | None" = None
+    task_id: "int | None" = None
+    rpc_layer: "str | None" = None
+    environment: "str | None" = None
+
+
+def _optional_str(config: Mapping[str, Any], key: str) -> "str | None":
+    value = config.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"TF_CONFIG `{key}` is {value!r}, not a string; fix `{key}`, e.g. \"tcp\"")
+    return value
+
+
+def parse_tf_config(text: str, *, require_task: bool = False) -> TFConfig:
+    """Parses and validates the text of a ``TF_CONFIG``.
+
+    Args:
+        text: the JSON text.
+        require_task: whether ``task`` must be present (every task of a cluster needs
+            it; only a standalone client may omit it).
+
+    Returns:
+        The parsed config.
+
+    Raises:
+        ValueError: if the text is not JSON, is not an object, lacks ``cluster`` (or
+            ``task`` when required), or breaks a cluster rule; the message names the
+            field and the bad value.
+    """
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({e.msg} at char {e.pos}): {text!r}; fix its syntax") from e
+    if config == {} and not require_task:
+        return TFConfig(ClusterSpec({}))  # "{}" is how some schedulers say "no cluster"
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"TF_CONFIG is a JSON {type(config).__name__} {config!r}, not an object like "
+            f'{{"cluster": {{...}}, "task": {{...}}}}; fix TF_CONFIG'
+        )
+    if "cluster" not in config:
+        raise ValueError(
+            f"TF_CONFIG has no `cluster` (keys: {sorted(config)!r}); add "
+            f'"cluster": {{"worker": ["host:port", ...]}}'
+        )
+    cluster = config["cluster"]
+    if not isinstance(cluster, dict):
+        raise ValueError(
+            f"TF_CONFIG `cluster` is {cluster!r}, not an object of job name -> addresses; "
+            f'fix `cluster`, e.g. {{"worker": ["host:port"]}}'
+        )
+    try:
+        spec = ClusterSpec(cluster)
+    except ValueError as e:
+        raise ValueError(f"TF_CONFIG {e}") from None
+    multi_worker_util.validate_cluster_spec(spec, None, None, source="TF_CONFIG ")
+    rpc_layer = _optional_str(config, "rpc_layer")
+    environment = _optional_str(config, "environment")
+    task = config.get("task")
+    if task is None:
+        if require_task:
+            raise ValueError(
+                f"TF_CONFIG has no `task` (keys: {sorted(config)!r}): each task of the cluster "
+                f'must say which it is; add "task": {{"type": "worker", "index": 0}}'
+            )
+        return TFConfig(spec, None, None, rpc_layer, environment)
+    if not isinstance(task, dict):
+        raise ValueError(
+            f'TF_CONFIG `task` is {task!r}, not an object; fix `task`, e.g. {{"type": "worker", "index": 0}}'
+        )
+    if "type" not in task:
+        raise ValueError(f"TF_CONFIG `task` {task!r} has no `type`; add `task.type`, e.g. \"worker\"")
+    task_type = task["type"]
+    if not isinstance(task_type, str):
+        raise ValueError(f"TF_CONFIG task type {task_type!r} is not a string; fix `task.type`, e.g. \"worker\"")
+    task_id = task.get("index", 0)
+    multi_worker_util.validate_cluster_spec(
+        spec, task_type, task_id, source="TF_CONFIG ", type_field="task.type", id_field="task.index"
+    )
+    return TFConfig(spec, task_type, task_id, rpc_layer, environment)
+
+
+def read_tf_config(environ: "Mapping[str, str] | None" = None, *, require_task: bool = False) -> "TFConfig | None":
+    """Parses ``TF_CONFIG`` from the environment; None when it is unset or blank.
+
+    ``"{}"`` parses as the empty cluster of local training.
+
+    Raises:
+        ValueError: as ``parse_tf_config``.
+    """
+    text = (os.environ if environ is None else environ).get(env.TF_CONFIG, "")
+    if not text.strip():
+        return None
+    return parse_tf_config(text, require_task=require_task)
+
+
+class TFConfigClusterResolver(ClusterResolver):
+    """Resolves the cluster from the ``TF_CONFIG`` environment variable.
+
+    ``TF_CONFIG`` is read on every call, so a change of the environment is seen.
+    Explicit ``task_type``/``task_id``/``rpc_layer``/``environment`` override it. An
+    unset ``TF_CONFIG`` is local training: an empty cluster and no task.
+
+    tf.distribute equivalent: ``tf.distribute.cluster_resolver.TFConfigClusterResolver``.
+    Difference: ``TF_CONFIG`` is validated strictly (a malformed one raises ValueError).
+
+    Args:
+        task_type: overrides ``task.type``.
+        task_id: overrides ``task.index``.
+        rpc_layer: overrides ``rpc_layer``.
+        environment: overrides ``environment``.
+        environ: the environment to read (default: ``os.environ`` at each call).
+    """
+
+    def __init__(
+        self,
+        task_type: "str | None" = None,
+        task_id: "int | None" = None,
+        rpc_layer: "str | None" = None,
+        environment: "str | None" = None,
+        *,
+        environ: "Mapping[str, str] | None" = None,
+    ):
+        self._task_type = task_type
+        self._task_id = task_id
+        self._rpc_layer = rpc_layer
+        self._environment = environment
+        self._environ = environ
+
+    @staticmethod
+    def is_present(environ: "Mapping[str, str] | None" = None) -> bool:
+        """Whether ``TF_CONFIG`` is set to something other than blanks or ``{}``.
+
+        A malformed ``TF_CONFIG`` counts as present, so that its error is reported.
+        """
+        text = (os.environ if environ is None else environ).get(env.TF_CONFIG, "").strip()
+        try:
+            return bool(text) and json.loads(text) != {}
+        except json.JSONDecodeError:
+            return True
+
+    def _config(self) -> TFConfig:
+        return read_tf_config(self._environ) or TFConfig(ClusterSpec({}))
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._config().cluster
+
+    @property
+    def task_type(self) -> "str | None":
+        return self._task_type if self._task_type is not None else self._config().task_type
+
+    @task_type.setter
+    def task_type(self, task_type: "str | None") -> None:
+        self._task_type = task_type
+
+    @property
+    def task_id(self) -> "int | None":
+        return self._task_id if self._task_id is not None else self._config().task_id
+
+    @task_id.setter
+    def task_id(self, task_id: "int | None") -> None:
+        self._task_id = task_id
+
+    @property
+    def rpc_layer(self) -> "str | None":
+        return self._rpc_layer if self._rpc_layer is not None else self._config().rpc_layer
+
+    @rpc_layer.setter
+    def rpc_layer(self, rpc_layer: "str | None") -> None:
+        self._rpc_layer = rpc_layer
+
+    @property
+    def environment(self) -> str:
+        return self._environment if self._environment is not None else (self._config().environment or "")
+
+    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+        """CUDA devices of this machine: every task of a TF_CONFIG cluster sees its own host."""
+        return {"GPU": sum(devices.is_cuda(d) for d in devices.local_devices())}
+
+    def master(
+        self,
+        task_type: "str | None" = None,
+        task_id: "int | None" = None,
+        rpc_layer: "str | None" = None,
+    ) -> str:
+        task_type = task_type if task_type is not None else self.task_type
+        task_id = task_id if task_id is not None else self.task_id
+        if task_type is None or task_id is None:
+            return ""
+        address = self.cluster_spec().task_address(task_type, task_id)
+        return format_master_url(address, rpc_layer or self.rpc_layer)

@@ -1,0 +1,385 @@
+"""Process management for ``unison launch``: one process per task of a local cluster.
+
+Each task runs in its own session (so its process group holds it and anything it
+starts); its stdout and stderr are read line by line and forwarded with a
+``[worker:1]`` prefix. When a task fails, every other task's group receives SIGTERM,
+then SIGKILL after a grace period, and the cluster reports the failed task and its
+exit code; with restarts left, the whole cluster is started again on fresh ports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import FrameType
+from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
+
+from unison.cluster import env
+
+__all__ = [
+    "Task",
+    "plan_tasks",
+    "reserve_ports",
+    "cluster_environments",
+    "LocalCluster",
+    "Outcome",
+    "exit_code",
+    "run_local_cluster",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task of the local cluster."""
+
+    type: str
+    index: int
+
+    @property
+    def name(self) -> str:
+        """``"worker:1"``: how output lines and messages name the task."""
+        return f"{self.type}:{self.index}"
+
+
+def plan_tasks(workers: int, chief: bool = False, ps: int = 0, evaluator: bool = False) -> list[Task]:
+    """The tasks of a local cluster, chief first, then workers, ps, evaluator.
+
+    Raises:
+        ValueError: for negative counts or a cluster with neither chief nor worker.
+    """
+    for name, count in (("workers", workers), ("ps", ps)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"--{name} {count!r} is not a non-negative integer; fix --{name}")
+    if workers == 0 and not chief:
+        raise ValueError("a cluster needs a chief or at least one worker; pass --workers N (N >= 1) or --chief")
+    tasks = [Task("chief", 0)] if chief else []
+    tasks += [Task("worker", i) for i in range(workers)]
+    tasks += [Task("ps", i) for i in range(ps)]
+    tasks += [Task("evaluator", 0)] if evaluator else []
+    return tasks
+
+
+def reserve_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports that were free on ``host`` (bound to port 0 together, then released)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def cluster_environments(
+    tasks: Sequence[Task],
+    *,
+    authkey: bytes,
+    restart: int,
+    base: Mapping[str, str],
+    host: str = "127.0.0.1",
+) -> dict[Task, dict[str, str]]:
+    """The environment of every task: TF_CONFIG, key, coordination port, thread settings.
+
+    Ports are reserved afresh on each call (each restart), so a new cluster never
+    waits for sockets of the previous one.
+    """
+    ports = reserve_ports(len(tasks) + 1, host)
+    cluster: dict[str, list[str]] = {}
+    for task, port in zip(tasks, ports):
+        cluster.setdefault(task.type, []).append(f"{host}:{port}")
+    shared = dict(base)
+    shared.pop(env.UNISON_AUTHKEY_FILE, None)  # this cluster's key replaces any other
+    shared[env.UNISON_AUTHKEY] = authkey.hex()
+    shared[env.UNISON_COORDINATOR_PORT] = str(ports[-1])
+    shared[env.UNISON_RESTART_COUNT] = str(restart)
+    shared.setdefault("OMP_NUM_THREADS", "1")
+    shared["PYTHONUNBUFFERED"] = "1"
+    result = {}
+    for task in tasks:
+        task_env = dict(shared)
+        task_env[env.TF_CONFIG] = json.dumps({"cluster": cluster, "task": {"type": task.type, "index": task.index}})
+        result[task] = task_env
+    return result
+
+
+class _Pump(threading.Thread):
+    """Copies one pipe to a stream, line by line, each line prefixed with the task."""
+
+    def __init__(self, pipe: IO[bytes], prefix: str, sink: IO[str], lock: threading.Lock):
+        super().__init__(name=f"unison-pump-{prefix}", daemon=True)
+        self._pipe, self._prefix, self._sink, self._lock = pipe, prefix, sink, lock
+
+    def run(self) -> None:
+        with self._pipe:
+            for raw in iter(self._pipe.readline, b""):
+                line = raw.decode("utf-8", errors="replace")
+                if not line.endswith("\n"):
+                    line += "\n"
+                with self._lock:
+                    self._sink.write(f"{self._prefix} {line}")
+                    self._sink.flush()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process group still has a running (non-zombie) member."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        # After the command name: state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
+
+
+@dataclasses.dataclass
+class _Running:
+    task: Task
+    process: "subprocess.Popen[bytes]"
+    pumps: list[_Pump]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How one run of the cluster ended: ``failed`` is None on success."""
+
+    failed: "Task | None" = None
+    returncode: int = 0
+
+
+class LocalCluster:
+    """One run of every task of a local cluster.
+
+    Args:
+        command: the program, e.g. ``[sys.executable, "train.py", "--lr", "0.1"]``.
+        environments: each task's environment (see ``cluster_environments``).
+        grace_period: seconds between SIGTERM and SIGKILL when stopping tasks.
+        stdout: where prefixed stdout lines go.
+        stderr: where prefixed stderr lines and launcher messages go.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        environments: Mapping[Task, Mapping[str, str]],
+        *,
+        grace_period: float,
+        stdout: IO[str],
+        stderr: IO[str],
+    ):
+        self._command = list(command)
+        self._environments = environments
+        self._grace = grace_period
+        self._stdout, self._stderr = stdout, stderr
+        self._locks = {id(stdout): threading.Lock(), id(stderr): threading.Lock()}
+        self._running: list[_Running] = []
+        self._exits: "queue.Queue[_Running]" = queue.Queue()
+
+    def message(self, text: str) -> None:
+        """Writes a launcher message to stderr, between task lines."""
+        with self._locks[id(self._stderr)]:
+            self._stderr.write(f"unison launch: {text}\n")
+            self._stderr.flush()
+
+    def start(self) -> None:
+        """Starts every task, each in a new session."""
+        for task, task_env in self._environments.items():
+            process = subprocess.Popen(
+                self._command,
+                env=dict(task_env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            prefix = f"[{task.name}]"
+            out_pipe, err_pipe = process.stdout, process.stderr
+            if out_pipe is None or err_pipe is None:  # pragma: no cover - PIPE always gives both
+                raise RuntimeError("subprocess pipes were not created")
+            pumps = [
+                _Pump(out_pipe, prefix, self._stdout, self._locks[id(self._stdout)]),
+                _Pump(err_pipe, prefix, self._stderr, self._locks[id(self._stderr)]),
+            ]
+            running = _Running(task, process, pumps)
+            self._running.append(running)
+            for pump in pumps:
+                pump.start()
+            threading.Thread(target=self._watch, args=(running,), daemon=True).start()
+
+    def _watch(self, running: _Running) -> None:
+        running.process.wait()
+        self._exits.put(running)
+
+    def wait(self) -> Outcome:
+        """Waits until every task succeeded or one failed; stops the rest either way.
+
+        ps tasks that still run once every other task succeeded get the grace period
+        to exit, then are stopped; that is success.
+        """
+        pending = {id(r): r for r in self._running}
+        ps_deadline = None
+        try:
+            while pending:
+                if all(r.task.type == "ps" for r in pending.values()):
+                    if ps_deadline is None:
+                        ps_deadline = time.monotonic() + self._grace
+                    try:
+                        running = self._exits.get(timeout=max(0.0, ps_deadline - time.monotonic()))
+                    except queue.Empty:
+                        break  # the ps tasks were not told to stop: stop them below
+                else:
+                    running = self._exits.get()
+                pending.pop(id(running), None)
+                code = running.process.returncode
+                if code != 0:
+                    self._drain(running)
+                    return Outcome(running.task, code)
+            return Outcome()
+        finally:
+            self.stop()
+
+    def _drain(self, running: _Running) -> None:
+        for pump in running.pumps:
+            pump.join(timeout=1.0)
+
+    def stop(self) -> None:
+        """SIGTERM to every task's process group, SIGKILL to what remains after the grace period."""
+        groups = [r.process.pid for r in self._running]
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self._grace
+        for r in self._running:
+            try:
+                r.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        while any(_group_alive(pgid) for pgid in groups) and time.monotonic() < deadline:
+            time.sleep(0.05)  # grandchildren are not ours to wait on; poll their group
+        for pgid in groups:
+            if _group_alive(pgid):
+                _signal_group(pgid, signal.SIGKILL)
+        for r in self._running:
+            r.process.wait()
+            for pump in r.pumps:
+                pump.join(timeout=1.0)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def exit_code(returncode: int) -> int:
+    """A task's status as a shell exit code: killed by signal N -> 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _Interrupted(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def run_local_cluster(
+    command: Sequence[str],
+    tasks: Sequence[Task],
+    *,
+    authkey: bytes,
+    max_restarts: int = 0,
+    grace_period: float = 5.0,
+    base_env: "Mapping[str, str] | None" = None,
+    stdout: "IO[str] | None" = None,
+    stderr: "IO[str] | None" = None,
+) -> int:
+    """Runs ``command`` once per task until the cluster succeeds or runs out of restarts.
+
+    Ctrl-C (SIGINT) and SIGTERM stop every task. Returns 0 on success; the failed task's
+    exit code (128 + N for signal N) on failure; 130 / 143 when interrupted.
+    """
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    base = dict(os.environ if base_env is None else base_env)
+    previous = _install_signal_handlers()
+    try:
+        for attempt in range(max_restarts + 1):
+            environments = cluster_environments(tasks, authkey=authkey, restart=attempt, base=base)
+            cluster = LocalCluster(command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr)
+            try:
+                try:
+                    cluster.start()
+                except BaseException:
+                    cluster.stop()
+                    raise
+                outcome = cluster.wait()
+            except (KeyboardInterrupt, _Interrupted) as e:
+                signum = e.signum if isinstance(e, _Interrupted) else signal.SIGINT
+                cluster.stop()
+                cluster.message(f"interrupted by {_signal_name(signum)}; stopped every task")
+                return 128 + signum
+            if outcome.failed is None:
+                return 0
+            code = exit_code(outcome.returncode)
+            failure = f"task {outcome.failed.name} exited with code {code}"
+            if outcome.returncode < 0:
+                failure += f" (killed by {_signal_name(-outcome.returncode)})"
+            cluster.message(f"{failure}; stopped the other {len(tasks) - 1} task(s)")
+            if attempt < max_restarts:
+                cluster.message(f"restarting the cluster (restart {attempt + 1} of {max_restarts})")
+                continue
+            cluster.message(f"cluster failed: {failure}")
+            return code
+        raise AssertionError("unreachable: the loop returns")
+    finally:
+        _restore_signal_handlers(previous)
+
+
+_Handler = Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers, None]
+
+
+def _raise_interrupted(signum: int, frame: "FrameType | None") -> None:
+    raise _Interrupted(signum)
+
+
+def _install_signal_handlers() -> dict[signal.Signals, _Handler]:
+    # SIGINT already raises KeyboardInterrupt; SIGTERM and SIGHUP are made to stop the cluster too.
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous: dict[signal.Signals, _Handler] = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        previous[signum] = signal.signal(signum, _raise_interrupted)
+    return previous
+
+
+def _restore_signal_handlers(previous: Mapping[signal.Signals, _Handler]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)

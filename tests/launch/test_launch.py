@@ -1,0 +1,271 @@
+"""`unison launch`: local clusters of real processes, failures, restarts, interrupts."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from importlib.metadata import entry_points
+
+import pytest
+
+from unison.launch.cli import main
+from unison.launch.procs import Task, plan_tasks
+
+# Shared by the scripts below: who am I, and where do I write.
+PRELUDE = """
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+TASK = json.loads(os.environ["TF_CONFIG"])["task"]
+NAME = "{}:{}".format(TASK["type"], TASK["index"])
+OUT = Path(sys.argv[1])
+
+
+def wait_for(path):
+    while not path.exists():
+        time.sleep(0.01)
+"""
+
+
+def alive(pid):
+    """Whether ``pid`` is a running (non-zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def write_script(tmp_path):
+    def write(body):
+        path = tmp_path / "script.py"
+        path.write_text(PRELUDE + textwrap.dedent(body))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def out(tmp_path):
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def no_omp(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+ENV_REPORT = """
+    keys = ["TF_CONFIG", "UNISON_AUTHKEY", "UNISON_COORDINATOR_PORT", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "UNISON_RESTART_COUNT"]
+    (OUT / (NAME + ".json")).write_text(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[2:]}))
+    print("I am", NAME)
+    print("a warning from", NAME, file=sys.stderr)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_print_their_task(write_script, out, capsys, no_omp):
+    script = write_script("if True:" + ENV_REPORT)
+    assert main(["launch", "--workers", "2", str(script), str(out), "--lr", "0.1"]) == 0
+    captured = capsys.readouterr()
+    assert "[worker:0] I am worker:0\n" in captured.out and "[worker:1] I am worker:1\n" in captured.out
+    assert "[worker:1] a warning from worker:1\n" in captured.err
+    reports = [json.loads((out / f"worker:{i}.json").read_text()) for i in range(2)]
+    configs = [json.loads(r["env"]["TF_CONFIG"]) for r in reports]
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
+    cluster = configs[0]["cluster"]
+    assert configs[1]["cluster"] == cluster and list(cluster) == ["worker"]
+    hosts_ports = [address.split(":") for address in cluster["worker"]]
+    assert all(host == "127.0.0.1" for host, _ in hosts_ports)
+    ports = {int(port) for _, port in hosts_ports} | {int(reports[0]["env"]["UNISON_COORDINATOR_PORT"])}
+    assert len(ports) == 3  # every task and the coordination store on its own port
+    keys = {r["env"]["UNISON_AUTHKEY"] for r in reports}
+    assert len(keys) == 1 and len(bytes.fromhex(keys.pop())) == 32
+    assert all(r["env"]["OMP_NUM_THREADS"] == "1" and r["env"]["PYTHONUNBUFFERED"] == "1" for r in reports)
+    assert all(r["env"]["UNISON_RESTART_COUNT"] == "0" and r["argv"] == ["--lr", "0.1"] for r in reports)
+
+
+@pytest.mark.timeout(60)
+def test_roles_and_the_users_thread_setting(write_script, out, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    script = write_script("if True:" + ENV_REPORT)
+    assert main(["launch", "--chief", "--workers", "1", "--evaluator", str(script), str(out)]) == 0
+    capsys.readouterr()
+    report = json.loads((out / "chief:0.json").read_text())
+    assert report["env"]["OMP_NUM_THREADS"] == "3"
+    assert sorted(json.loads(report["env"]["TF_CONFIG"])["cluster"]) == ["chief", "evaluator", "worker"]
+    assert sorted(p.name for p in out.iterdir()) == ["chief:0.json", "evaluator:0.json", "worker:0.json"]
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_worker_stops_the_cluster_and_is_named(write_script, out, capsys):
+    script = write_script(
+        """
+        if NAME == "worker:0":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            (OUT / "pids").write_text(json.dumps([os.getpid(), child.pid]))
+            time.sleep(60)
+        else:
+            wait_for(OUT / "pids")
+            print("failing now")
+            sys.exit(3)
+        """
+    )
+    start = time.monotonic()
+    code = main(["launch", "--workers", "2", "--grace-period", "2", str(script), str(out)])
+    elapsed = time.monotonic() - start
+    captured = capsys.readouterr()
+    assert code == 3
+    assert elapsed < 10, elapsed
+    assert "[worker:1] failing now" in captured.out
+    assert "unison launch: task worker:1 exited with code 3; stopped the other 1 task(s)" in captured.err
+    assert "unison launch: cluster failed: task worker:1 exited with code 3" in captured.err
+    worker0, grandchild = json.loads((out / "pids").read_text())
+    assert not alive(worker0) and not alive(grandchild)  # the whole process group is gone
+
+
+@pytest.mark.timeout(60)
+def test_a_task_ignoring_sigterm_is_killed_after_the_grace_period(write_script, out, capsys):
+    script = write_script(
+        """
+        if NAME == "worker:0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            (OUT / "pid").write_text(str(os.getpid()))
+            time.sleep(60)
+        else:
+            wait_for(OUT / "pid")
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    start = time.monotonic()
+    code = main(["launch", "--workers", "2", "--grace-period", "0.5", str(script), str(out)])
+    captured = capsys.readouterr()
+    assert code == 128 + signal.SIGKILL
+    assert "task worker:1 exited with code 137 (killed by SIGKILL)" in captured.err
+    assert time.monotonic() - start < 10
+    assert not alive(int((out / "pid").read_text()))
+
+
+@pytest.mark.timeout(60)
+def test_max_restarts_reruns_the_cluster(write_script, out, capsys):
+    script = write_script(
+        """
+        restart = os.environ["UNISON_RESTART_COUNT"]
+        with open(OUT / "runs", "a") as f:
+            f.write(NAME + " " + restart + "\\n")
+        if NAME == "worker:1" and restart == "0":
+            sys.exit(3)
+        """
+    )
+    code = main(["launch", "--workers", "2", "--max-restarts", "1", str(script), str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "unison launch: restarting the cluster (restart 1 of 1)" in captured.err
+    runs = (out / "runs").read_text().split("\n")
+    assert "worker:1 0" in runs and "worker:1 1" in runs and "worker:0 1" in runs
+
+
+@pytest.mark.timeout(60)
+def test_restarts_run_out(write_script, out, capsys):
+    script = write_script(
+        """
+        with open(OUT / "runs", "a") as f:
+            f.write(NAME + "\\n")
+        if NAME == "worker:1":
+            sys.exit(3)
+        """
+    )
+    code = main(["launch", "--workers", "2", "--max-restarts", "1", str(script), str(out)])
+    captured = capsys.readouterr()
+    assert code == 3
+    assert (out / "runs").read_text().split().count("worker:1") == 2
+    assert captured.err.count("restarting the cluster") == 1
+    assert "cluster failed: task worker:1 exited with code 3" in captured.err
+
+
+@pytest.mark.timeout(60)
+def test_ps_left_running_after_the_workers_succeed_is_stopped(write_script, out, capsys):
+    script = write_script(
+        """
+        if NAME == "ps:0":
+            (OUT / "ps-pid").write_text(str(os.getpid()))
+            time.sleep(60)
+        else:
+            wait_for(OUT / "ps-pid")
+        """
+    )
+    start = time.monotonic()
+    assert main(["launch", "--workers", "1", "--ps", "1", "--grace-period", "0.5", str(script), str(out)]) == 0
+    capsys.readouterr()
+    assert time.monotonic() - start < 10
+    assert not alive(int((out / "ps-pid").read_text()))
+
+
+@pytest.mark.timeout(60)
+def test_python_m_unison_launch_and_ctrl_c_stops_every_task(write_script, out):
+    script = write_script(
+        """
+        print("started", NAME)
+        (OUT / NAME).write_text(str(os.getpid()))
+        time.sleep(60)
+        """
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "unison.launch", "--workers", "2", "--grace-period", "2", str(script), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 45
+        while not ((out / "worker:0").exists() and (out / "worker:1").exists()):
+            assert launcher.poll() is None and time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.02)
+        launcher.send_signal(signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 130, stderr
+    assert "[worker:0] started worker:0" in stdout and "[worker:1] started worker:1" in stdout
+    assert "unison launch: interrupted by SIGINT; stopped every task" in stderr
+    assert not any(alive(int((out / f"worker:{i}").read_text())) for i in range(2))
+
+
+def test_console_script_is_unison_launch_cli_main():
+    (script,) = entry_points(group="console_scripts", name="unison")
+    assert script.value == "unison.launch.cli:main"
+    assert script.load() is main
+
+
+def test_plan_tasks():
+    assert plan_tasks(2, chief=True, ps=1, evaluator=True) == [
+        Task("chief", 0),
+        Task("worker", 0),
+        Task("worker", 1),
+        Task("ps", 0),
+        Task("evaluator", 0),
+    ]
+    assert [t.name for t in plan_tasks(0, chief=True)] == ["chief:0"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["launch", "--workers", "0", "x.py"], "needs a chief or at least one worker"),
+        (["launch", "--workers", "-1", "x.py"], "'-1' is not a non-negative integer"),
+        (["launch", "--ps", "two", "x.py"], "'two' is not a non-negative integer"),
+        (["launch", "--grace-period", "-1", "x.py"], "not a non-negative number of seconds"),
+        (["launch"], "the following arguments are required: script"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_command_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
