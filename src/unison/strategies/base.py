@@ -243,6 +243,16 @@ class StrategyExtended:
                 return regroup(results, Mirrored) if group else tuple(results)
             return fn(var, *select_replica(0, args), **select_replica(0, kwargs))
 
+    def no_sync(self) -> "contextlib.AbstractContextManager[None]":
+        """Accumulates gradients without communication (like DDP's ``no_sync``).
+
+        Backward passes inside do not all-reduce; the first backward after the block
+        synchronises the accumulated gradients. A no-op where gradients are only
+        reduced at ``opt.step()`` anyway (several local replicas).
+        """
+        no_sync = getattr(self._c.gradient_sync, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
+
     # -- running -----------------------------------------------------------------------
     def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self._finish_variable_creation()

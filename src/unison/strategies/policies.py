@@ -89,8 +89,8 @@ class ReplicatedVariablePolicy:
                    requires_grad=trainable and data.is_floating_point())
 
     def finish(self, variables: list) -> None:
+        if self._on_finish is not None:
+            self._on_finish(variables)  # across workers first: the chief's component 0 wins
         for variable in variables:
             if isinstance(variable, DistributedVariable):
                 variable._broadcast_primary()
-        if self._on_finish is not None:
-            self._on_finish(variables)

@@ -1,0 +1,156 @@
+"""Gradient all-reduce overlapped with backward, for one replica per worker.
+
+The mechanism of DDP and Horovod: parameters are grouped into buckets in reverse
+registration order (the order backward produces their gradients); a hook after each
+parameter's gradient accumulation counts it in, and when a bucket is complete (and all
+buckets before it were launched, so every worker issues collectives in one order) its
+gradients are copied into one flat buffer and an asynchronous ``all_reduce`` starts
+while backward goes on. ``opt.step()`` launches what is left — zeros for parameters
+that got no gradient this step, so no worker waits for one that never comes — waits,
+and hands each parameter a view of the reduced buffer as its gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from unison.collectives.packing import group_by_size
+from unison.collectives.process_group import WorkerGroup
+from unison.reduce import ReduceOp
+
+__all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    flat: torch.Tensor
+    ready: int = 0
+    work: Any = None
+
+
+class BucketedGradientSync:
+    """All-reduces gradients of registered parameters from autograd hooks.
+
+    Args:
+        worker_group: the workers' process group.
+        bucket_bytes: target bucket size in bytes (``<= 0``: DEFAULT_BUCKET_BYTES).
+        reduce_op: returns the current gradient ReduceOp (MEAN or SUM).
+    """
+
+    def __init__(self, worker_group: WorkerGroup, bucket_bytes: int, reduce_op: Callable[[], ReduceOp]):
+        self._group = worker_group
+        self._bucket_bytes = bucket_bytes if bucket_bytes > 0 else DEFAULT_BUCKET_BYTES
+        self._reduce_op = reduce_op
+        self._params: list[torch.nn.Parameter] = []
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, int] = {}
+        self._next = 0
+        self._fired = False
+        self._enabled = True
+
+    def register(self, param: torch.nn.Parameter) -> None:
+        """Adds a parameter; its hook is installed and buckets rebuilt by :meth:`finalize`."""
+        if param.requires_grad:
+            self._params.append(param)
+            param.register_post_accumulate_grad_hook(self._on_grad)
+
+    def finalize(self) -> None:
+        """(Re)builds the buckets over every registered parameter."""
+        order = list(reversed(self._params))
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for param in order:
+            by_kind.setdefault((param.dtype, param.device), []).append(param)
+        self._buckets, self._bucket_of = [], {}
+        for params in by_kind.values():
+            for group in group_by_size([p.detach() for p in params], self._bucket_bytes):
+                members = [params[i] for i in group]
+                offsets, total = [], 0
+                for p in members:
+                    offsets.append(total)
+                    total += p.numel()
+                flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
+                for p in members:
+                    self._bucket_of[id(p)] = len(self._buckets)
+                self._buckets.append(_Bucket(members, offsets, flat))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates gradients locally: backward passes inside do not communicate."""
+        previous, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = previous
+
+    # -- hooks ------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._enabled:
+            return
+        index = self._bucket_of.get(id(param))
+        if index is None:
+            return
+        bucket = self._buckets[index]
+        if bucket.work is not None:
+            raise RuntimeError(
+                "a parameter's gradient was computed twice before opt.step(): its all-reduce had already "
+                "started. To accumulate gradients over micro-batches, run all but the last backward inside "
+                "`with strategy.extended.no_sync():`"
+            )
+        self._fired = True
+        bucket.ready += 1
+        while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        flat = bucket.flat
+        for param, offset in zip(bucket.params, bucket.offsets):
+            grad = param.grad
+            view = flat[offset: offset + param.numel()]
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad.reshape(-1))
+        if self._reduce_op() is ReduceOp.MEAN:
+            flat.div_(self._group.world_size)
+        try:
+            bucket.work = dist.all_reduce(flat, group=self._group.group, async_op=True)
+        except Exception as exc:  # noqa: BLE001
+            raise self._group.lost_peer_error("gradient all-reduce", exc) from exc
+
+    # -- optimizer step ---------------------------------------------------------------
+    def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._enabled:
+            raise RuntimeError(
+                "opt.step() inside `no_sync()`: the accumulated gradients were never all-reduced, so workers "
+                "would diverge; leave no_sync() for the last micro-batch's backward, then step"
+            )
+        if not self._fired:
+            return None
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+        timeout = datetime.timedelta(seconds=self._group.timeout)
+        for bucket in self._buckets:
+            try:
+                bucket.work.wait(timeout)
+            except Exception as exc:  # noqa: BLE001
+                raise self._group.lost_peer_error("gradient all-reduce", exc) from exc
+            for param, offset in zip(bucket.params, bucket.offsets):
+                param.grad = bucket.flat[offset: offset + param.numel()].view_as(param)
+            bucket.work, bucket.ready = None, 0
+        self._next, self._fired = 0, False
+        return None
+
+    def post_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to do: gradients were synchronised before the step."""

@@ -1,0 +1,82 @@
+"""CommunicationOptions and CommunicationImplementation (``tf.distribute.experimental.CommunicationOptions``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["CommunicationImplementation", "CommunicationOptions"]
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which torch.distributed backend carries cross-process collectives.
+
+    ``AUTO``: NCCL when the replicas are CUDA devices and NCCL is available, else gloo.
+    ``RING``: gloo (ring all-reduce on CPU tensors). ``NCCL``: NCCL, CUDA only.
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+    @classmethod
+    def from_any(cls, value: "CommunicationImplementation | str") -> "CommunicationImplementation":
+        """Returns the member for an enum member or a case-insensitive name."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(
+            f"implementation {value!r} is not a CommunicationImplementation: use AUTO, RING or NCCL"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """Options for cross-process collectives.
+
+    Args:
+        bytes_per_pack: split a batch all-reduce into packs of about this many bytes
+            (0: one pack per dtype). Packs are formed in reverse order, so the last
+            gradients computed travel first. Also the gradient bucket size of the
+            backward-overlapped all-reduce (0: unison's default, 4 MiB).
+        timeout_seconds: bound on every collective; a peer that does not answer in time
+            raises ``unison.errors.PeerLostError`` naming it. None: 300 s.
+        implementation: the backend, see :class:`CommunicationImplementation`.
+
+    Raises:
+        ValueError: for a negative ``bytes_per_pack`` or a non-positive timeout.
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bytes_per_pack, bool) or not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(
+                f"CommunicationOptions.bytes_per_pack must be an int >= 0, got {self.bytes_per_pack!r}; "
+                f"use 0 for one pack"
+            )
+        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
+            raise ValueError(
+                f"CommunicationOptions.timeout_seconds must be > 0 or None, got {self.timeout_seconds!r}"
+            )
+        object.__setattr__(self, "implementation", CommunicationImplementation.from_any(self.implementation))
+
+    @property
+    def effective_timeout(self) -> float:
+        """The timeout in seconds that collectives use."""
+        return float(self.timeout_seconds) if self.timeout_seconds is not None else 300.0
+
+    def merge(self, other: "CommunicationOptions | None") -> "CommunicationOptions":
+        """Options of ``other`` where it differs from the defaults, else these."""
+        if other is None:
+            return self
+        defaults = CommunicationOptions()
+        changes = {
+            f.name: getattr(other, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(other, f.name) != getattr(defaults, f.name)
+        }
+        return dataclasses.replace(self, **changes)

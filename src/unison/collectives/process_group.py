@@ -1,0 +1,123 @@
+"""Forming the workers' torch.distributed process group from a cluster description.
+
+Rendezvous happens at the collective leader's cluster address (the chief, else worker
+0), whose process hosts a TCPStore there; or at an existing store named by
+``UNISON_RENDEZVOUS`` (a launcher or a test harness that opened one on port 0); or,
+under torchrun, at torchrun's own store (``env://``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Sequence
+
+import torch.distributed as dist
+
+from unison.cluster.multi_worker_util import id_in_cluster, leader_task
+from unison.cluster.spec import ClusterSpec, split_address
+from unison.collectives.liveness import Liveness
+from unison.collectives.options import CommunicationImplementation, CommunicationOptions
+from unison.devices import is_cuda
+from unison.errors import ClusterError, PeerLostError
+
+__all__ = ["WorkerGroup", "form_worker_group", "RENDEZVOUS_ENV", "task_names"]
+
+RENDEZVOUS_ENV = "UNISON_RENDEZVOUS"
+
+
+def task_names(spec: ClusterSpec) -> list[str]:
+    """Task names by rank: the chief first, then the workers in index order."""
+    names = [f"chief:{i}" for i in spec.task_indices("chief")] if "chief" in spec.jobs else []
+    if "worker" in spec.jobs:
+        names += [f"worker:{i}" for i in spec.task_indices("worker")]
+    return names
+
+
+def choose_backend(devices: Sequence[str], options: CommunicationOptions) -> str:
+    """The torch.distributed backend for ``options.implementation`` on ``devices``."""
+    on_cuda = all(is_cuda(d) for d in devices)
+    implementation = options.implementation
+    if implementation is CommunicationImplementation.NCCL:
+        if not on_cuda or not dist.is_nccl_available():
+            raise ValueError(
+                f"CommunicationImplementation.NCCL needs CUDA replica devices and NCCL, got devices "
+                f"{list(devices)!r} (NCCL available: {dist.is_nccl_available()}); use RING or AUTO"
+            )
+        return "nccl"
+    if implementation is CommunicationImplementation.AUTO and on_cuda and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+@dataclasses.dataclass
+class WorkerGroup:
+    """The workers' process group and what is needed to explain its failures."""
+
+    group: dist.ProcessGroup
+    store: dist.Store | None
+    rank: int
+    world_size: int
+    names: list[str]
+    backend: str
+    timeout: float
+    liveness: Liveness | None
+
+    def lost_peer_error(self, operation: str, cause: BaseException) -> PeerLostError:
+        """A PeerLostError for a failed collective, naming the tasks that stopped."""
+        missing = self.liveness.missing() if self.liveness is not None else []
+        who = ", ".join(missing) if missing else "unknown (every heartbeat is alive)"
+        return PeerLostError(
+            f"{operation} over the {self.backend} group of {self.world_size} workers failed on "
+            f"{self.names[self.rank]}: missing task(s): {who}; a peer crashed, was killed or did not "
+            f"answer within timeout_seconds={self.timeout:g}. Restart the cluster (e.g. "
+            f"`unison launch --max-restarts`) and resume from the last checkpoint. Cause: {cause}"
+        )
+
+
+def _connect_store(spec: ClusterSpec, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    address = os.environ.get(RENDEZVOUS_ENV)
+    if address:
+        host, port = split_address(address, field=RENDEZVOUS_ENV)
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    host, port = split_address(spec.task_address(*leader_task(spec)), field="collective leader address")
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+
+
+def form_worker_group(spec: ClusterSpec, task_type: str, task_id: int, devices: Sequence[str],
+                      options: CommunicationOptions, environment: str = "") -> WorkerGroup:
+    """Joins (or reuses) the process group of the cluster's chief and workers.
+
+    Raises:
+        ClusterError: if the rendezvous or the group cannot be formed in time.
+    """
+    names = task_names(spec)
+    rank = id_in_cluster(spec, task_type, task_id)
+    world_size = len(names)
+    backend = choose_backend(devices, options)
+    seconds = options.effective_timeout
+    timeout = datetime.timedelta(seconds=seconds)
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise ClusterError(
+                f"a torch.distributed group is already initialised with rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the cluster places this task ({names[rank]}) at rank {rank} of "
+                f"{world_size}; destroy it first or let unison form it"
+            )
+        return WorkerGroup(dist.group.WORLD, None, rank, world_size, names, dist.get_backend(), seconds, None)
+    try:
+        if environment == "torchrun" and not os.environ.get(RENDEZVOUS_ENV):
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+            store = None
+        else:
+            store = dist.PrefixStore("unison", _connect_store(spec, rank, world_size, timeout))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the cluster's words
+        raise ClusterError(
+            f"{names[rank]} could not join the {backend} process group of {world_size} workers within "
+            f"{seconds:g} s at the collective leader {names[0]}: {exc}; check that every task of the "
+            f"cluster is running and that the addresses in the cluster spec are reachable"
+        ) from exc
+    liveness = Liveness(store, rank, names) if store is not None else None
+    return WorkerGroup(dist.group.WORLD, store, rank, world_size, names, backend, seconds, liveness)

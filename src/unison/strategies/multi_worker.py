@@ -1,0 +1,126 @@
+"""MultiWorkerMirroredStrategy: synchronous replicas across workers (``tf.distribute.MultiWorkerMirroredStrategy``)."""
+
+from __future__ import annotations
+
+import os
+import typing
+from typing import Any, Sequence
+
+import torch
+
+from unison.cluster.base import ClusterResolver
+from unison.cluster.detect import detect_cluster_resolver
+from unison.cluster.multi_worker_util import is_chief, normalize_cluster_spec
+from unison.collectives.collective import CollectiveAllReduce
+from unison.collectives.gradient_buckets import BucketedGradientSync
+from unison.collectives.local import select_cross_device_ops
+from unison.collectives.options import CommunicationOptions
+from unison.collectives.process_group import form_worker_group
+from unison.devices import canonicalize_all, local_devices
+from unison.optim import ReplicaGradientSync
+from unison.strategies.base import ClusterPlace, Components, Strategy, StrategyExtended
+from unison.strategies.policies import ReplicatedVariablePolicy
+from unison.values.variables import DistributedVariable
+
+__all__ = ["MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy"]
+
+
+def _default_devices(resolver: ClusterResolver) -> tuple[str, ...]:
+    # One process per GPU is PyTorch's usual layout under torchrun and SLURM.
+    local_rank = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID"))
+    if local_rank is not None and torch.cuda.is_available() and resolver.environment in ("torchrun", "slurm"):
+        return (f"cuda:{int(local_rank) % torch.cuda.device_count()}",)
+    return tuple(local_devices())
+
+
+@typing.final
+class MultiWorkerMirroredStrategy(Strategy):
+    """Mirrored replicas on every worker, kept in sync by collective all-reduce.
+
+    With no cluster it is a local strategy over this machine's devices. With one (from
+    ``TF_CONFIG``, torchrun or SLURM variables, an explicit resolver, or
+    ``configure()`` by the distribute coordinator) the chief and workers form a
+    ``torch.distributed`` process group at the collective leader's address.
+    ``num_replicas_in_sync`` is local devices x workers; variables start from the
+    chief's values (one packed broadcast); with one device per worker gradients are
+    all-reduced in buckets from autograd hooks while backward runs.
+
+    Args:
+        cluster_resolver: where the cluster comes from; default: detected.
+        communication_options: packing, timeout and backend of the collectives.
+        devices: this worker's replica devices (a unison extension; default: one GPU per
+            process under torchrun/SLURM, else every local GPU, else the CPU).
+
+    Raises:
+        ValueError: for a task type other than chief or worker, or bad options.
+        ClusterError: if the process group cannot be formed.
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None,
+                 communication_options: CommunicationOptions | None = None, *,
+                 devices: "Sequence[str | torch.device] | None" = None):
+        if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
+            raise TypeError(
+                f"communication_options must be a CommunicationOptions, got {type(communication_options).__name__}"
+            )
+        self._resolver = detect_cluster_resolver(cluster_resolver)
+        self._options = communication_options or CommunicationOptions()
+        self._devices = canonicalize_all(devices) if devices is not None else _default_devices(self._resolver)
+        super().__init__(self._components(
+            self._resolver.cluster_spec(), self._resolver.task_type, self._resolver.task_id
+        ))
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver the cluster came from."""
+        return self._resolver
+
+    def configure(self, cluster_spec: Any = None, task_type: str | None = None, task_id: int | None = None) -> None:
+        """Joins the given cluster (the distribute coordinator calls this in each worker)."""
+        if cluster_spec:
+            self._extended = StrategyExtended(self, self._components(cluster_spec, task_type, task_id))
+
+    def _components(self, cluster_spec: Any, task_type: str | None, task_id: int | None) -> Components:
+        spec = normalize_cluster_spec(cluster_spec)
+        devices = self._devices
+        if not spec:
+            sync = ReplicaGradientSync(self, len(devices)) if len(devices) > 1 else None
+            return Components(
+                devices=devices, parameter_devices=devices, cross_device_ops=select_cross_device_ops(devices),
+                variable_policy=ReplicatedVariablePolicy(self, devices, gradient_sync=sync), gradient_sync=sync,
+            )
+        if task_type not in ("chief", "worker"):
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy runs on 'chief' and 'worker' tasks, got task_type {task_type!r}; "
+                f"ps and evaluator tasks do not train with it (run eval_fn on the evaluator through the "
+                f"distribute coordinator); fix `task.type`"
+            )
+        task_id = int(task_id or 0)
+        group = form_worker_group(spec, task_type, task_id, devices, self._options,
+                                  environment=self._resolver.environment)
+        ops = CollectiveAllReduce(devices, group, self._options)
+        if len(devices) == 1:
+            sync: Any = BucketedGradientSync(group, self._options.bytes_per_pack,
+                                             lambda: self.extended.gradient_reduce_op)
+        else:
+            sync = ReplicaGradientSync(self, len(devices))
+
+        def on_finish(variables: list) -> None:
+            primaries = [v.values[0] if isinstance(v, DistributedVariable) else v for v in variables]
+            ops.broadcast_from_chief(primaries)
+            if isinstance(sync, BucketedGradientSync):
+                sync.finalize()
+
+        return Components(
+            devices=devices, parameter_devices=devices, cross_device_ops=ops,
+            variable_policy=ReplicatedVariablePolicy(self, devices, gradient_sync=sync, on_finish=on_finish),
+            gradient_sync=sync,
+            cluster=ClusterPlace(
+                num_workers=group.world_size, worker_index=group.rank,
+                is_chief=is_chief(spec, task_type, task_id), between_graph=True,
+                task_type=task_type, task_id=task_id,
+            ),
+        )
+
+
+CollectiveAllReduceStrategy = MultiWorkerMirroredStrategy
