@@ -5,7 +5,18 @@ one machine (MirroredStrategy, CentralStorageStrategy) and on a cluster
 (MultiWorkerMirroredStrategy). See README.md for a tour.
 """
 
+from unison.cluster import (
+    ClusterResolver,
+    ClusterSpec,
+    SimpleClusterResolver,
+    SlurmClusterResolver,
+    TFConfigClusterResolver,
+    TorchrunClusterResolver,
+    detect_cluster_resolver,
+)
 from unison.collectives.base import CrossDeviceOps
+from unison.collectives.collective import CollectiveAllReduce
+from unison.collectives.options import CommunicationImplementation, CommunicationOptions
 from unison.collectives.local import (
     AllReduceCrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -21,11 +32,19 @@ from unison.context import (
     has_strategy,
     in_cross_replica_context,
 )
+from unison.coordinator import (
+    CoordinatorMode,
+    WorkerContext,
+    get_current_worker_context,
+    run_distribute_coordinator,
+    run_standard_server,
+)
 from unison.input import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
 from unison.reduce import ReduceOp
 from unison.strategies.base import Strategy, StrategyExtended
 from unison.strategies.central_storage import CentralStorageStrategy
 from unison.strategies.mirrored import MirroredStrategy
+from unison.strategies.multi_worker import CollectiveAllReduceStrategy, MultiWorkerMirroredStrategy
 from unison.strategies.one_device import OneDeviceStrategy
 from unison.values.aggregation import VariableAggregation, VariableSynchronization
 from unison.values.creation import Variable
@@ -35,6 +54,23 @@ from unison.values.variables import MirroredVariable, SyncOnReadVariable
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterResolver",
+    "ClusterSpec",
+    "CollectiveAllReduce",
+    "CollectiveAllReduceStrategy",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "CoordinatorMode",
+    "MultiWorkerMirroredStrategy",
+    "SimpleClusterResolver",
+    "SlurmClusterResolver",
+    "TFConfigClusterResolver",
+    "TorchrunClusterResolver",
+    "WorkerContext",
+    "detect_cluster_resolver",
+    "get_current_worker_context",
+    "run_distribute_coordinator",
+    "run_standard_server",
     "AllReduceCrossDeviceOps",
     "AutoShardPolicy",
     "CentralStorageStrategy",

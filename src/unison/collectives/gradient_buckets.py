@@ -45,10 +45,16 @@ class BucketedGradientSync:
         worker_group: the workers' process group.
         bucket_bytes: target bucket size in bytes (``<= 0``: DEFAULT_BUCKET_BYTES).
         reduce_op: returns the current gradient ReduceOp (MEAN or SUM).
+        sparse_all_reduce: sums a sparse gradient over workers (by all-gather); sparse
+            gradients (``nn.Embedding(sparse=True)``) are reduced in their hook, in the
+            same order on every worker, and keep their slot in the bucket empty.
     """
 
-    def __init__(self, worker_group: WorkerGroup, bucket_bytes: int, reduce_op: Callable[[], ReduceOp]):
+    def __init__(self, worker_group: WorkerGroup, bucket_bytes: int, reduce_op: Callable[[], ReduceOp],
+                 sparse_all_reduce: Callable[[torch.Tensor], torch.Tensor]):
         self._group = worker_group
+        self._sparse_all_reduce = sparse_all_reduce
+        self._sparse: set[int] = set()
         self._bucket_bytes = bucket_bytes if bucket_bytes > 0 else DEFAULT_BUCKET_BYTES
         self._reduce_op = reduce_op
         self._params: list[torch.nn.Parameter] = []
@@ -107,6 +113,10 @@ class BucketedGradientSync:
                 "`with strategy.extended.no_sync():`"
             )
         self._fired = True
+        if param.grad is not None and param.grad.layout != torch.strided:
+            self._sparse.add(id(param))
+            reduced = self._sparse_all_reduce(param.grad)
+            param.grad = reduced / self._group.world_size if self._reduce_op() is ReduceOp.MEAN else reduced
         bucket.ready += 1
         while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
             self._launch(self._buckets[self._next])
@@ -117,7 +127,7 @@ class BucketedGradientSync:
         for param, offset in zip(bucket.params, bucket.offsets):
             grad = param.grad
             view = flat[offset: offset + param.numel()]
-            if grad is None:
+            if grad is None or id(param) in self._sparse:
                 view.zero_()
             elif grad.data_ptr() != view.data_ptr():
                 view.copy_(grad.reshape(-1))
@@ -147,7 +157,8 @@ class BucketedGradientSync:
             except Exception as exc:  # noqa: BLE001
                 raise self._group.lost_peer_error("gradient all-reduce", exc) from exc
             for param, offset in zip(bucket.params, bucket.offsets):
-                param.grad = bucket.flat[offset: offset + param.numel()].view_as(param)
+                if id(param) not in self._sparse:
+                    param.grad = bucket.flat[offset: offset + param.numel()].view_as(param)
             bucket.work, bucket.ready = None, 0
         self._next, self._fired = 0, False
         return None

@@ -187,6 +187,9 @@ class StrategyExtended:
             devices = self._destination_devices(destinations)
             if is_distributed(value):
                 distributed.append((i, self._as_per_replica(value), devices))
+            elif self._c.cluster.num_workers > 1:
+                # one value per worker is still one value per replica across workers
+                distributed.append((i, PerReplica([torch.as_tensor(value)]), devices))
             else:
                 results[i] = self._reduce_non_distributed(reduce_op, value, devices)
         if distributed:

@@ -47,7 +47,7 @@ class MirroredStrategy(Strategy):
                 f"{cross_device_ops!r}"
             )
         check = getattr(cross_device_ops, "_check_devices", None)
-        if check is not None and len(names) > 1:
+        if check is not None:  # also with one device: NCCL on a CPU device is a configuration error
             check(names)
         sync = ReplicaGradientSync(self, len(names)) if len(names) > 1 else None
         super().__init__(Components(

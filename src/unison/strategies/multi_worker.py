@@ -101,7 +101,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         ops = CollectiveAllReduce(devices, group, self._options)
         if len(devices) == 1:
             sync: Any = BucketedGradientSync(group, self._options.bytes_per_pack,
-                                             lambda: self.extended.gradient_reduce_op)
+                                             lambda: self.extended.gradient_reduce_op, ops._all_reduce_sparse)
         else:
             sync = ReplicaGradientSync(self, len(devices))
 

@@ -18,7 +18,7 @@ from unison._state import STATE
 from unison.context import ReplicaContext
 from unison.devices import is_cuda, torch_device
 from unison.errors import MergeCallError
-from unison.values.values import regroup, select_replica
+from unison.values.values import may_hold_components, regroup, select_replica
 
 if TYPE_CHECKING:  # pragma: no cover
     from unison.strategies.base import Strategy
@@ -34,7 +34,8 @@ class InlineReplicaRunner:
         self._context = ReplicaContext(strategy, 0, self._merge)
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        args, kwargs = select_replica(0, (args, kwargs))
+        if may_hold_components((args, kwargs)):  # skip pytree for plain tensors: the fast path
+            args, kwargs = select_replica(0, (args, kwargs))
         with STATE.push(self._strategy, self._context):
             return fn(*args, **kwargs)
 

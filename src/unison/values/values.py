@@ -12,7 +12,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "is_distributed"]
+__all__ = [
+    "DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "is_distributed",
+    "may_hold_components",
+]
 
 
 class DistributedValues:
@@ -71,6 +74,29 @@ def is_distributed(value: Any) -> bool:
 
 def _is_variable(value: Any) -> bool:
     return isinstance(value, DistributedValues) and isinstance(value, torch.Tensor)
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, complex, str, bytes, type(None))
+
+
+def may_hold_components(structure: Any) -> bool:
+    """False only when ``structure`` surely holds no PerReplica/Mirrored leaf.
+
+    A cheap pre-check for the one-replica fast path (``select_replica`` goes through
+    pytree, tens of microseconds per call): plain tuples, lists and dicts of tensors
+    and scalars are walked directly; any other object might be a pytree node, so it
+    answers True and lets pytree look.
+    """
+    if isinstance(structure, _ValueContainer):
+        return True
+    if isinstance(structure, _PLAIN_LEAVES):
+        return False
+    kind = type(structure)
+    if kind is tuple or kind is list:
+        return any(may_hold_components(x) for x in structure)
+    if kind is dict:
+        return any(may_hold_components(x) for x in structure.values())
+    return True
 
 
 def select_replica(replica_id: int, structure: Any) -> Any:

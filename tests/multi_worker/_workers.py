@@ -1,0 +1,163 @@
+"""Worker functions for the multi-worker tests (module level, so spawned processes import them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+import unison
+
+ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]  # never bound: run_workers provides the store
+
+
+def strategy_for(rank: int, world: int, devices=None, **options):
+    spec = unison.ClusterSpec({"worker": ADDRESSES[:world]})
+    resolver = unison.SimpleClusterResolver(spec, task_type="worker", task_id=rank)
+    comm = unison.CommunicationOptions(**options) if options else None
+    return unison.MultiWorkerMirroredStrategy(resolver, comm, devices=devices)
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def global_batches(steps: int = 20, batch: int = 64):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(steps)]
+
+
+def single_device_weights() -> list[torch.Tensor]:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in global_batches():
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_mlp(rank: int, world: int, local_devices: int):
+    strategy = strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)])
+    with strategy.scope():
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for x, y in global_batches():
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        if local_devices > 1:
+            xs, ys = unison.PerReplica(list(xs.chunk(local_devices))), unison.PerReplica(list(ys.chunk(local_devices)))
+        loss = strategy.run(step, args=(xs, ys))
+    mean_loss = strategy.reduce("mean", loss)
+    replicas_equal = all(
+        torch.equal(c, p.values[0]) for p in model.parameters() if isinstance(p, unison.MirroredVariable) for c in p.values
+    )
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "loss": float(mean_loss),
+        "replicas": strategy.num_replicas_in_sync,
+        "chief": strategy.extended.should_checkpoint,
+        "replicas_equal": replicas_equal,
+    }
+
+
+def seed_example(rank: int, world: int):
+    """The reference's reduce_to/update flow, across processes."""
+    strategy = strategy_for(rank, world)
+    with strategy.scope():
+        v = unison.Variable(0.0)
+
+    def step_fn(var):
+        def merge_fn(strategy, value, var):
+            reduced = strategy.extended.reduce_to(unison.ReduceOp.SUM, value, destinations=var)
+            strategy.extended.update(var, lambda var, value: var.copy_(value), args=(reduced,))
+
+        unison.get_replica_context().merge_call(merge_fn, args=(torch.tensor(1.0), var))
+
+    strategy.run(step_fn, args=(v,))
+    return float(v.values[0])
+
+
+def chief_values_win(rank: int, world: int):
+    torch.manual_seed(100 + rank)  # different init on every worker
+    strategy = strategy_for(rank, world)
+    with strategy.scope():
+        model = nn.Linear(4, 3)
+        v = unison.Variable(torch.full((2,), float(rank + 5)))
+    return [p.detach().clone() for p in model.parameters()], v.values[0].clone()
+
+
+def mismatched_all_reduce(rank: int, world: int):
+    strategy = strategy_for(rank, world, timeout_seconds=20)
+    value = torch.ones(3 if rank == 0 else 4)
+    try:
+        strategy.run(lambda: unison.get_replica_context().all_reduce("sum", value))
+    except unison.errors.CollectiveMismatchError as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+def killed_mid_training(rank: int, world: int, timeout: float):
+    strategy = strategy_for(rank, world, timeout_seconds=timeout)
+    with strategy.scope():
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(global_batches(steps=1000)):
+        if rank == 1 and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+        except unison.errors.PeerLostError as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - started, step
+    return "no error", "", 0.0, -1
+
+
+def grad_accumulation_and_unused(rank: int, world: int):
+    """no_sync accumulation equals one big batch; an unused parameter does not hang."""
+    strategy = strategy_for(rank, world, timeout_seconds=20)
+    with strategy.scope():
+        model = make_mlp()
+        unused = nn.Linear(2, 2)
+        opt = torch.optim.SGD(list(model.parameters()) + list(unused.parameters()), lr=0.1)
+    x, y = global_batches(steps=1, batch=64)[0]
+    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+    halves = list(zip(xs.chunk(2), ys.chunk(2)))
+    opt.zero_grad()
+    with strategy.extended.no_sync():
+        (nn.functional.cross_entropy(model(halves[0][0]), halves[0][1]) / 2).backward()
+    (nn.functional.cross_entropy(model(halves[1][0]), halves[1][1]) / 2).backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()], unused.weight.grad.abs().sum().item()
+
+
+def sparse_embedding(rank: int, world: int):
+    strategy = strategy_for(rank, world, timeout_seconds=20)
+    with strategy.scope():
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 3, sparse=True)
+        opt = torch.optim.SGD(emb.parameters(), lr=1.0)
+
+    def step(ids):
+        opt.zero_grad()
+        emb(ids).sum().backward()
+        grad = emb.weight.grad
+        opt.step()
+        return grad
+
+    ids = torch.tensor([[1, 2], [3, 4]])[rank]
+    strategy.run(step, args=(ids,))
+    return emb.weight.detach().clone()

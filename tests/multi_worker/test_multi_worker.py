@@ -1,0 +1,79 @@
+"""MultiWorkerMirroredStrategy across real processes (gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unison._testing import run_workers
+from tests.multi_worker import _workers as w
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local_devices", [1, 2])
+def test_two_workers_match_single_device(local_devices):
+    results = run_workers(w.train_mlp, 2, args=(local_devices,), timeout=90)
+    reference = w.single_device_weights()
+    for rank, result in enumerate(results):
+        assert result["replicas"] == 2 * local_devices
+        assert result["chief"] is (rank == 0)
+        assert result["replicas_equal"]
+        for got, want in zip(result["weights"], reference):
+            assert (got - want).abs().max().item() <= 1e-5
+    assert results[0]["loss"] == pytest.approx(results[1]["loss"])
+
+
+@pytest.mark.timeout(90)
+def test_seed_example_reduce_and_update_across_processes():
+    assert run_workers(w.seed_example, 2, timeout=60) == [2.0, 2.0]
+
+
+@pytest.mark.timeout(90)
+def test_variables_start_from_the_chiefs_values():
+    (params0, v0), (params1, v1) = run_workers(w.chief_values_win, 2, timeout=60)
+    for a, b in zip(params0, params1):
+        assert torch.equal(a, b)
+    assert torch.equal(v0, torch.full((2,), 5.0)) and torch.equal(v1, v0)
+
+
+@pytest.mark.timeout(90)
+def test_mismatched_shapes_raise_on_every_worker():
+    for kind, message in run_workers(w.mismatched_all_reduce, 2, timeout=60):
+        assert kind == "CollectiveMismatchError"
+        assert "different shapes or dtypes" in message
+        assert "(3,)" in message or "(4,)" in message
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_is_named_by_the_survivor_within_the_timeout():
+    timeout = 10.0
+    results = run_workers(w.killed_mid_training, 2, args=(timeout,), timeout=90, allow_failures=True)
+    assert results[1].exitcode == -9
+    kind, message, waited, step = results[0].value
+    assert kind == "PeerLostError"
+    assert "worker:1" in message and "worker:0" not in message.split("missing task(s):")[1].split(";")[0]
+    assert waited <= timeout + 10
+    assert step >= 5
+
+
+@pytest.mark.timeout(90)
+def test_no_sync_accumulation_and_unused_parameters():
+    (weights0, unused0), (weights1, unused1) = run_workers(w.grad_accumulation_and_unused, 2, timeout=60)
+    model = w.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = w.global_batches(steps=1, batch=64)[0]
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    for got0, got1, want in zip(weights0, weights1, model.parameters()):
+        assert torch.allclose(got0, want.detach(), atol=1e-6) and torch.equal(got0, got1)
+    assert unused0 == unused1 == 0.0
+
+
+@pytest.mark.timeout(90)
+def test_sparse_gradients_travel_by_all_gather():
+    weights = run_workers(w.sparse_embedding, 2, timeout=60)
+    torch.manual_seed(0)
+    reference = torch.nn.Embedding(10, 3).weight.detach().clone()
+    reference[[1, 2, 3, 4]] -= 0.5  # each row gets gradient 1 on one worker: mean over 2 workers
+    for got in weights:
+        assert torch.allclose(got, reference)
