@@ -5,6 +5,7 @@ one machine (MirroredStrategy, CentralStorageStrategy) and on a cluster
 (MultiWorkerMirroredStrategy). See README.md for a tour.
 """
 
+from unison.checkpoint import load_checkpoint, save_checkpoint
 from unison.cluster import (
     ClusterResolver,
     ClusterSpec,
@@ -71,6 +72,8 @@ __all__ = [
     "get_current_worker_context",
     "run_distribute_coordinator",
     "run_standard_server",
+    "save_checkpoint",
+    "load_checkpoint",
     "AllReduceCrossDeviceOps",
     "AutoShardPolicy",
     "CentralStorageStrategy",
