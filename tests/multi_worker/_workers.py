@@ -161,3 +161,67 @@ def sparse_embedding(rank: int, world: int):
     ids = torch.tensor([[1, 2], [3, 4]])[rank]
     strategy.run(step, args=(ids,))
     return emb.weight.detach().clone()
+
+
+def input_path_training(rank: int, world: int):
+    """2 workers fed by experimental_distribute_dataset over the same global batches."""
+    strategy = strategy_for(rank, world)
+    with strategy.scope():
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dataset = strategy.experimental_distribute_dataset(global_batches())
+
+    def step(batch):
+        x, y = batch
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        return x.shape[0]
+
+    rows = [strategy.run(step, args=(batch,)) for batch in dataset]
+    return [p.detach().clone() for p in model.parameters()], rows
+
+
+def pipelines_from_function(rank: int, world: int):
+    strategy = strategy_for(rank, world, devices=["cpu:0", "cpu:1"])
+    seen = []
+
+    def dataset_fn(context):
+        seen.append((context.input_pipeline_id, context.num_input_pipelines, context.num_replicas_in_sync,
+                     context.get_per_replica_batch_size(8)))
+        base = 100 * context.input_pipeline_id
+        # worker 1 has one more batch than worker 0: the loop must still end together
+        count = 3 + context.input_pipeline_id
+        return [torch.arange(base + 2 * i, base + 2 * i + 2) for i in range(2 * count)]
+
+    dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    steps = []
+    for batch in dataset:
+        steps.append([v.tolist() for v in strategy.experimental_local_results(batch)])
+    return seen, steps
+
+
+class ShardedFiles:
+    """A file-backed dataset (the FILE protocol): each 'file' is a list of global batches."""
+
+    def __init__(self, files):
+        self.files = list(files)
+
+    def with_files(self, files):
+        return [torch.full((4, 1), float(f)) for f in files for _ in range(int(f))]
+
+    def __iter__(self):
+        return iter(self.with_files(self.files))
+
+
+def file_shards_end_together(rank: int, world: int):
+    strategy = strategy_for(rank, world)
+    dataset = strategy.experimental_distribute_dataset(
+        ShardedFiles([1, 2, 3]), options=unison.InputOptions(auto_shard_policy=unison.AutoShardPolicy.FILE))
+    steps = 0
+    values = []
+    for batch in dataset:
+        steps += 1
+        values.append(batch.flatten().tolist())
+        strategy.reduce("sum", batch.sum())  # a collective per step: would hang if workers disagreed
+    return steps, values

@@ -1,0 +1,58 @@
+"""End to end: `unison launch` + MultiWorkerMirroredStrategy through TF_CONFIG rendezvous."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "unison.launch", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(150)
+def test_demo_reaches_95_percent_with_two_workers(tmp_path):
+    started = time.monotonic()
+    done = launch("--workers", "2", "examples/digits.py", "--checkpoint", str(tmp_path / "digits.pt"), timeout=140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = re.search(r"\[worker:0\] summary: test accuracy ([0-9.]+), .* (\d+) replicas", done.stdout)
+    assert summary, done.stdout[-2000:]
+    assert float(summary.group(1)) >= 0.95 and summary.group(2) == "2"
+    assert "[worker:1] summary" not in done.stdout  # only the chief reports and checkpoints
+    assert (tmp_path / "digits.pt").is_file() and not list(tmp_path.glob(".*.tmp"))
+    assert time.monotonic() - started < 120
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_fails_the_launch(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, torch, unison
+        strategy = unison.MultiWorkerMirroredStrategy(
+            communication_options=unison.CommunicationOptions(timeout_seconds=10))
+        with strategy.scope():
+            model = torch.nn.Linear(4, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        index = strategy.extended._c.cluster.worker_index
+        for step in range(10_000):
+            if index == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+    """))
+    started = time.monotonic()
+    done = launch("--workers", "2", str(script), timeout=100)
+    assert done.returncode != 0
+    assert "worker:1" in done.stderr + done.stdout
+    assert time.monotonic() - started < 60
