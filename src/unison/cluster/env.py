@@ -14,6 +14,7 @@ __all__ = [
     "UNISON_AUTHKEY_FILE",
     "UNISON_COORDINATOR_PORT",
     "UNISON_RESTART_COUNT",
+    "UNISON_RENDEZVOUS",
 ]
 
 #: JSON cluster description, in TensorFlow's format: ``{"cluster": {...}, "task": {...}}``.
@@ -32,3 +33,8 @@ UNISON_COORDINATOR_PORT = "UNISON_COORDINATOR_PORT"
 
 #: How many times ``unison launch`` has restarted the cluster before this run ("0" first).
 UNISON_RESTART_COUNT = "UNISON_RESTART_COUNT"
+
+#: ``host:port`` of an existing TCPStore for the workers' process group, used instead of
+#: hosting one at the collective leader's address (set by test harnesses and by the
+#: coordinator's standalone client, whose leader port is taken by its standard server).
+UNISON_RENDEZVOUS = "UNISON_RENDEZVOUS"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from unison.collectives.base import CrossDeviceOps, Destinations, to_destinations
 from unison.collectives.options import CommunicationOptions
 from unison.collectives.packing import TensorPacker
-from unison.collectives.process_group import WorkerGroup
+from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
 from unison.devices import canonicalize_all, is_cuda, torch_device
 from unison.errors import CollectiveMismatchError
 from unison.reduce import ReduceOp
@@ -50,7 +50,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         options: packing, timeout and backend options.
     """
 
-    def __init__(self, devices: Sequence[str], worker_group: WorkerGroup | None = None,
+    def __init__(self, devices: Sequence[str], worker_group: "WorkerGroup | LazyWorkerGroup | None" = None,
                  options: CommunicationOptions | None = None):
         self._devices = canonicalize_all(devices)
         self._options = options or CommunicationOptions()
@@ -64,11 +64,20 @@ class CollectiveAllReduce(CrossDeviceOps):
             worker_group = WorkerGroup(dist.group.WORLD, None, dist.get_rank(), world,
                                        [f"rank:{r}" for r in range(world)], dist.get_backend(),
                                        self._options.effective_timeout, None)
-        self._group = worker_group
-        self._comm_device = torch_device(self._devices[0]) if worker_group.backend == "nccl" else torch.device("cpu")
+        self._group_source = worker_group
+
+    @property
+    def _group(self) -> WorkerGroup:
+        source = self._group_source
+        return source.get() if isinstance(source, LazyWorkerGroup) else source
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return torch_device(self._devices[0]) if self._group.backend == "nccl" else torch.device("cpu")
 
     @property
     def worker_group(self) -> WorkerGroup:
+        """The workers' process group (formed on first use)."""
         return self._group
 
     # -- plumbing -------------------------------------------------------------------

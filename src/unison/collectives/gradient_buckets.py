@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from unison.collectives.packing import group_by_size
-from unison.collectives.process_group import WorkerGroup
+from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
 from unison.reduce import ReduceOp
 
 __all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]
@@ -50,9 +50,9 @@ class BucketedGradientSync:
             same order on every worker, and keep their slot in the bucket empty.
     """
 
-    def __init__(self, worker_group: WorkerGroup, bucket_bytes: int, reduce_op: Callable[[], ReduceOp],
+    def __init__(self, worker_group: "WorkerGroup | LazyWorkerGroup", bucket_bytes: int, reduce_op: Callable[[], ReduceOp],
                  sparse_all_reduce: Callable[[torch.Tensor], torch.Tensor]):
-        self._group = worker_group
+        self._group_source = worker_group
         self._sparse_all_reduce = sparse_all_reduce
         self._sparse: set[int] = set()
         self._bucket_bytes = bucket_bytes if bucket_bytes > 0 else DEFAULT_BUCKET_BYTES
@@ -63,6 +63,11 @@ class BucketedGradientSync:
         self._next = 0
         self._fired = False
         self._enabled = True
+
+    @property
+    def _group(self) -> WorkerGroup:
+        source = self._group_source
+        return source.get() if isinstance(source, LazyWorkerGroup) else source
 
     def register(self, param: torch.nn.Parameter) -> None:
         """Adds a parameter; its hook is installed and buckets rebuilt by :meth:`finalize`."""

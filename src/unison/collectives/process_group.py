@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import threading
 from typing import Sequence
 
 import torch.distributed as dist
 
+from unison.cluster.env import UNISON_RENDEZVOUS
 from unison.cluster.multi_worker_util import id_in_cluster, leader_task
 from unison.cluster.spec import ClusterSpec, split_address
 from unison.collectives.liveness import Liveness
@@ -22,9 +24,9 @@ from unison.collectives.options import CommunicationImplementation, Communicatio
 from unison.devices import is_cuda
 from unison.errors import ClusterError, PeerLostError
 
-__all__ = ["WorkerGroup", "form_worker_group", "RENDEZVOUS_ENV", "task_names"]
+__all__ = ["WorkerGroup", "LazyWorkerGroup", "form_worker_group", "RENDEZVOUS_ENV", "task_names"]
 
-RENDEZVOUS_ENV = "UNISON_RENDEZVOUS"
+RENDEZVOUS_ENV = UNISON_RENDEZVOUS
 
 
 def task_names(spec: ClusterSpec) -> list[str]:
@@ -121,3 +123,26 @@ def form_worker_group(spec: ClusterSpec, task_type: str, task_id: int, devices: 
         ) from exc
     liveness = Liveness(store, rank, names) if store is not None else None
     return WorkerGroup(dist.group.WORLD, store, rank, world_size, names, backend, seconds, liveness)
+
+
+class LazyWorkerGroup:
+    """Forms the worker group on first use, so strategies can be built, copied and
+    shipped (the distribute coordinator does) before any connection is made."""
+
+    def __init__(self, spec: ClusterSpec, task_type: str, task_id: int, devices: Sequence[str],
+                 options: CommunicationOptions, environment: str = ""):
+        self._args = (spec, task_type, task_id, tuple(devices), options, environment)
+        self.rank = id_in_cluster(spec, task_type, task_id)
+        self.names = task_names(spec)
+        self.world_size = len(self.names)
+        self._group: WorkerGroup | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> WorkerGroup:
+        """The formed group (formed now if needed)."""
+        if self._group is None:
+            with self._lock:
+                if self._group is None:
+                    spec, task_type, task_id, devices, options, environment = self._args
+                    self._group = form_worker_group(spec, task_type, task_id, devices, options, environment)
+        return self._group

@@ -17,12 +17,13 @@ tf.distribute equivalent: ``distribute_coordinator.run_distribute_coordinator``.
 
 from __future__ import annotations
 
+import datetime
 import enum
 import threading
 from typing import Any, Callable, Mapping
 
 from unison.cluster import multi_worker_util
-from unison.cluster.spec import ClusterLike, ClusterSpec
+from unison.cluster.spec import ClusterLike, ClusterSpec, split_address
 from unison.cluster.tf_config import read_tf_config
 from unison.coordinator.channel import connect, require_authkey
 from unison.coordinator.server import RunRequest, StandardServer
@@ -225,6 +226,7 @@ def _run_client(
         tasks.append(("evaluator", 0))
     barrier = threading.Barrier(sum(1 for job, _ in tasks if job != "evaluator") or 1, timeout=timeout)
     outcomes: dict[tuple[str, int], tuple[str, Any]] = {}
+    store, rendezvous = _rendezvous_store(spec, timeout) if jobs else (None, None)
 
     def drive(job: str, index: int) -> None:
         evaluator = job == "evaluator"
@@ -236,6 +238,7 @@ def _run_client(
             index,
             rpc_layer,
             use_barrier=not evaluator,
+            rendezvous=None if evaluator else rendezvous,
         )
         try:
             outcomes[(job, index)] = ("ok", _drive_task(spec.task_address(job, index), authkey, request, barrier, timeout))
@@ -254,6 +257,7 @@ def _run_client(
     finally:
         for thread in threads:
             thread.join()
+        del store  # the workers are done with their rendezvous
     failed = [(task, outcome[1]) for task, outcome in outcomes.items() if outcome[0] == "error"]
     if failed:
         lines = [(f"{job}:{index}", (str(error).splitlines() or [repr(error)])[0]) for (job, index), error in failed]
@@ -266,6 +270,24 @@ def _run_client(
     for (job, _index), outcome in sorted(outcomes.items()):
         results.setdefault(job, []).append(outcome[1])
     return results
+
+
+def _rendezvous_store(spec: ClusterSpec, timeout: float) -> tuple[Any, str]:
+    """Opens the store the workers' process group meets at, on a free port of the client.
+
+    The workers reach the client at the loopback address when the whole cluster is on
+    this machine, else at this host's address.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    hosts = {split_address(address)[0] for job in spec.jobs for address in spec.job_tasks(job)}
+    local = all(h in ("localhost", "::1") or h.startswith("127.") for h in hosts)
+    host = "127.0.0.1" if local else socket.gethostbyname(socket.getfqdn())
+    store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    return store, f"{host}:{store.port}"
 
 
 def _drive_task(address: str, authkey: bytes, request: RunRequest, barrier: threading.Barrier, timeout: float) -> Any:

@@ -14,13 +14,16 @@ is no remote graph session to connect to).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import threading
 import traceback
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from unison.cluster import multi_worker_util
 from unison.cluster.base import format_master_url
+from unison.cluster.env import UNISON_RENDEZVOUS as RENDEZVOUS_ENV
 from unison.cluster.spec import ClusterLike, ClusterSpec
 from unison.cluster.tf_config import read_tf_config
 from unison.coordinator.channel import Channel, ChannelListener, connect, require_authkey
@@ -41,6 +44,28 @@ class RunRequest:
     task_id: int
     rpc_layer: "str | None"
     use_barrier: bool
+    rendezvous: "str | None" = None  # a store the client hosts for the workers' process group
+
+
+@contextlib.contextmanager
+def _rendezvous_env(address: "str | None") -> Iterator[None]:
+    """Points strategies at the client's rendezvous store while a request runs.
+
+    The leader's own cluster address is taken by its standard server, so in
+    STANDALONE_CLIENT mode the client hosts the workers' rendezvous store.
+    """
+    if address is None:
+        yield
+        return
+    previous = os.environ.get(RENDEZVOUS_ENV)
+    os.environ[RENDEZVOUS_ENV] = address
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RENDEZVOUS_ENV, None)
+        else:
+            os.environ[RENDEZVOUS_ENV] = previous
 
 
 class _RelayBarrier:
@@ -182,7 +207,16 @@ class StandardServer:
             channel.send(("error", error, ""))
             return
         barrier = _RelayBarrier(channel) if request.use_barrier else None
-        reply = _reply_for(
+        with _rendezvous_env(request.rendezvous):
+            reply = self._execute(request, barrier)
+        try:
+            channel.send(reply)
+        except Exception as e:  # the result or exception could not be pickled
+            text = reply[2] if reply[0] == "error" else ""
+            channel.send(("error", ClusterError(f"{self.name} could not send back its {reply[0]}: {e!r}"), text))
+
+    def _execute(self, request: RunRequest, barrier: Any) -> Any:
+        return _reply_for(
             lambda: run_in_worker_context(
                 request.fn,
                 request.strategy,
@@ -193,11 +227,6 @@ class StandardServer:
                 barrier,
             )
         )
-        try:
-            channel.send(reply)
-        except Exception as e:  # the result or exception could not be pickled
-            text = reply[2] if reply[0] == "error" else ""
-            channel.send(("error", ClusterError(f"{self.name} could not send back its {reply[0]}: {e!r}"), text))
 
 
 def run_standard_server(

@@ -272,6 +272,14 @@ class Strategy(abc.ABC):
     def __init__(self, components: Components):
         self._extended = StrategyExtended(self, components)
 
+    def __reduce__(self) -> tuple:
+        # Copies and pickles (the distribute coordinator makes both) are rebuilt from the
+        # constructor's arguments: threads, weak references and groups do not travel.
+        init_args = getattr(self, "_init_args", None)
+        if init_args is None:
+            raise TypeError(f"{type(self).__name__} cannot be copied or pickled")
+        return type(self), init_args
+
     @property
     def extended(self) -> StrategyExtended:
         """The advanced API: reduce_to, batch_reduce_to, update, devices."""

@@ -36,6 +36,7 @@ class CentralStorageStrategy(Strategy):
 
     def __init__(self, compute_devices: "Sequence[str | torch.device] | None" = None,
                  parameter_device: "str | torch.device | None" = None):
+        self._init_args = (compute_devices, parameter_device)
         compute = canonicalize_all(compute_devices if compute_devices is not None else local_devices(),
                                    field="compute_devices")
         if parameter_device is None:

@@ -15,6 +15,9 @@ __all__ = ["default_strategy", "default_replica_context"]
 class _DefaultStrategy(Strategy):
     """One replica on the host; variables are plain tensors."""
 
+    def __reduce__(self) -> tuple:
+        return default_strategy, ()
+
     def __init__(self) -> None:
         super().__init__(Components(
             devices=("cpu:0",), parameter_devices=("cpu:0",), cross_device_ops=ReductionToOneDevice(),

@@ -38,6 +38,7 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices: "Sequence[str | torch.device] | None" = None,
                  cross_device_ops: CrossDeviceOps | None = None):
+        self._init_args = (devices, cross_device_ops)
         names = canonicalize_all(devices if devices is not None else local_devices())
         if cross_device_ops is None:
             cross_device_ops = select_cross_device_ops(names)

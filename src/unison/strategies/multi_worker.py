@@ -15,7 +15,7 @@ from unison.collectives.collective import CollectiveAllReduce
 from unison.collectives.gradient_buckets import BucketedGradientSync
 from unison.collectives.local import select_cross_device_ops
 from unison.collectives.options import CommunicationOptions
-from unison.collectives.process_group import form_worker_group
+from unison.collectives.process_group import LazyWorkerGroup
 from unison.devices import canonicalize_all, local_devices
 from unison.optim import ReplicaGradientSync
 from unison.strategies.base import ClusterPlace, Components, Strategy, StrategyExtended
@@ -63,12 +63,19 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise TypeError(
                 f"communication_options must be a CommunicationOptions, got {type(communication_options).__name__}"
             )
+        self._init_args = (cluster_resolver, communication_options, devices)
         self._resolver = detect_cluster_resolver(cluster_resolver)
         self._options = communication_options or CommunicationOptions()
         self._devices = canonicalize_all(devices) if devices is not None else _default_devices(self._resolver)
         super().__init__(self._components(
             self._resolver.cluster_spec(), self._resolver.task_type, self._resolver.task_id
         ))
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its arguments where it lands (a copy, or a coordinator's server):
+        # a detected cluster is detected again there; no connection travels.
+        resolver, options, devices = self._init_args
+        return _rebuild, (resolver, options, devices)
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
@@ -88,6 +95,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             return Components(
                 devices=devices, parameter_devices=devices, cross_device_ops=select_cross_device_ops(devices),
                 variable_policy=ReplicatedVariablePolicy(self, devices, gradient_sync=sync), gradient_sync=sync,
+                cluster=ClusterPlace(between_graph=True),  # as in TF: each worker runs its own program
             )
         if task_type not in ("chief", "worker"):
             raise ValueError(
@@ -96,8 +104,8 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"distribute coordinator); fix `task.type`"
             )
         task_id = int(task_id or 0)
-        group = form_worker_group(spec, task_type, task_id, devices, self._options,
-                                  environment=self._resolver.environment)
+        group = LazyWorkerGroup(spec, task_type, task_id, devices, self._options,
+                                environment=self._resolver.environment)
         ops = CollectiveAllReduce(devices, group, self._options)
         if len(devices) == 1:
             sync: Any = BucketedGradientSync(group, self._options.bytes_per_pack,
@@ -121,6 +129,10 @@ class MultiWorkerMirroredStrategy(Strategy):
                 task_type=task_type, task_id=task_id,
             ),
         )
+
+
+def _rebuild(resolver: Any, options: Any, devices: Any) -> MultiWorkerMirroredStrategy:
+    return MultiWorkerMirroredStrategy(resolver, options, devices=devices)
 
 
 CollectiveAllReduceStrategy = MultiWorkerMirroredStrategy

@@ -29,6 +29,7 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device: "str | torch.device"):
+        self._init_args = (device,)
         name = canonicalize(device)
         super().__init__(Components(
             devices=(name,), parameter_devices=(name,), cross_device_ops=ReductionToOneDevice(),

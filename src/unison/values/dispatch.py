@@ -42,9 +42,12 @@ def is_mutation(func: Callable[..., Any], args: tuple, kwargs: dict, variable: A
     name = _func_name(func)
     if not (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))):
         return False
-    if not args:
-        return False
-    target = args[0]
+    if args:
+        target = args[0]
+    else:  # nn.init's uniform_/normal_/constant_/kaiming_uniform_ dispatch with `tensor=` as keyword
+        target = next((kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
+        if target is None:
+            return False
     if target is variable:
         return True
     # foreach in-place ops take a list of targets first

@@ -178,8 +178,24 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
     def _cross_replica_value(self) -> torch.Tensor:
         return self
 
+    def _set_grad_everywhere(self, grad: torch.Tensor | None) -> None:
+        """``p.grad = g`` in cross-replica context (``opt.zero_grad()`` between steps): every
+        replica's component gets it (its own copy), else replicas would accumulate onto stale grads."""
+        num_components = 1 + len(self._others)  # CentralVariable: aliases of one storage, one grad each
+        for i in range(num_components):
+            component_grad = grad
+            if grad is not None and i > 0:
+                with torch._C.DisableTorchFunctionSubclass():
+                    component_grad = grad.detach().to(self._component(i).device, copy=True)
+            self._set_component_grad(i, component_grad)
+
     def _cross_replica_op(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        if is_grad_access(func) or not is_mutation(func, args, kwargs, self):
+        if is_grad_access(func):
+            if getattr(func, "__name__", "") == "__set__" and len(args) == 2:
+                self._set_grad_everywhere(args[1])
+                return None
+            return NotImplemented
+        if not is_mutation(func, args, kwargs, self):
             return NotImplemented
         out = call_plain(func, *map_variables((args, kwargs), lambda v: v._resolve_for_read(), DistributedVariable))
         self._broadcast_primary()
