@@ -43,6 +43,11 @@ class PlainVariablePolicy:
             self._gradient_sync.register(chosen)
         return replacement
 
+    def wrap_buffer(self, buffer: torch.Tensor, name: str) -> torch.Tensor | None:
+        """Buffers move to the device, like parameters."""
+        target = torch_device(self._device)
+        return buffer.to(target) if buffer.device != target else None
+
     def create(self, value: torch.Tensor, *, trainable: bool, name: str | None,
                synchronization: VariableSynchronization, aggregation: VariableAggregation) -> torch.Tensor:
         return _plain(value, self._device, trainable)
@@ -78,6 +83,19 @@ class ReplicatedVariablePolicy:
         if self._gradient_sync is not None:
             setattr(variable, SYNC_ATTRIBUTE, self._gradient_sync)
         return variable
+
+    def wrap_buffer(self, buffer: torch.Tensor, name: str) -> torch.Tensor | None:
+        """Several replicas: each gets its own copy of a buffer; a cross-replica read averages.
+
+        Floating buffers (running statistics) read back as the replicas' mean, others
+        (counters) as replica 0's value.
+        """
+        if self._single is not None:
+            return self._single.wrap_buffer(buffer, name)
+        aggregation = (VariableAggregation.MEAN if buffer.is_floating_point()
+                       else VariableAggregation.ONLY_FIRST_REPLICA)
+        return SyncOnReadVariable(buffer.detach().to(torch_device(self._devices[0])), self._strategy,
+                                  self._devices, aggregation, name)
 
     def create(self, value: torch.Tensor, *, trainable: bool, name: str | None,
                synchronization: VariableSynchronization, aggregation: VariableAggregation) -> DistributedVariable:

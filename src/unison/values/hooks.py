@@ -1,8 +1,10 @@
 """Process-wide hooks that make plain PyTorch code distribution-aware.
 
 Two PyTorch extension points are used, installed once on first use of a strategy:
-- a module parameter-registration hook, so parameters of modules built inside
-  ``strategy.scope()`` become distributed variables (or move to the strategy's device);
+- module parameter- and buffer-registration hooks, so parameters of modules built inside
+  ``strategy.scope()`` become distributed variables (or move to the strategy's device)
+  and, with several local replicas, buffers (BatchNorm statistics) become per-replica
+  SyncOnReadVariables instead of tensors that replica threads would update at once;
 - optimizer step pre/post hooks, so ``opt.step()`` on a model of a strategy first
   waits for / performs the gradient aggregation that strategy needs.
 Optimizers whose parameters belong to no strategy pay one attribute lookup per step.
@@ -34,6 +36,20 @@ def _on_parameter_registered(module: nn.Module, name: str, param: Any) -> Any:
     replacement = extended._c.variable_policy.wrap_parameter(param, name)
     tracked = replacement if replacement is not None else param
     extended._track(tracked)
+    return replacement
+
+
+def _on_buffer_registered(module: nn.Module, name: str, buffer: Any) -> Any:
+    entry = STATE.top()
+    if buffer is None or entry is None or entry.replica_context is not None:
+        return None
+    extended = entry.strategy.extended
+    if extended._is_default:
+        return None
+    wrap = getattr(extended._c.variable_policy, "wrap_buffer", None)
+    replacement = wrap(buffer, name) if wrap is not None else None
+    if replacement is not None:
+        extended._track(replacement)
     return replacement
 
 
@@ -69,6 +85,7 @@ class _Installer:
             if self._done:
                 return
             nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
+            nn.modules.module.register_module_buffer_registration_hook(_on_buffer_registered)
             torch_optimizer.register_optimizer_step_pre_hook(_on_step_pre)
             torch_optimizer.register_optimizer_step_post_hook(_on_step_post)
             self._done = True
