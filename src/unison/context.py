@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from unison._state import STATE
 from unison.reduce import ReduceOp
-from unison.values.values import PerReplica, is_distributed
+from unison.values.values import is_distributed
 
 if TYPE_CHECKING:  # pragma: no cover
     from unison.strategies.base import Strategy

@@ -94,9 +94,12 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
 
     def _batch_reduce(self, reduce_op: ReduceOp, pairs: list[tuple[PerReplica, Destinations]]) -> list[Any]:
         results: list[Any] = [None] * len(pairs)
+        # Integer MEAN goes to the fallback too: it divides out of place (a float mean, as
+        # TF's truediv), where the packed all-reduce would divide an integer buffer in place.
         dense = [
             i for i, (v, d) in enumerate(pairs)
             if len(d) == len(v.values) and d == pairs[0][1] and all(c.layout == torch.strided for c in v.values)
+            and (reduce_op is ReduceOp.SUM or all(c.is_floating_point() or c.is_complex() for c in v.values))
         ]
         dense = dense if dense and len(pairs[dense[0]][1]) > 1 else []
         for i, pair in enumerate(pairs):

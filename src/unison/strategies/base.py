@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 
 from unison._state import STATE
 from unison.collectives.base import CrossDeviceOps
-from unison.devices import canonicalize, canonicalize_all, torch_device
+from unison.devices import canonicalize, canonicalize_all
 from unison.reduce import ReduceOp
 from unison.values.values import DistributedValues, Mirrored, PerReplica, is_distributed, regroup, select_replica
 from unison.values.variables import DistributedVariable
@@ -68,7 +67,8 @@ class StrategyExtended:
                 InlineReplicaRunner(strategy) if len(components.devices) == 1
                 else ThreadedReplicaRunner(strategy, components.devices)
             )
-        self._created: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # keyed by id(): tensors compare elementwise, so they cannot be set members
+        self._created: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._pending: list[Any] = []
         self.gradient_reduce_op = ReduceOp.MEAN
 
@@ -85,6 +85,7 @@ class StrategyExtended:
 
     @property
     def cross_device_ops(self) -> CrossDeviceOps:
+        """The algorithm that reduces values across replicas (and workers)."""
         return self._c.cross_device_ops
 
     @property
@@ -120,7 +121,7 @@ class StrategyExtended:
 
     # -- variables --------------------------------------------------------------------
     def _track(self, variable: Any) -> Any:
-        self._created.add(variable)
+        self._created[id(variable)] = variable
         self._pending.append(variable)
         return variable
 
@@ -132,14 +133,11 @@ class StrategyExtended:
 
     def variable_created_in_scope(self, v: Any) -> bool:
         """Whether ``v`` was created inside this strategy's scope."""
-        try:
-            return v in self._created
-        except TypeError:
-            return False
+        return self._created.get(id(v)) is v
 
     def value_container(self, value: Any) -> Any:
         """The distributed variable ``value`` is a component of, else ``value`` itself."""
-        for variable in list(self._created):
+        for variable in list(self._created.values()):
             if variable is value:
                 return variable
             if isinstance(variable, DistributedVariable) and any(c is value for c in variable._others):

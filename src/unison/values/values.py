@@ -28,6 +28,7 @@ class DistributedValues:
 
     @property
     def values(self) -> tuple[Any, ...]:  # pragma: no cover - overridden
+        """The components, one per local replica, in replica order."""
         raise NotImplementedError
 
     def _component_devices(self) -> tuple[Any, ...]:

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from unison.devices import torch_device
-from unison.reduce import ReduceOp
-from unison.values.aggregation import VariableAggregation, VariableSynchronization
+from unison.values.aggregation import VariableAggregation
 from unison.values.dispatch import call_plain, find_variables, is_grad_access, is_mutation, map_variables, replica_of
 from unison.values.values import DistributedValues, PerReplica
 
@@ -59,10 +58,12 @@ class DistributedVariable(DistributedValues):
 
     @property
     def aggregation(self) -> VariableAggregation:
+        """How replica-context writes (mirrored) or cross-replica reads (sync-on-read) combine replicas."""
         return self._aggregation
 
     @property
     def name(self) -> str | None:
+        """The name given at creation, or None."""
         return self._var_name
 
     def _component(self, replica_id: int) -> torch.Tensor:
@@ -210,8 +211,9 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
     def _aggregated_write(self, func: Callable, args: tuple, kwargs: dict, context: Any) -> "MirroredVariable":
         name = getattr(func, "__name__", repr(func))
         if self._aggregation is VariableAggregation.NONE:
+            label = f" {self._var_name!r}" if self._var_name else ""
             raise ValueError(
-                f"in-place `{name}` on MirroredVariable {self._var_name or ''!s} inside a replica: with "
+                f"in-place `{name}` on MirroredVariable{label} inside a replica: with "
                 f"aggregation=VariableAggregation.NONE replicas cannot write it, since their writes "
                 f"would differ; create it with aggregation=SUM, MEAN or ONLY_FIRST_REPLICA, or write "
                 f"it in cross-replica context (merge_call / strategy.extended.update)"
