@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import enum
+from unison._enums import NamedEnum
 
 __all__ = ["ReduceOp"]
 
 
-class ReduceOp(enum.Enum):
+class ReduceOp(NamedEnum):
     """How to combine values across replicas (``tf.distribute.ReduceOp``).
 
     ``SUM`` adds the replicas' values; ``MEAN`` adds and divides by the number of
@@ -19,13 +19,6 @@ class ReduceOp(enum.Enum):
     MEAN = "MEAN"
 
     @classmethod
-    def from_any(cls, value: "ReduceOp | str") -> "ReduceOp":
-        """Returns the member for an enum member or a case-insensitive name."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(
-            f"reduce_op {value!r} is not a ReduceOp: use ReduceOp.SUM, ReduceOp.MEAN "
-            f"or one of the strings 'SUM', 'MEAN' (any case)"
-        )
+    def _argument_name(cls) -> str:
+        return "reduce_op"
+

@@ -32,7 +32,7 @@ def test_reduce_op_from_string_any_case(name, member):
 
 @pytest.mark.parametrize("bad", ["max", "", "avg", 0, None])
 def test_wrong_reduce_op_raises(bad, mirrored2):
-    message = rf"reduce_op {bad!r} is not a ReduceOp: use ReduceOp.SUM, ReduceOp.MEAN"
+    message = rf"reduce_op {bad!r} is not a ReduceOp: use one of SUM, MEAN"
     with pytest.raises(ValueError, match=message):
         ReduceOp.from_any(bad)
     value = PerReplica([torch.ones(1), torch.ones(1)])

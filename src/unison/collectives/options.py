@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
+
+from unison._enums import NamedEnum
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions"]
 
 
-class CommunicationImplementation(enum.Enum):
+class CommunicationImplementation(NamedEnum):
     """Which torch.distributed backend carries cross-process collectives.
 
     ``AUTO``: NCCL when the replicas are CUDA devices and NCCL is available, else gloo.
@@ -20,15 +21,8 @@ class CommunicationImplementation(enum.Enum):
     NCCL = "NCCL"
 
     @classmethod
-    def from_any(cls, value: "CommunicationImplementation | str") -> "CommunicationImplementation":
-        """Returns the member for an enum member or a case-insensitive name."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(
-            f"implementation {value!r} is not a CommunicationImplementation: use AUTO, RING or NCCL"
-        )
+    def _argument_name(cls) -> str:
+        return "implementation"
 
 
 @dataclasses.dataclass(frozen=True)

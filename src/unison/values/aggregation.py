@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import enum
-
+from unison._enums import NamedEnum
 from unison.reduce import ReduceOp
 
 __all__ = ["VariableAggregation", "VariableSynchronization"]
 
 
-class VariableAggregation(enum.Enum):
+class VariableAggregation(NamedEnum):
     """How replica-context writes to a variable are combined (``tf.VariableAggregation``).
 
     ``NONE`` forbids replica-context writes to mirrored variables; ``SUM`` / ``MEAN``
@@ -22,23 +21,15 @@ class VariableAggregation(enum.Enum):
     ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
 
     @classmethod
-    def from_any(cls, value: "VariableAggregation | str") -> "VariableAggregation":
-        """Returns the member for an enum member or a case-insensitive name."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(
-            f"aggregation {value!r} is not a VariableAggregation: use one of "
-            f"{', '.join(cls.__members__)}"
-        )
+    def _argument_name(cls) -> str:
+        return "aggregation"
 
     def reduce_op(self) -> ReduceOp | None:
         """The ReduceOp that implements this aggregation, or None for NONE/ONLY_FIRST_REPLICA."""
         return {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: ReduceOp.MEAN}.get(self)
 
 
-class VariableSynchronization(enum.Enum):
+class VariableSynchronization(NamedEnum):
     """When a distributed variable's components are synchronised (``tf.VariableSynchronization``).
 
     ``AUTO`` and ``ON_WRITE`` give a MirroredVariable (every write reaches every
@@ -53,13 +44,6 @@ class VariableSynchronization(enum.Enum):
     ON_READ = "ON_READ"
 
     @classmethod
-    def from_any(cls, value: "VariableSynchronization | str") -> "VariableSynchronization":
-        """Returns the member for an enum member or a case-insensitive name."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(
-            f"synchronization {value!r} is not a VariableSynchronization: use one of "
-            f"{', '.join(cls.__members__)}"
-        )
+    def _argument_name(cls) -> str:
+        return "synchronization"
+
