@@ -225,3 +225,17 @@ def file_shards_end_together(rank: int, world: int):
         values.append(batch.flatten().tolist())
         strategy.reduce("sum", batch.sum())  # a collective per step: would hang if workers disagreed
     return steps, values
+
+
+def gathers(rank: int, world: int):
+    strategy = strategy_for(rank, world, devices=["cpu:0", "cpu:1"])
+
+    def replica_fn():
+        context = unison.get_replica_context()
+        mine = torch.full((context.replica_id_in_sync_group + 1, 2), float(context.replica_id_in_sync_group))
+        return mine, context.all_gather(torch.tensor([float(context.replica_id_in_sync_group)]), axis=0)
+
+    per_replica, all_gathered = strategy.run(replica_fn)
+    gathered = strategy.gather(per_replica, axis=0)
+    summed = strategy.reduce("sum", per_replica, axis=0)
+    return gathered, [t.tolist() for t in strategy.experimental_local_results(all_gathered)], summed

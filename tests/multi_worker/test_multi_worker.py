@@ -77,3 +77,12 @@ def test_sparse_gradients_travel_by_all_gather():
     reference[[1, 2, 3, 4]] -= 0.5  # each row gets gradient 1 on one worker: mean over 2 workers
     for got in weights:
         assert torch.allclose(got, reference)
+
+
+@pytest.mark.timeout(90)
+def test_gather_and_all_gather_span_every_worker():
+    expected_rows = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(4)])
+    for gathered, all_gathered, summed in run_workers(w.gathers, 2, timeout=60):
+        assert torch.equal(gathered, expected_rows)  # replicas 0..3 of both workers, in order
+        assert all_gathered == [[0.0, 1.0, 2.0, 3.0]] * 2
+        assert torch.equal(summed, expected_rows.sum(dim=0))

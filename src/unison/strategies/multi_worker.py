@@ -15,7 +15,7 @@ from unison.collectives.collective import CollectiveAllReduce
 from unison.collectives.gradient_buckets import BucketedGradientSync
 from unison.collectives.local import select_cross_device_ops
 from unison.collectives.options import CommunicationOptions
-from unison.collectives.process_group import LazyWorkerGroup
+from unison.collectives.process_group import LazyWorkerGroup, choose_backend
 from unison.devices import canonicalize_all, local_devices
 from unison.optim import ReplicaGradientSync
 from unison.strategies.base import ClusterPlace, Components, Strategy, StrategyExtended
@@ -104,6 +104,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"distribute coordinator); fix `task.type`"
             )
         task_id = int(task_id or 0)
+        choose_backend(devices, self._options)  # a backend that cannot run here fails now, not at first use
         group = LazyWorkerGroup(spec, task_type, task_id, devices, self._options,
                                 environment=self._resolver.environment)
         ops = CollectiveAllReduce(devices, group, self._options)
