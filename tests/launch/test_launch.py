@@ -269,3 +269,13 @@ def test_command_line_errors(argv, message, capsys):
         main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_carriage_returns_redraw_in_place_with_the_prefix(tmp_path):
+    script = tmp_path / "progress.py"
+    script.write_text("import sys\nfor i in range(3):\n    sys.stderr.write(f'step {i}\\r')\nsys.stderr.write('done\\n')\n")
+    done = subprocess.run([sys.executable, "-m", "unison.launch", "--workers", "1", str(script)],
+                          capture_output=True, timeout=50)
+    assert done.returncode == 0
+    assert b"[worker:0] step 0\r[worker:0] step 1\r[worker:0] step 2\r[worker:0] done\n" in done.stderr

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -114,21 +115,34 @@ def cluster_environments(
 
 
 class _Pump(threading.Thread):
-    """Copies one pipe to a stream, line by line, each line prefixed with the task."""
+    """Copies one pipe to a stream, each line prefixed with the task.
+
+    A carriage return ends a segment too, and is kept: a progress bar (tqdm) that
+    redraws its line with ``\r`` keeps redrawing it in place, prefix included, instead
+    of piling up into one long line that appears at the end.
+    """
+
+    _SEGMENT_END = re.compile(rb"(?<=\n)|(?<=\r)(?!\n)")
 
     def __init__(self, pipe: IO[bytes], prefix: str, sink: IO[str], lock: threading.Lock):
         super().__init__(name=f"unison-pump-{prefix}", daemon=True)
         self._pipe, self._prefix, self._sink, self._lock = pipe, prefix, sink, lock
 
     def run(self) -> None:
+        pending = b""
         with self._pipe:
-            for raw in iter(self._pipe.readline, b""):
-                line = raw.decode("utf-8", errors="replace")
-                if not line.endswith("\n"):
-                    line += "\n"
-                with self._lock:
-                    self._sink.write(f"{self._prefix} {line}")
-                    self._sink.flush()
+            fd = self._pipe.fileno()
+            while chunk := os.read(fd, 65536):
+                *segments, pending = self._SEGMENT_END.split(pending + chunk)
+                for segment in segments:
+                    self._emit(segment)
+        if pending:
+            self._emit(pending + b"\n")
+
+    def _emit(self, segment: bytes) -> None:
+        with self._lock:
+            self._sink.write(f"{self._prefix} {segment.decode('utf-8', errors='replace')}")
+            self._sink.flush()
 
 
 def _group_alive(pgid: int) -> bool:
