@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from unison._state import STATE
-from unison.values.values import PerReplica
+from unison.values.values import Mirrored, PerReplica
 from unison.values.variables import DistributedVariable
 
 __all__ = ["ReplicaGradientSync"]
@@ -81,7 +81,7 @@ class ReplicaGradientSync:
             return
         reduced = strategy.extended.cross_device_ops.batch_reduce(strategy.extended.gradient_reduce_op, pairs)
         for param, result in zip(targets, reduced):
-            components = result.values if hasattr(result, "values") and not isinstance(result, torch.Tensor) else (result,)
+            components = result.values if isinstance(result, Mirrored) else (result,)
             for i in range(self._num_replicas):
                 param._set_component_grad(i, components[i])
 

@@ -208,9 +208,7 @@ class StrategyExtended:
         return self._broadcast_to(torch.as_tensor(value), devices)
 
     def _broadcast_to(self, tensor: torch.Tensor, destinations: Any) -> Any:
-        devices = destinations if isinstance(destinations, tuple) and all(isinstance(d, str) for d in destinations) \
-            else self._destination_devices(destinations)
-        return self._c.cross_device_ops.broadcast(tensor, devices)
+        return self._c.cross_device_ops.broadcast(tensor, self._destination_devices(destinations))
 
     def _reduce_components(self, reduce_op: ReduceOp, components: Sequence[torch.Tensor]) -> torch.Tensor:
         """Reduces one value's local components (and workers) to a tensor on the first device."""
