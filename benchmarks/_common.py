@@ -6,7 +6,8 @@ import datetime
 import os
 import platform
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

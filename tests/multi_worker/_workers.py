@@ -239,3 +239,18 @@ def gathers(rank: int, world: int):
     gathered = strategy.gather(per_replica, axis=0)
     summed = strategy.reduce("sum", per_replica, axis=0)
     return gathered, [t.tolist() for t in strategy.experimental_local_results(all_gathered)], summed
+
+
+def clipped_training(rank: int, world: int):
+    """Gradients read between backward() and step() are already reduced (clipping works)."""
+    strategy = strategy_for(rank, world, timeout_seconds=20)
+    with strategy.scope():
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    norms = []
+    for x, y in global_batches(steps=5):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], norms

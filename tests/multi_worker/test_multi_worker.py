@@ -86,3 +86,19 @@ def test_gather_and_all_gather_span_every_worker():
         assert torch.equal(gathered, expected_rows)  # replicas 0..3 of both workers, in order
         assert all_gathered == [[0.0, 1.0, 2.0, 3.0]] * 2
         assert torch.equal(summed, expected_rows.sum(dim=0))
+
+
+@pytest.mark.timeout(90)
+def test_gradients_are_reduced_when_backward_returns():
+    model = w.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    want_norms = []
+    for x, y in w.global_batches(steps=5):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        want_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))
+        opt.step()
+    for weights, norms in run_workers(w.clipped_training, 2, timeout=60):
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        for got, want in zip(weights, model.parameters()):
+            assert (got - want.detach()).abs().max().item() <= 1e-6

@@ -5,9 +5,11 @@ registration order (the order backward produces their gradients); a hook after e
 parameter's gradient accumulation counts it in, and when a bucket is complete (and all
 buckets before it were launched, so every worker issues collectives in one order) its
 gradients are copied into one flat buffer and an asynchronous ``all_reduce`` starts
-while backward goes on. ``opt.step()`` launches what is left — zeros for parameters
-that got no gradient this step, so no worker waits for one that never comes — waits,
-and hands each parameter a view of the reduced buffer as its gradient.
+while backward goes on. When the backward pass ends (an autograd engine callback, as
+in DDP) the buckets not yet launched go too — zeros for parameters that got no
+gradient this step, so no worker waits for one that never comes — and each parameter
+gets a view of the reduced buffer as its gradient, before any code after backward()
+(gradient clipping, AMP unscaling) reads it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 @dataclasses.dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
-    offsets: list[int]
+    views: list[torch.Tensor]  # one view of `flat` per parameter, in its shape: made once, reused every step
     flat: torch.Tensor
     ready: int = 0
     work: Any = None
@@ -90,9 +92,10 @@ class BucketedGradientSync:
                     offsets.append(total)
                     total += p.numel()
                 flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
+                views = [flat[o: o + p.numel()].view_as(p) for p, o in zip(members, offsets)]
                 for p in members:
                     self._bucket_of[id(p)] = len(self._buckets)
-                self._buckets.append(_Bucket(members, offsets, flat))
+                self._buckets.append(_Bucket(members, views, flat))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -113,11 +116,15 @@ class BucketedGradientSync:
         bucket = self._buckets[index]
         if bucket.work is not None:
             raise RuntimeError(
-                "a parameter's gradient was computed twice before opt.step(): its all-reduce had already "
-                "started. To accumulate gradients over micro-batches, run all but the last backward inside "
-                "`with strategy.extended.no_sync():`"
+                "a parameter's gradient was computed twice in one backward pass after its all-reduce had "
+                "started (a backward through part of the graph twice?); call backward once per step, and "
+                "accumulate micro-batches with `with strategy.extended.no_sync():`"
             )
-        self._fired = True
+        if not self._fired:
+            self._fired = True
+            # Finish when this backward pass ends, as DDP does: code between backward() and
+            # opt.step() (clip_grad_norm_, GradScaler.unscale_, logging) sees reduced gradients.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if param.grad is not None and param.grad.layout != torch.strided:
             self._sparse.add(id(param))
             reduced = self._sparse_all_reduce(param.grad)
@@ -129,13 +136,18 @@ class BucketedGradientSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         flat = bucket.flat
-        for param, offset in zip(bucket.params, bucket.offsets):
+        # One foreach copy per bucket: with hundreds of small parameters a Python-level
+        # copy_ per gradient costs more than the all-reduce it feeds.
+        targets, sources = [], []
+        for param, view in zip(bucket.params, bucket.views):
             grad = param.grad
-            view = flat[offset: offset + param.numel()]
             if grad is None or id(param) in self._sparse:
                 view.zero_()
             elif grad.data_ptr() != view.data_ptr():
-                view.copy_(grad.reshape(-1))
+                targets.append(view)
+                sources.append(grad)
+        if targets:
+            torch._foreach_copy_(targets, sources)
         if self._reduce_op() is ReduceOp.MEAN:
             flat.div_(self._group.world_size)
         try:
@@ -143,29 +155,38 @@ class BucketedGradientSync:
         except Exception as exc:  # noqa: BLE001
             raise self._group.lost_peer_error("gradient all-reduce", exc) from exc
 
+    def _finish(self) -> None:
+        """Launches what is left, waits for every bucket, and hands out the reduced gradients."""
+        if not self._fired:
+            return
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+        timeout = datetime.timedelta(seconds=self._group.timeout)
+        try:
+            for bucket in self._buckets:
+                try:
+                    bucket.work.wait(timeout)
+                except Exception as exc:  # noqa: BLE001
+                    raise self._group.lost_peer_error("gradient all-reduce", exc) from exc
+                for param, view in zip(bucket.params, bucket.views):
+                    # still the view when zero_grad(set_to_none=False) kept it: setting .grad costs more
+                    if param.grad is not view and id(param) not in self._sparse:
+                        param.grad = view
+        finally:
+            for bucket in self._buckets:
+                bucket.work, bucket.ready = None, 0
+            self._next, self._fired = 0, False
+
     # -- optimizer step ---------------------------------------------------------------
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Refuses a step inside no_sync(); gradients were reduced when backward ended."""
         if not self._enabled:
             raise RuntimeError(
                 "opt.step() inside `no_sync()`: the accumulated gradients were never all-reduced, so workers "
                 "would diverge; leave no_sync() for the last micro-batch's backward, then step"
             )
-        if not self._fired:
-            return None
-        while self._next < len(self._buckets):
-            self._launch(self._buckets[self._next])
-            self._next += 1
-        timeout = datetime.timedelta(seconds=self._group.timeout)
-        for bucket in self._buckets:
-            try:
-                bucket.work.wait(timeout)
-            except Exception as exc:  # noqa: BLE001
-                raise self._group.lost_peer_error("gradient all-reduce", exc) from exc
-            for param, offset in zip(bucket.params, bucket.offsets):
-                if id(param) not in self._sparse:
-                    param.grad = bucket.flat[offset: offset + param.numel()].view_as(param)
-            bucket.work, bucket.ready = None, 0
-        self._next, self._fired = 0, False
+        self._finish()  # normally a no-op: the end-of-backward callback already ran
         return None
 
     def post_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,543 @@
+"""Multi-worker benchmark: plain PyTorch vs DDP vs unison MultiWorkerMirroredStrategy (GitHub issue 4).
+
+One command, one run, three things measured on this machine:
+
+- training throughput (samples/s) with a global batch of 256 and SGD on synthetic data for
+  - W1: an MLP 784-1024-1024-10 (6 gradient tensors, 7.45 MB),
+  - W2: 200 x Linear(64, 64) as residual ``x + 0.1 * tanh(linear(x))`` blocks (400 small gradient tensors),
+  under ``plain`` (1 process, 1 thread, the whole batch), ``ddp`` (2 processes, gloo,
+  ``DistributedDataParallel`` with its defaults) and ``unison`` (2 processes,
+  ``MultiWorkerMirroredStrategy``, a plain ``zero_grad / backward / step`` loop);
+- raw all-reduce of 400 float32 tensors of 16 KB (6.55 MB in all) through unison's packed
+  batch all-reduce -- the public ``strategy.extended.batch_reduce_to`` (which also runs a
+  small layout-check collective per call) and the bare packed path
+  ``CollectiveAllReduce._all_reduce_dense`` -- vs one flat ``dist.all_reduce`` of the same
+  bytes (a reused buffer) vs 400 separate ``dist.all_reduce`` calls; for reference also
+  ``torch.cat`` + one all_reduce + split (the copy any batch all-reduce that returns new
+  tensors makes), the flat buffer as two concurrent halves, and 400 asynchronous calls.
+
+DDP and unison run *interleaved in the same two processes* (one thread each, on a
+2-core machine): both models are built from the same seed, and rounds alternate DDP,
+unison and the plain baseline (which rank 0 runs alone while rank 1 waits at a barrier),
+the order rotating every round, so drift and other load hit every variant alike. Every
+step is timed with ``time.perf_counter``; samples/s = 256 / median step time. The
+unison/DDP ratio is reported from the medians, from the means, and per round.
+After timing, DDP's and unison's weights -- which took the same steps on the same data
+-- are compared (tolerance 1e-5), and the packed all-reduce is checked against the sum.
+
+Targets (issue 4): unison/DDP throughput >= 1.00 on W1 and W2; packed batch all-reduce
+>= 0.85 x the flat single all_reduce and >= 5 x the 400 separate ones. They are reported
+as PASS/FAIL; the exit code is 1 only for a correctness failure (weights differ from
+DDP, or a wrong all-reduce sum), never for a missed performance target.
+
+Writes ``<out>/multi_worker.json`` (all samples, summary, machine) and
+``<out>/multi_worker.png``.
+
+Usage:
+    python benchmarks/multi_worker.py [--steps N] [--rounds R] [--warmup W] [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import describe, machine_info
+from torch import nn
+
+GLOBAL_BATCH = 256
+WORLD_SIZE = 2
+LR = 0.01
+AR_TENSORS, AR_NUMEL = 400, 4096  # 400 x 16 KB of float32
+WEIGHT_TOLERANCE = 1e-5
+TARGET_VS_DDP = 1.00
+TARGET_VS_FLAT = 0.85
+TARGET_VS_SEPARATE = 5.0
+TRAIN_VARIANTS = ("plain", "ddp", "unison")
+AR_VARIANTS = ("unison_batch_reduce_to", "unison_packed", "copy_then_flat", "flat", "flat_halves", "separate",
+               "separate_async")
+AR_SLOW = ("separate", "separate_async")  # ~100x slower: fewer calls per round
+AR_LABELS = {
+    "unison_batch_reduce_to": "unison batch_reduce_to (public)",
+    "unison_packed": "unison packed (_all_reduce_dense)",
+    "copy_then_flat": "cat + all_reduce + split (copy ref)",
+    "flat": "one flat all_reduce",
+    "flat_halves": "flat buffer as 2 concurrent halves",
+    "separate": "400 separate all_reduce",
+    "separate_async": "400 async all_reduce + wait",
+}
+WORKLOADS = {
+    "W1": "MLP 784-1024-1024-10",
+    "W2": "200 x Linear(64, 64), residual",
+}
+
+
+# -- workloads (everything below up to the parent side runs in the worker processes) ---------
+class _LinearStack(nn.Module):
+    """200 Linear(64, 64) layers, each as ``x + 0.1 * tanh(layer(x))``: every layer gets a gradient, none explodes."""
+
+    def __init__(self, depth: int = 200, width: int = 64):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + 0.1 * torch.tanh(layer(x))
+        return x
+
+
+def _make_model(workload: str) -> nn.Module:
+    torch.manual_seed(0)
+    if workload == "W1":
+        return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return _LinearStack()
+
+
+def _make_batches(workload: str, count: int) -> tuple[list, Callable[..., torch.Tensor]]:
+    """``count`` global batches of synthetic data, identical in every process, and the loss."""
+    gen = torch.Generator().manual_seed(1234)
+    if workload == "W1":
+        batches = [(torch.randn(GLOBAL_BATCH, 784, generator=gen), torch.randint(0, 10, (GLOBAL_BATCH,), generator=gen))
+                   for _ in range(count)]
+        return batches, nn.functional.cross_entropy
+    batches = [(torch.randn(GLOBAL_BATCH, 64, generator=gen), torch.randn(GLOBAL_BATCH, 64, generator=gen))
+               for _ in range(count)]
+    return batches, nn.functional.mse_loss
+
+
+def _make_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor]) -> Callable:
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+class _Runner:
+    """A step function, its batches and how many steps it took (so DDP and unison see the same data)."""
+
+    def __init__(self, step: Callable, batches: list):
+        self.step, self.batches, self.taken = step, batches, 0
+
+    def run(self, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            x, y = self.batches[self.taken % len(self.batches)]
+            self.taken += 1
+            start = time.perf_counter()
+            self.step(x, y)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+def _strategy(rank: int, cfg: dict) -> Any:
+    import unison
+
+    spec = unison.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})  # rendezvous via UNISON_RENDEZVOUS
+    options = unison.CommunicationOptions(bytes_per_pack=cfg["bytes_per_pack"], timeout_seconds=cfg["collective_timeout"])
+    return unison.MultiWorkerMirroredStrategy(
+        unison.SimpleClusterResolver(spec, task_type="worker", task_id=rank), communication_options=options
+    )
+
+
+def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
+    # A fresh strategy per workload: its gradient buckets then hold only this model's parameters.
+    strategy = _strategy(rank, cfg)
+    batches, loss_fn = _make_batches(workload, cfg["num_batches"])
+    per = GLOBAL_BATCH // WORLD_SIZE
+    local = [(x[rank * per:(rank + 1) * per].clone(), y[rank * per:(rank + 1) * per].clone()) for x, y in batches]
+
+    with strategy.scope():  # first: leaving the scope forms the process group (unison forms it lazily)
+        unison_model = _make_model(workload)
+        unison_opt = torch.optim.SGD(unison_model.parameters(), lr=LR)
+    ddp_model = nn.parallel.DistributedDataParallel(_make_model(workload))  # on the group unison formed
+    plain_model = _make_model(workload)
+    runners = {
+        "plain": _Runner(_make_step(plain_model, torch.optim.SGD(plain_model.parameters(), lr=LR), loss_fn), batches),
+        "ddp": _Runner(_make_step(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=LR), loss_fn), local),
+        "unison": _Runner(_make_step(unison_model, unison_opt, loss_fn), local),
+    }
+
+    def run(name: str, n: int) -> list[float]:
+        dist.barrier()
+        if name == "plain" and rank != 0:
+            return []  # rank 1 idles at the next barrier while rank 0 runs the 1-process baseline
+        return runners[name].run(n)
+
+    for name in TRAIN_VARIANTS:
+        run(name, cfg["warmup"])
+    samples: dict[str, list[list[float]]] = {name: [] for name in TRAIN_VARIANTS}
+    for r in range(cfg["rounds"]):
+        order = TRAIN_VARIANTS[r % 3:] + TRAIN_VARIANTS[:r % 3]
+        if r % 2:  # alternate which of ddp/unison comes first, too
+            order = tuple(reversed(order))
+        for name in order:
+            samples[name].append(run(name, cfg["steps"]))
+    dist.barrier()
+
+    with torch.no_grad():
+        ddp_params = list(ddp_model.module.parameters())
+        unison_params = list(unison_model.parameters())
+        weight_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, unison_params))
+        plain_diff = max((a - b).abs().max().item() for a, b in zip(plain_model.parameters(), ddp_params)) \
+            if rank == 0 else None
+    return {
+        "samples": samples,
+        "steps_taken": {name: runner.taken for name, runner in runners.items()},
+        "max_abs_weight_diff_unison_vs_ddp": weight_diff,
+        "max_abs_weight_diff_plain_vs_ddp": plain_diff,
+        "num_gradient_tensors": len(unison_params),
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in unison_params),
+    }
+
+
+def _all_reduce(rank: int, cfg: dict) -> dict[str, Any]:
+    import unison
+    from unison import PerReplica, ReduceOp
+
+    strategy = _strategy(rank, cfg)
+    extended = strategy.extended
+    ops = extended.cross_device_ops
+
+    def inputs(r: int) -> list[torch.Tensor]:
+        return [torch.randn(AR_NUMEL, generator=torch.Generator().manual_seed(1000 * r + i)) for i in range(AR_TENSORS)]
+
+    tensors = inputs(rank)
+    expected = [sum(parts) for parts in zip(*(inputs(r) for r in range(WORLD_SIZE)))]
+    pairs = [(PerReplica([t]), "cpu:0") for t in tensors]
+    # Zeros for the in-place baselines: their values then stay finite however often they are summed.
+    flat = torch.zeros(AR_TENSORS * AR_NUMEL)
+    separate = [torch.zeros(AR_NUMEL) for _ in range(AR_TENSORS)]
+
+    def run_separate_async() -> None:
+        works = [dist.all_reduce(t, async_op=True) for t in separate]
+        for work in works:
+            work.wait()
+
+    def copy_then_flat() -> list[torch.Tensor]:
+        # What a batch all-reduce that leaves its inputs untouched and returns 400 tensors
+        # does at the least with one collective: copy into a new buffer, reduce it, cut it.
+        pack = torch.cat(tensors)
+        dist.all_reduce(pack)
+        return list(pack.split(AR_NUMEL))
+
+    def flat_halves() -> None:
+        # gloo runs collectives on two worker threads: how much two concurrent halves gain
+        # over one all_reduce of the same buffer (unison's packed path sends one).
+        works = [dist.all_reduce(half, async_op=True) for half in flat.chunk(2)]
+        for work in works:
+            work.wait()
+
+    def run_separate() -> None:
+        for t in separate:
+            dist.all_reduce(t)
+
+    calls: dict[str, Callable[[], Any]] = {
+        "unison_batch_reduce_to": lambda: extended.batch_reduce_to(ReduceOp.SUM, pairs),
+        "unison_packed": lambda: ops._all_reduce_dense(tensors),
+        "copy_then_flat": copy_then_flat,
+        "flat": lambda: dist.all_reduce(flat),
+        "flat_halves": flat_halves,
+        "separate": run_separate,
+        "separate_async": run_separate_async,
+    }
+
+    # Correctness first: both unison paths must give the plain sum.
+    errors = {}
+    for name in ("unison_batch_reduce_to", "unison_packed"):
+        out = calls[name]()
+        errors[name] = max((o - e).abs().max().item() for o, e in zip(out, expected))
+
+    def timed(name: str, n: int) -> list[float]:
+        dist.barrier()
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            calls[name]()
+            times.append(time.perf_counter() - start)
+        return times
+
+    def n_calls(name: str, n: int) -> int:
+        return max(1, n // 5) if name in AR_SLOW else n
+
+    for name in AR_VARIANTS:
+        timed(name, n_calls(name, cfg["ar_warmup"]))
+    samples: dict[str, list[list[float]]] = {name: [] for name in AR_VARIANTS}
+    for r in range(cfg["ar_rounds"]):
+        order = AR_VARIANTS[r % len(AR_VARIANTS):] + AR_VARIANTS[:r % len(AR_VARIANTS)]
+        for name in order:
+            samples[name].append(timed(name, n_calls(name, cfg["ar_calls"])))
+    dist.barrier()
+    return {"samples": samples, "max_abs_error_vs_sum": errors, "version": unison.__version__}
+
+
+def _worker(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
+    torch.set_num_threads(1)  # two processes on two cores
+    if world_size != WORLD_SIZE:
+        raise ValueError(f"the benchmark runs {WORLD_SIZE} workers, got world_size={world_size}")
+    result: dict[str, Any] = {"train": {}}
+    for workload in cfg["workloads"]:
+        result["train"][workload] = _train(rank, workload, cfg)
+    result["all_reduce"] = _all_reduce(rank, cfg)
+    return result
+
+
+# -- parent side -------------------------------------------------------------------------------
+def _flatten(rounds: list[list[float]]) -> list[float]:
+    return [t for r in rounds for t in r]
+
+
+def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
+    """Samples/s, ratios and checks from rank 0's timings (both ranks' correctness checks)."""
+    rank0 = results[0]
+    train: dict[str, Any] = {}
+    for workload in cfg["workloads"]:
+        data = rank0["train"][workload]
+        rows = {}
+        for name in TRAIN_VARIANTS:
+            step = describe(_flatten(data["samples"][name]))
+            rows[name] = {
+                "median_step_ms": step["median"] * 1e3,
+                "mean_step_ms": step["mean"] * 1e3,
+                "samples_per_s": GLOBAL_BATCH / step["median"],
+                "samples_per_s_from_mean": GLOBAL_BATCH / step["mean"],
+                "steps_timed": step["n"],
+            }
+        # Round-wise ratio: per round, DDP's median step time over unison's (> 1: unison faster).
+        round_ratios = [statistics.median(d) / statistics.median(u)
+                        for d, u in zip(data["samples"]["ddp"], data["samples"]["unison"])]
+        weight_diff = max(r["train"][workload]["max_abs_weight_diff_unison_vs_ddp"] for r in results)
+        ratio = rows["unison"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
+        train[workload] = {
+            "model": WORKLOADS[workload],
+            "num_gradient_tensors": data["num_gradient_tensors"],
+            "gradient_bytes": data["gradient_bytes"],
+            "variants": rows,
+            "unison_vs_ddp": ratio,
+            "unison_vs_ddp_from_mean": rows["unison"]["samples_per_s_from_mean"] / rows["ddp"]["samples_per_s_from_mean"],
+            "unison_vs_ddp_round_ratios": round_ratios,
+            "unison_vs_ddp_round_ratio_summary": describe(round_ratios),
+            "ddp_scaling_vs_plain": rows["ddp"]["samples_per_s"] / rows["plain"]["samples_per_s"],
+            "unison_scaling_vs_plain": rows["unison"]["samples_per_s"] / rows["plain"]["samples_per_s"],
+            "target": TARGET_VS_DDP,
+            "pass": ratio >= TARGET_VS_DDP,
+            "max_abs_weight_diff_unison_vs_ddp": weight_diff,
+            "weights_match_ddp": weight_diff <= WEIGHT_TOLERANCE,
+            "max_abs_weight_diff_plain_vs_ddp": data["max_abs_weight_diff_plain_vs_ddp"],
+            "steps_taken": data["steps_taken"],
+        }
+
+    nbytes = AR_TENSORS * AR_NUMEL * 4
+    ar = rank0["all_reduce"]
+    medians = {name: statistics.median(_flatten(ar["samples"][name])) for name in AR_VARIANTS}
+    rows = {}
+    for name in AR_VARIANTS:
+        call = describe(_flatten(ar["samples"][name]))
+        rows[name] = {
+            "label": AR_LABELS[name],
+            "median_ms": call["median"] * 1e3,
+            "mean_ms": call["mean"] * 1e3,
+            "gb_per_s": nbytes / call["median"] / 1e9,
+            "vs_flat": medians["flat"] / call["median"],
+            "vs_separate": medians["separate"] / call["median"],
+            "vs_copy_then_flat": medians["copy_then_flat"] / call["median"],
+            "calls_timed": call["n"],
+        }
+        if name.startswith("unison"):
+            rows[name]["pass_vs_flat"] = rows[name]["vs_flat"] >= TARGET_VS_FLAT
+            rows[name]["pass_vs_separate"] = rows[name]["vs_separate"] >= TARGET_VS_SEPARATE
+    errors = {name: max(r["all_reduce"]["max_abs_error_vs_sum"][name] for r in results)
+              for name in ("unison_batch_reduce_to", "unison_packed")}
+    return {
+        "train": train,
+        "all_reduce": {
+            "tensors": AR_TENSORS, "bytes_per_tensor": AR_NUMEL * 4, "total_bytes": nbytes,
+            "variants": rows,
+            "max_abs_error_vs_sum": errors,
+            "sum_correct": all(e <= 1e-4 for e in errors.values()),
+            "targets": {"vs_flat": TARGET_VS_FLAT, "vs_separate": TARGET_VS_SEPARATE},
+        },
+    }
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def format_tables(summary: dict[str, Any]) -> str:
+    lines = [
+        f"Training, global batch {GLOBAL_BATCH}, SGD, synthetic data; samples/s = {GLOBAL_BATCH} / median step time",
+        "(plain: 1 process x 1 thread; ddp, unison: 2 processes x 1 thread, gloo, interleaved in the same processes)",
+        (f"{'workload':<8} {'plain':>8} {'ddp':>8} {'unison':>8} {'unison/ddp':>10} {'(mean)':>7} "
+         f"{'rounds min..max':>15} {'ddp/plain':>9} {'unison/plain':>12} {'target':>7} {'result':>6}"),
+    ]
+    for workload, row in summary["train"].items():
+        v, rr = row["variants"], row["unison_vs_ddp_round_ratio_summary"]
+        lines.append(
+            f"{workload:<8} {v['plain']['samples_per_s']:>8.0f} {v['ddp']['samples_per_s']:>8.0f} "
+            f"{v['unison']['samples_per_s']:>8.0f} {row['unison_vs_ddp']:>10.3f} {row['unison_vs_ddp_from_mean']:>7.3f} "
+            f"{rr['min']:>7.3f}..{rr['max']:<7.3f} {row['ddp_scaling_vs_plain']:>9.2f} {row['unison_scaling_vs_plain']:>12.2f} "
+            f"{'>=' + format(row['target'], '.2f'):>7} {_verdict(row['pass']):>6}"
+        )
+    for workload, row in summary["train"].items():
+        lines.append(
+            f"{workload}: weights match DDP: {'yes' if row['weights_match_ddp'] else 'no'} "
+            f"(max |diff| {row['max_abs_weight_diff_unison_vs_ddp']:.2e} after {row['steps_taken']['unison']} "
+            f"identical steps; plain vs DDP {row['max_abs_weight_diff_plain_vs_ddp']:.2e})"
+        )
+    ar = summary["all_reduce"]
+    lines += [
+        "",
+        (f"All-reduce of {ar['tensors']} float32 tensors of {ar['bytes_per_tensor'] // 1024} KB "
+         f"({ar['total_bytes'] / 1e6:.2f} MB), 2 processes, gloo; GB/s = bytes / median call time"),
+        (f"{'variant':<36} {'median ms':>9} {'GB/s':>7} {'x flat':>7} {'x separate':>10} {'x copy ref':>10}  "
+         f"targets (>= {TARGET_VS_FLAT} flat, >= {TARGET_VS_SEPARATE:g} separate)"),
+    ]
+    for row in ar["variants"].values():
+        verdict = ""
+        if "pass_vs_flat" in row:
+            verdict = f"{_verdict(row['pass_vs_flat'])}, {_verdict(row['pass_vs_separate'])}"
+        lines.append(
+            f"{row['label']:<36} {row['median_ms']:>9.3f} {row['gb_per_s']:>7.3f} {row['vs_flat']:>7.3f} "
+            f"{row['vs_separate']:>10.2f} {row['vs_copy_then_flat']:>10.3f}  {verdict}"
+        )
+    errs = ar["max_abs_error_vs_sum"]
+    lines.append(
+        f"packed result equals the sum: {'yes' if ar['sum_correct'] else 'no'} "
+        f"(max |error| public {errs['unison_batch_reduce_to']:.1e}, packed {errs['unison_packed']:.1e})"
+    )
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is the `bench` extra
+        print("matplotlib is not installed (pip install unison[bench]): no chart written", file=sys.stderr)
+        return False
+    colors = {"plain": "#888888", "ddp": "#ee7733", "unison": "#4477aa"}
+    workloads = list(summary["train"])
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, workload in zip(axes[0], workloads):
+        row = summary["train"][workload]
+        values = [row["variants"][n]["samples_per_s"] for n in TRAIN_VARIANTS]
+        bars = ax.bar(["plain\n1 proc", "DDP\n2 procs", "unison MWMS\n2 procs"], values,
+                      color=[colors[n] for n in TRAIN_VARIANTS])
+        notes = [f"{v:.0f}" for v in values]
+        notes[2] += f"\n{row['unison_vs_ddp']:.3f}x DDP"
+        for bar, note in zip(bars, notes):
+            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
+        ax.set_ylim(0, max(values) * 1.25)
+        ax.set_ylabel("samples/s (median step)")
+        ax.set_title(f"{workload}: {row['model']}\n({row['num_gradient_tensors']} gradient tensors, "
+                     f"{row['gradient_bytes'] / 1e6:.2f} MB)", fontsize=10)
+
+    ax = axes[1][0]
+    for i, workload in enumerate(workloads):
+        ratios = summary["train"][workload]["unison_vs_ddp_round_ratios"]
+        ax.scatter([i + (j - len(ratios) / 2) * 0.02 for j in range(len(ratios))], ratios, s=18,
+                   color=colors["unison"], alpha=0.7)
+        ax.hlines(summary["train"][workload]["unison_vs_ddp"], i - 0.25, i + 0.25, color="black", linewidth=2)
+    ax.axhline(TARGET_VS_DDP, color="#cc3311", linestyle="--", linewidth=1, label=f"target {TARGET_VS_DDP:.2f}")
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_xlim(-0.6, len(workloads) - 0.4)
+    ax.set_ylabel("unison / DDP throughput")
+    ax.set_title("unison / DDP per round (dots), overall median (bar)", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+
+    ax = axes[1][1]
+    ar = summary["all_reduce"]["variants"]
+    names = list(ar)
+    values = [ar[n]["gb_per_s"] for n in names]
+    bars = ax.barh(range(len(names)), values,
+                   color=["#4477aa", "#66ccee", "#999933", "#228833", "#117733", "#cc3311", "#ee6677"][: len(names)])
+    for bar, name in zip(bars, names):
+        ax.annotate(f" {ar[name]['gb_per_s']:.2f} GB/s, {ar[name]['vs_flat']:.2f}x flat",
+                    (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
+    ax.axvline(ar["flat"]["gb_per_s"] * TARGET_VS_FLAT, color="#cc3311", linestyle="--", linewidth=1,
+               label=f"target: {TARGET_VS_FLAT} x one flat all_reduce")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_yticks(range(len(names)), [ar[n]["label"] for n in names], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(values) * 1.7)
+    ax.set_xlabel("GB/s (6.55 MB / median call time)")
+    ax.set_title("all-reduce of 400 x 16 KB float32, 2 processes, gloo", fontsize=10)
+
+    fig.suptitle(f"unison MultiWorkerMirroredStrategy vs DDP vs plain PyTorch -- {machine['cpu_model']}, "
+                 f"{machine['usable_cores']} cores, torch {machine['torch']}, {machine['date'][:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant per round (default 10)")
+    parser.add_argument("--rounds", type=int, default=24, help="interleaved rounds (default 24)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per variant first (default 10)")
+    parser.add_argument("--ar-calls", type=int, default=10,
+                        help="timed all-reduce calls per variant per round (default 10; a fifth for the 400-call variants)")
+    parser.add_argument("--ar-rounds", type=int, default=16, help="interleaved all-reduce rounds (default 16)")
+    parser.add_argument("--bytes-per-pack", type=int, default=0,
+                        help="CommunicationOptions.bytes_per_pack for unison (default 0: unison's defaults)")
+    parser.add_argument("--quick", action="store_true", help="smoke mode: a few steps and calls (well under 60 s)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out",
+                        help="output folder (default benchmarks/out)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.rounds, args.warmup, args.ar_calls, args.ar_rounds = 3, 2, 2, 2, 2
+    cfg = {
+        "workloads": list(WORKLOADS), "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+        "num_batches": 8, "ar_calls": args.ar_calls, "ar_rounds": args.ar_rounds, "ar_warmup": 5,
+        "bytes_per_pack": args.bytes_per_pack, "collective_timeout": 120.0,
+    }
+    from unison._testing import run_workers
+
+    machine = machine_info()  # before the run: the load average then says what else was running
+    start = time.perf_counter()
+    results = run_workers(_worker, WORLD_SIZE, args=(cfg,), timeout=1800.0)
+    elapsed = time.perf_counter() - start
+    summary = summarize(results, cfg)
+    print(format_tables(summary))
+    print(f"({elapsed:.0f} s; {machine['cpu_model']}, {machine['usable_cores']} usable cores, "
+          f"load average before {machine['load_average_1_5_15']}, torch {machine['torch']})")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "benchmark": "multi_worker",
+        "command": "python benchmarks/multi_worker.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "config": {**cfg, "global_batch": GLOBAL_BATCH, "world_size": WORLD_SIZE, "optimizer": f"SGD(lr={LR})",
+                   "threads_per_process": 1},
+        "summary": summary,
+        "samples_rank0_s": {
+            "train": {w: results[0]["train"][w]["samples"] for w in cfg["workloads"]},
+            "all_reduce": results[0]["all_reduce"]["samples"],
+        },
+        "elapsed_s": elapsed,
+        "machine": machine,
+    }
+    json_path = args.out / "multi_worker.json"
+    json_path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {json_path}")
+    png_path = args.out / "multi_worker.png"
+    if plot(summary, png_path, machine):
+        print(f"wrote {png_path}")
+    correct = all(row["weights_match_ddp"] for row in summary["train"].values()) and summary["all_reduce"]["sum_correct"]
+    return 0 if correct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
