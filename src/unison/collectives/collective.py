@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from unison.collectives.base import CrossDeviceOps, Destinations, to_destinations
 from unison.collectives.options import CommunicationOptions
-from unison.collectives.packing import TensorPacker, group_by_size
+from unison.collectives.packing import TensorPacker
 from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
 from unison.devices import canonicalize_all, torch_device
 from unison.errors import CollectiveMismatchError
@@ -136,45 +136,21 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _all_reduce_dense(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if not tensors:
             return []
-        # TensorPacker(bytes_per_pack=...)'s packing -- one dtype per pack, reverse order, fresh
-        # buffers -- done inline with whole-list operations: for hundreds of small tensors its
-        # per-tensor checks, planning and views cost a third of the all-reduce itself.
         device, group = self._comm_device, self._group  # properties: read once, not per tensor
         on_device = device.type == "cpu" and not any(t.is_cuda for t in tensors)
         moved = tensors if on_device else [t.to(device) for t in tensors]
-        backwards = list(range(len(moved) - 1, -1, -1))  # the last gradients computed travel first
-        if len({t.dtype for t in moved}) == 1:
-            by_dtype = [backwards]
-        else:
-            kinds: dict[torch.dtype, list[int]] = {}
-            for i in backwards:
-                kinds.setdefault(moved[i].dtype, []).append(i)
-            by_dtype = list(kinds.values())
-        bytes_per_pack = self._options.bytes_per_pack
-        segments: list[tuple[list[int], torch.Tensor]] = []
-        for indices in by_dtype:
-            groups = [indices] if bytes_per_pack <= 0 else [
-                [indices[g] for g in members] for members in group_by_size([moved[i] for i in indices], bytes_per_pack)
-            ]
-            for members in groups:
-                parts = [moved[i] if moved[i].dim() == 1 else moved[i].reshape(-1) for i in members]
-                segments.append((members, torch.cat(parts)))  # always a new buffer: inputs stay untouched
+        packer = TensorPacker(bytes_per_pack=self._options.bytes_per_pack)
+        packs = packer.pack([moved[::-1]])[0]  # reversed: the last gradients computed travel first
         works = []
-        for _, pack in segments:
+        for pack in packs:
             try:
                 works.append(dist.all_reduce(pack, group=group.group, async_op=True))
             except Exception as exc:  # noqa: BLE001
                 raise group.lost_peer_error("batch all-reduce", exc) from exc
         for work in works:
             self._wait(work, "batch all-reduce")
-        out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-        for members, pack in segments:
-            for i, piece in zip(members, pack.split([moved[i].numel() for i in members])):
-                tensor = tensors[i]
-                if tensor.dim() != 1:
-                    piece = piece.view(tensor.shape)
-                out[i] = piece if on_device else piece.to(tensor.device)
-        return out
+        reduced = packer.unpack([packs])[0][::-1]
+        return reduced if on_device else [r.to(t.device) for r, t in zip(reduced, tensors)]
 
     def _all_gather_varying(self, tensor: torch.Tensor, operation: str) -> list[torch.Tensor]:
         """All-gathers tensors whose first dimension differs between workers."""

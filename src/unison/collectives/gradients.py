@@ -57,6 +57,8 @@ def _check_grads(all_grads: Any, name: str = "all_grads") -> tuple[int, int]:
             if not isinstance(g, torch.Tensor):
                 hint = " (filter out variables without a gradient on every device first)" if g is None else ""
                 raise TypeError(f"`{name}[{k}][{n}]` must be a torch.Tensor, got {type(g).__name__}{hint}")
+            if k == 0:
+                continue  # device 0 is what the others are compared with
             first = all_grads[0][n]
             if g.shape != first.shape or g.dtype != first.dtype:
                 raise ValueError(

@@ -244,7 +244,9 @@ class TensorPacker:
                 total = sum(tensors[i].numel() for i in indices)
                 segments.append((indices, split_sizes(total, self._count)))
                 continue
-            for group in group_by_size([tensors[i] for i in indices], self._count):
+            groups = [list(range(len(indices)))] if self._count <= 0 else group_by_size(
+                [tensors[i] for i in indices], self._count)
+            for group in groups:
                 members = [indices[g] for g in group]
                 segments.append((members, [sum(tensors[i].numel() for i in members)]))
         return segments
@@ -266,7 +268,8 @@ class TensorPacker:
                 if splits is None:
                     packs.append(tensors[indices[0]])
                     continue
-                flat = flatten_tensors([tensors[i] for i in indices])
+                # grouped by dtype in _plan, and torch.cat refuses mixed devices: no per-tensor checks
+                flat = torch.cat([tensors[i] if tensors[i].dim() == 1 else tensors[i].reshape(-1) for i in indices])
                 packs.extend(flat.split(splits) if len(splits) > 1 else [flat])
             out.append(packs)
         return out
@@ -301,8 +304,9 @@ class TensorPacker:
                     tensors[indices[0]] = chunk[0].reshape(self._shapes[indices[0]])
                     continue
                 flat = chunk[0] if count == 1 else torch.cat(chunk)
-                for i, view in zip(indices, unflatten_tensors(flat, [self._shapes[i] for i in indices])):
-                    tensors[i] = view
+                shapes = [self._shapes[i] for i in indices]
+                for i, shape, piece in zip(indices, shapes, flat.split([shape.numel() for shape in shapes])):
+                    tensors[i] = piece if len(shape) == 1 else piece.view(shape)
             out.append([tensors[i] for i in range(len(self._shapes))])
         return out
 
