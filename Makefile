@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP_INSTALL = $(PYTHON) -m pip install --disable-pip-version-check --quiet
 WORKERS ?= 2
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test typecheck bench clean
 
 install:
 	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,examples,bench]"
@@ -15,6 +15,10 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+typecheck: install
+	$(PIP_INSTALL) mypy
+	$(PYTHON) -m mypy src/unison --ignore-missing-imports
 
 bench: install
 	$(PYTHON) benchmarks/fast_path.py

@@ -30,12 +30,14 @@ def canonicalize(device: "str | torch.device") -> str:
     Raises:
         ValueError: if the string is not a device name of a supported kind.
     """
+    kind: str | None
+    index: int | None
     if isinstance(device, torch.device):
         kind, index = device.type, device.index
     elif isinstance(device, str):
         match = _TF_FORM.match(device.strip())
         kind = match.group("kind").lower() if match else None
-        if kind not in _KINDS:
+        if match is None or kind not in _KINDS:
             raise ValueError(
                 f"device {device!r} is not a device name: use 'cpu:K' or 'cuda:K' "
                 f"(PyTorch form) or 'CPU:K' / 'GPU:K' / '/device:GPU:K' (TensorFlow form)"

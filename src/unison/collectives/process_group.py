@@ -57,7 +57,7 @@ def choose_backend(devices: Sequence[str], options: CommunicationOptions) -> str
 class WorkerGroup:
     """The workers' process group and what is needed to explain its failures."""
 
-    group: dist.ProcessGroup
+    group: "dist.ProcessGroup | None"  # None: the default group
     store: dist.Store | None
     rank: int
     world_size: int

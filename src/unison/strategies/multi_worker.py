@@ -90,6 +90,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _components(self, cluster_spec: Any, task_type: str | None, task_id: int | None) -> Components:
         spec = normalize_cluster_spec(cluster_spec)
         devices = self._devices
+        sync: Any
         if not spec:
             sync = ReplicaGradientSync(self, len(devices)) if len(devices) > 1 else None
             return Components(
@@ -109,7 +110,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                                 environment=self._resolver.environment)
         ops = CollectiveAllReduce(devices, group, self._options)
         if len(devices) == 1:
-            sync: Any = BucketedGradientSync(group, self._options.bytes_per_pack,
+            sync = BucketedGradientSync(group, self._options.bytes_per_pack,
                                              lambda: self.extended.gradient_reduce_op, ops._all_reduce_sparse)
         else:
             sync = ReplicaGradientSync(self, len(devices))

@@ -1,3 +1,6 @@
+# mypy: disable-error-code="attr-defined,misc,override"
+# (The classes below are torch.Tensor subclasses built from a mixin: the mixin uses tensor
+# methods mypy cannot see on it, and `values` / `__repr__` deliberately replace Tensor's.)
 """Distributed variables: MirroredVariable and SyncOnReadVariable.
 
 Both are tensor subclasses whose own storage is component 0 (on the first device);
@@ -8,7 +11,7 @@ built inside ``strategy.scope()`` runs unchanged in every replica thread.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch import nn
@@ -67,7 +70,7 @@ class DistributedVariable(DistributedValues):
         return self._var_name
 
     def _component(self, replica_id: int) -> torch.Tensor:
-        return self if replica_id == 0 else self._others[replica_id - 1]
+        return cast(torch.Tensor, self) if replica_id == 0 else self._others[replica_id - 1]
 
     def _component_grad(self, replica_id: int) -> torch.Tensor | None:
         with torch._C.DisableTorchFunctionSubclass():
@@ -81,7 +84,7 @@ class DistributedVariable(DistributedValues):
         """Copies component 0 into every other component."""
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             for other in self._others:
-                other.copy_(self)
+                other.copy_(cast(torch.Tensor, self))
 
     # -- TF-style writes ----------------------------------------------------------------
     def assign(self, value: Any) -> "DistributedVariable":
