@@ -13,7 +13,7 @@ import abc
 
 from unison.cluster.spec import ClusterSpec
 
-__all__ = ["ClusterResolver", "format_master_url"]
+__all__ = ["ClusterResolver", "format_master_url", "task_master_url"]
 
 
 def format_master_url(address: str, rpc_layer: "str | None" = None) -> str:
@@ -23,6 +23,20 @@ def format_master_url(address: str, rpc_layer: "str | None" = None) -> str:
     ``torch.distributed`` ``init_method``.
     """
     return f"{rpc_layer}://{address}" if rpc_layer else address
+
+
+def task_master_url(resolver: "ClusterResolver", task_type: "str | None", task_id: "int | None",
+                    rpc_layer: "str | None") -> str:
+    """The master URL of a task of ``resolver``'s cluster, by default its own task.
+
+    The shared body of the resolvers' ``master()``: "" when no task is known.
+    """
+    task_type = task_type if task_type is not None else resolver.task_type
+    task_id = task_id if task_id is not None else resolver.task_id
+    if task_type is None or task_id is None:
+        return ""
+    address = resolver.cluster_spec().task_address(task_type, task_id)
+    return format_master_url(address, rpc_layer or resolver.rpc_layer)
 
 
 class ClusterResolver(abc.ABC):

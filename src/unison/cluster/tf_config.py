@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from unison import devices
 from unison.cluster import env, multi_worker_util
-from unison.cluster.base import ClusterResolver, format_master_url
+from unison.cluster.base import ClusterResolver, task_master_url
 from unison.cluster.spec import ClusterSpec
 
 __all__ = ["TFConfig", "parse_tf_config", "read_tf_config", "TFConfigClusterResolver"]
@@ -225,9 +225,4 @@ class TFConfigClusterResolver(ClusterResolver):
         task_id: "int | None" = None,
         rpc_layer: "str | None" = None,
     ) -> str:
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        if task_type is None or task_id is None:
-            return ""
-        address = self.cluster_spec().task_address(task_type, task_id)
-        return format_master_url(address, rpc_layer or self.rpc_layer)
+        return task_master_url(self, task_type, task_id, rpc_layer)

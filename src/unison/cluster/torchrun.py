@@ -14,7 +14,7 @@ import os
 from typing import Mapping
 
 from unison import devices
-from unison.cluster.base import ClusterResolver, format_master_url
+from unison.cluster.base import ClusterResolver, task_master_url
 from unison.cluster.spec import ClusterSpec, split_address
 
 __all__ = ["TorchrunClusterResolver", "TORCHRUN_VARIABLES"]
@@ -125,7 +125,4 @@ class TorchrunClusterResolver(ClusterResolver):
         task_id: "int | None" = None,
         rpc_layer: "str | None" = None,
     ) -> str:
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        address = self.cluster_spec().task_address(task_type, task_id)
-        return format_master_url(address, rpc_layer or self._rpc_layer)
+        return task_master_url(self, task_type, task_id, rpc_layer)
