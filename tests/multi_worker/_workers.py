@@ -254,3 +254,18 @@ def clipped_training(rank: int, world: int):
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))
         opt.step()
     return [p.detach().clone() for p in model.parameters()], norms
+
+
+class _Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("noise", torch.randn(3))
+
+
+def buffers_from_chief(rank: int, world: int):
+    torch.manual_seed(10 + rank)
+    strategy = strategy_for(rank, world)
+    with strategy.scope():
+        module = _Noisy()
+    torch.manual_seed(10)
+    return module.noise.clone(), torch.randn(3)

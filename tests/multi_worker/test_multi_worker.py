@@ -102,3 +102,9 @@ def test_gradients_are_reduced_when_backward_returns():
         assert norms == pytest.approx(want_norms, rel=1e-5)
         for got, want in zip(weights, model.parameters()):
             assert (got - want.detach()).abs().max().item() <= 1e-6
+
+
+@pytest.mark.timeout(90)
+def test_buffers_start_from_the_chiefs_values():
+    for noise, chiefs in run_workers(w.buffers_from_chief, 2, timeout=60):
+        assert torch.equal(noise, chiefs)

@@ -48,8 +48,8 @@ def _on_buffer_registered(module: nn.Module, name: str, buffer: Any) -> Any:
         return None
     wrap = getattr(extended._c.variable_policy, "wrap_buffer", None)
     replacement = wrap(buffer, name) if wrap is not None else None
-    if replacement is not None:
-        extended._track(replacement)
+    # tracked like parameters: across workers they start from the chief's values too
+    extended._track(replacement if replacement is not None else buffer)
     return replacement
 
 
