@@ -43,6 +43,9 @@ class ReplicaContext:
         self._local_replica_id = local_replica_id
         self._merge = merge
         self._local_writes = 0  # > 0 while an optimizer step writes this replica's own components
+        self._no_sync = 0  # > 0 inside strategy.extended.no_sync(): backward passes do not reduce
+        self._backward_sync_queued = False  # an end-of-backward reduction is queued
+        self._grads_reduced = False  # a backward pass reduced the gradients since the last step
 
     @property
     def strategy(self) -> "Strategy":

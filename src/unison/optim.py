@@ -1,10 +1,13 @@
-"""Optimizer integration: plain ``opt.step()`` under several local replicas.
+"""Optimizer integration: plain ``backward()`` and ``opt.step()`` under several local replicas.
 
-Each replica thread runs ``loss.backward()`` on its own components, then calls
-``opt.step()``. The step pre-hook makes that call a merge point: once every replica
-arrived, the gradients of each variable are reduced across replicas (mean by
-default, ``strategy.extended.gradient_reduce_op``) and written back to every
-component. Replica 0 then runs the user's optimizer on component 0 (so its state and
+Each replica thread runs ``loss.backward()`` on its own components. When a replica's
+backward pass ends (an autograd engine callback, queued by a hook on the first
+gradient that arrives) it joins a merge: once every replica's backward ended, the
+gradients of each variable are reduced across replicas (mean by default,
+``strategy.extended.gradient_reduce_op``) and written back to every component — so
+code between ``backward()`` and ``opt.step()`` (gradient clipping) sees reduced
+gradients, as with DDP. Gradients set without a backward pass are reduced at
+``opt.step()`` instead. Replica 0 then runs the user's optimizer on component 0 (so its state and
 ``state_dict()`` are the user's); replica ``i`` runs a shadow copy of the optimizer
 over component ``i`` with its own per-device state and the user's current
 hyperparameters (learning-rate schedulers keep working). Under central storage only
@@ -13,10 +16,11 @@ replica 0 steps, since all replicas share one storage.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from collections import OrderedDict, defaultdict
-from typing import Any
+from typing import Any, Iterator, cast
 
 import torch
 
@@ -35,6 +39,50 @@ class ReplicaGradientSync:
         self._num_replicas = num_replicas
         self._central = central
         self._shadows: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+        self._variables: list["weakref.ref[DistributedVariable]"] = []
+        self._no_sync_outside_run = 0
+
+    def register(self, variable: DistributedVariable) -> None:
+        """Watches a trainable variable's components so their backward ends in a reduction."""
+        if not cast(torch.Tensor, variable).requires_grad:
+            return
+        self._variables.append(weakref.ref(variable))
+        for replica_id in range(self._num_replicas):
+            with torch._C.DisableTorchFunctionSubclass():
+                torch.Tensor.register_post_accumulate_grad_hook(variable._component(replica_id), self._on_grad)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside (of this replica, or of every replica when entered outside
+        ``run``) only accumulate; the next backward outside reduces the accumulated sum."""
+        entry = STATE.top()
+        context = entry.replica_context if entry is not None else None
+        if context is None:
+            self._no_sync_outside_run += 1
+        else:
+            context._no_sync += 1
+        try:
+            yield
+        finally:
+            if context is None:
+                self._no_sync_outside_run -= 1
+            else:
+                context._no_sync -= 1
+
+    def _on_grad(self, tensor: torch.Tensor) -> None:
+        entry = STATE.top()
+        context = entry.replica_context if entry is not None else None
+        if (context is None or context.strategy is not self._strategy_ref() or context._no_sync
+                or self._no_sync_outside_run or context._backward_sync_queued):
+            return
+        context._backward_sync_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(context))
+
+    def _end_of_backward(self, context: Any) -> None:
+        context._backward_sync_queued = False
+        params = [v for v in (ref() for ref in self._variables) if v is not None]
+        context.merge_call(self._aggregate, args=(params,))
+        context._grads_reduced = True
 
     def _context(self) -> Any:
         entry = STATE.top()
@@ -49,7 +97,15 @@ class ReplicaGradientSync:
 
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         context = self._context()
-        context.merge_call(self._aggregate, args=(optimizer,))
+        if context._no_sync or self._no_sync_outside_run:
+            raise RuntimeError(
+                "opt.step() inside `no_sync()`: the accumulated gradients were never reduced across "
+                "replicas; leave no_sync() for the last micro-batch's backward, then step"
+            )
+        if not context._grads_reduced:  # gradients that no backward pass of this run produced
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            context.merge_call(self._aggregate, args=(params,))
+        context._grads_reduced = False
         context._local_writes = 1
         replica_id = context._local_replica_id
         if replica_id == 0:
@@ -61,22 +117,21 @@ class ReplicaGradientSync:
         if entry is not None and entry.replica_context is not None:
             entry.replica_context._local_writes = 0
 
-    def _aggregate(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
+    def _aggregate(self, strategy: Any, params: list) -> None:
         devices = strategy.extended.worker_devices
         targets, pairs = [], []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if not isinstance(param, DistributedVariable):
-                    continue
-                grads = [param._component_grad(i) for i in range(self._num_replicas)]
-                if all(g is None for g in grads):
-                    continue
-                grads = [
-                    g if g is not None else torch.zeros_like(param._component(i).detach())
-                    for i, g in enumerate(grads)
-                ]
-                targets.append(param)
-                pairs.append((PerReplica(grads), devices))
+        for param in params:
+            if not isinstance(param, DistributedVariable):
+                continue
+            grads = [param._component_grad(i) for i in range(self._num_replicas)]
+            if all(g is None for g in grads):
+                continue
+            grads = [
+                g if g is not None else torch.zeros_like(param._component(i).detach())
+                for i, g in enumerate(grads)
+            ]
+            targets.append(param)
+            pairs.append((PerReplica(grads), devices))
         if not pairs:
             return
         reduced = strategy.extended.cross_device_ops.batch_reduce(strategy.extended.gradient_reduce_op, pairs)

@@ -201,13 +201,27 @@ def test_gradients_land_on_local_component(mirrored2):
         layer = nn.Linear(2, 1, bias=False)
 
     def fn(x):
-        layer(x).sum().backward()
+        with mirrored2.extended.no_sync():  # no reduction: each replica keeps its own gradient
+            layer(x).sum().backward()
         return layer.weight.grad.clone()
 
     x = PerReplica([torch.ones(1, 2), 3 * torch.ones(1, 2)])
     grads = mirrored2.experimental_local_results(mirrored2.run(fn, args=(x,)))
     assert [g.tolist() for g in grads] == [[[1.0, 1.0]], [[3.0, 3.0]]]
     assert layer.weight.grad.tolist() == [[1.0, 1.0]]  # cross-replica: component 0's gradient
+
+
+def test_gradients_are_averaged_when_backward_ends(mirrored2):
+    with mirrored2.scope():
+        layer = nn.Linear(2, 1, bias=False)
+
+    def fn(x):
+        layer(x).sum().backward()
+        return layer.weight.grad.clone()  # read before any opt.step(), as clip_grad_norm_ would
+
+    x = PerReplica([torch.ones(1, 2), 3 * torch.ones(1, 2)])
+    grads = mirrored2.experimental_local_results(mirrored2.run(fn, args=(x,)))
+    assert [g.tolist() for g in grads] == [[[2.0, 2.0]], [[2.0, 2.0]]]
 
 
 # --- cross-replica writes ---------------------------------------------------------------------

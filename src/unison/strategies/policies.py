@@ -82,6 +82,7 @@ class ReplicatedVariablePolicy:
                        VariableAggregation.NONE, name, requires_grad=param.requires_grad)
         if self._gradient_sync is not None:
             setattr(variable, SYNC_ATTRIBUTE, self._gradient_sync)
+            self._gradient_sync.register(variable)
         return variable
 
     def wrap_buffer(self, buffer: torch.Tensor, name: str) -> torch.Tensor | None:
@@ -103,8 +104,12 @@ class ReplicatedVariablePolicy:
         if synchronization is VariableSynchronization.ON_READ:
             return SyncOnReadVariable(data, self._strategy, self._devices, aggregation, name)
         cls = CentralVariable if self._central else MirroredVariable
-        return cls(data, self._strategy, self._devices, aggregation, name,
-                   requires_grad=trainable and data.is_floating_point())
+        variable = cls(data, self._strategy, self._devices, aggregation, name,
+                       requires_grad=trainable and data.is_floating_point())
+        register = getattr(self._gradient_sync, "register", None)
+        if register is not None and variable.requires_grad:
+            register(variable)
+        return variable
 
     def finish(self, variables: list) -> None:
         if self._on_finish is not None:
