@@ -10,7 +10,6 @@ from __future__ import annotations
 
 __all__ = [
     "UnisonError",
-    "ReplicaError",
     "MergeCallError",
     "CollectiveTimeoutError",
     "PeerLostError",
@@ -22,10 +21,6 @@ __all__ = [
 
 class UnisonError(Exception):
     """Base class of every runtime error unison raises."""
-
-
-class ReplicaError(UnisonError, RuntimeError):
-    """A replica function failed; the original exception is the ``__cause__``."""
 
 
 class MergeCallError(UnisonError, RuntimeError):

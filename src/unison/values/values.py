@@ -73,10 +73,6 @@ def is_distributed(value: Any) -> bool:
     return isinstance(value, DistributedValues)
 
 
-def _is_variable(value: Any) -> bool:
-    return isinstance(value, DistributedValues) and isinstance(value, torch.Tensor)
-
-
 _PLAIN_LEAVES = (torch.Tensor, int, float, complex, str, bytes, type(None))
 
 
