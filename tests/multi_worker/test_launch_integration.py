@@ -56,3 +56,33 @@ def test_killed_worker_fails_the_launch(tmp_path):
     assert done.returncode != 0
     assert "worker:1" in done.stderr + done.stdout
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(90)
+def test_workers_destroy_their_process_group_before_the_interpreter_finalises(tmp_path):
+    # gloo threads release finished collectives after wait() returns; if that happens while
+    # Python finalises, the process aborts (SIGABRT, "terminate called without an active
+    # exception"). unison destroys the group it formed in an atexit handler. Handlers run
+    # last-in first-out, so the check registered first sees the state after unison's.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, threading, torch, torch.distributed as dist, unison
+
+        def report():
+            beating = [t.name for t in threading.enumerate() if t.name.startswith("unison-heartbeat")]
+            print(f"at exit: initialised={dist.is_initialized()} heartbeats={beating}", flush=True)
+
+        atexit.register(report)
+        strategy = unison.MultiWorkerMirroredStrategy()
+        with strategy.scope():
+            model = torch.nn.Linear(8, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    """))
+    done = launch("--workers", "2", str(script), timeout=80)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for task in ("worker:0", "worker:1"):
+        assert f"[{task}] at exit: initialised=False heartbeats=[]" in done.stdout, done.stdout[-2000:]

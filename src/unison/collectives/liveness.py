@@ -61,6 +61,8 @@ class Liveness:
             alive |= {r for r, (a, b) in enumerate(zip(before, after)) if b > a}
         return [name for r, name in enumerate(self._names) if r not in alive]
 
-    def stop(self) -> None:
-        """Stops the heartbeat thread."""
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stops the heartbeat thread and waits up to ``timeout`` seconds for it to end."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)

@@ -8,9 +8,11 @@ under torchrun, at torchrun's own store (``env://``).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
+import sys
 import threading
 from typing import Sequence
 
@@ -24,7 +26,7 @@ from unison.collectives.options import CommunicationImplementation, Communicatio
 from unison.devices import is_cuda
 from unison.errors import ClusterError, PeerLostError
 
-__all__ = ["WorkerGroup", "LazyWorkerGroup", "form_worker_group", "RENDEZVOUS_ENV", "task_names"]
+__all__ = ["WorkerGroup", "LazyWorkerGroup", "form_worker_group", "release_worker_group", "RENDEZVOUS_ENV", "task_names"]
 
 RENDEZVOUS_ENV = UNISON_RENDEZVOUS
 
@@ -122,7 +124,32 @@ def form_worker_group(spec: ClusterSpec, task_type: str, task_id: int, devices: 
             f"cluster is running and that the addresses in the cluster spec are reachable"
         ) from exc
     liveness = Liveness(store, rank, names) if store is not None else None
-    return WorkerGroup(dist.group.WORLD, store, rank, world_size, names, backend, seconds, liveness)
+    formed = WorkerGroup(dist.group.WORLD, store, rank, world_size, names, backend, seconds, liveness)
+    atexit.register(release_worker_group, formed)
+    return formed
+
+
+def release_worker_group(group: WorkerGroup, timeout: float = 10.0) -> None:
+    """Stops the heartbeat and destroys the process group unison formed.
+
+    Registered with ``atexit`` so it runs before the interpreter finalises. gloo's
+    worker threads drop their last reference to a finished collective (and so to its
+    tensors) after the caller's ``wait()`` returned; one that does so while Python is
+    finalising cannot take the GIL and aborts the process ("terminate called without an
+    active exception"). Destroying the group joins those threads first. The destroy runs
+    in a helper thread joined for at most ``timeout`` seconds, so an exit after an error,
+    with a collective still waiting for a peer that is gone, is not held up.
+    """
+    if group.liveness is not None:
+        group.liveness.stop()
+    if not dist.is_initialized() or dist.group.WORLD is not group.group:
+        return  # destroyed already (by the user, or by an earlier call)
+    destroyer = threading.Thread(target=dist.destroy_process_group, name="unison-destroy-group", daemon=True)
+    destroyer.start()
+    destroyer.join(timeout)
+    if destroyer.is_alive():
+        print(f"unison: {group.names[group.rank]} exits without destroying its process group: a collective "
+              f"still waits for a peer after {timeout:g} s", file=sys.stderr, flush=True)
 
 
 class LazyWorkerGroup:
