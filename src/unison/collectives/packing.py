@@ -86,7 +86,11 @@ def group_by_size(tensors_or_sizes: Sequence[SizeLike], bytes_per_pack: int) -> 
     if isinstance(tensors_or_sizes, torch.Tensor):
         raise TypeError("`tensors_or_sizes` must be a list of tensors or byte counts, not one tensor: wrap it as [t]")
     bytes_per_pack = _check_count("bytes_per_pack", bytes_per_pack)
-    sizes = [_nbytes(item, i) for i, item in enumerate(tensors_or_sizes)]
+    return _group_sizes([_nbytes(item, i) for i, item in enumerate(tensors_or_sizes)], bytes_per_pack)
+
+
+def _group_sizes(sizes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
+    """``group_by_size`` on checked byte counts."""
     if not sizes:
         return []
     if bytes_per_pack <= 0:
@@ -235,20 +239,21 @@ class TensorPacker:
     def _plan(self, tensors: Sequence[torch.Tensor]) -> list[_Segment]:
         if self.num_packs == 0:
             return [([i], None) for i in range(len(tensors))]
+        # Read each tensor's dtype and numel once: this runs on every packed all-reduce,
+        # and per-tensor attribute reads are most of its cost for hundreds of tensors.
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
+        numels = [t.numel() for t in tensors]
         segments: list[_Segment] = []
-        for indices in by_dtype.values():
+        for dtype, indices in by_dtype.items():
             if self.bytes_per_pack is None:
-                total = sum(tensors[i].numel() for i in indices)
-                segments.append((indices, split_sizes(total, self._count)))
+                segments.append((indices, split_sizes(sum(numels[i] for i in indices), self._count)))
                 continue
-            groups = [list(range(len(indices)))] if self._count <= 0 else group_by_size(
-                [tensors[i] for i in indices], self._count)
-            for group in groups:
+            itemsize = dtype.itemsize
+            for group in _group_sizes([numels[i] * itemsize for i in indices], self._count):
                 members = [indices[g] for g in group]
-                segments.append((members, [sum(tensors[i].numel() for i in members)]))
+                segments.append((members, [sum(numels[i] for i in members)]))
         return segments
 
     def pack(self, device_tensors: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
