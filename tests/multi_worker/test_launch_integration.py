@@ -86,3 +86,37 @@ def test_workers_destroy_their_process_group_before_the_interpreter_finalises(tm
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for task in ("worker:0", "worker:1"):
         assert f"[{task}] at exit: initialised=False heartbeats=[]" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.timeout(90)
+def test_worker_raising_mid_backward_ends_the_launch_quickly(tmp_path):
+    # The raising worker's exit runs unison's atexit release while its peer still waits in
+    # a collective: the release must not hold the exit up.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch, unison
+        strategy = unison.MultiWorkerMirroredStrategy(
+            communication_options=unison.CommunicationOptions(timeout_seconds=30))
+        with strategy.scope():
+            model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        index = strategy.extended._c.cluster.worker_index
+        step = 0
+
+        def fail_on_worker_1(grad):
+            if index == 1 and step == 5:
+                raise RuntimeError("worker 1 fails mid-backward")
+            return grad
+
+        model[0].weight.register_hook(fail_on_worker_1)
+        for step in range(50):
+            opt.zero_grad()
+            model(torch.randn(4, 256)).sum().backward()
+            opt.step()
+    """))
+    started = time.monotonic()
+    done = launch("--workers", "2", str(script), timeout=80)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "worker 1 fails mid-backward" in done.stdout + done.stderr
+    assert "task worker:1 exited with code 1" in done.stderr
+    assert time.monotonic() - started < 30  # well inside the 30 s collective timeout
