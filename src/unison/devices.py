@@ -8,6 +8,7 @@ TensorFlow's logical devices are).
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Iterable, Sequence
 
@@ -30,6 +31,14 @@ def canonicalize(device: "str | torch.device") -> str:
     Raises:
         ValueError: if the string is not a device name of a supported kind.
     """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}: {device!r}")
+    return _canonicalize(device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _canonicalize(device: "str | torch.device") -> str:
+    """``canonicalize`` proper, cached: every reduce of a batch names its destinations."""
     kind: str | None
     index: int | None
     if isinstance(device, torch.device):
@@ -43,8 +52,6 @@ def canonicalize(device: "str | torch.device") -> str:
                 f"(PyTorch form) or 'CPU:K' / 'GPU:K' / '/device:GPU:K' (TensorFlow form)"
             )
         index = int(match.group("index")) if match.group("index") is not None else None
-    else:
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}: {device!r}")
     kind = _KINDS.get(kind, kind)
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r} has unsupported type {kind!r}: unison runs on 'cpu' and 'cuda'")

@@ -269,3 +269,26 @@ def buffers_from_chief(rank: int, world: int):
         module = _Noisy()
     torch.manual_seed(10)
     return module.noise.clone(), torch.randn(3)
+
+
+def packed_batch_reduce(rank: int, world: int):
+    """A batch over LANE_SPLIT_BYTES (two concurrent packs) plus mixed dtypes and shapes, SUM and MEAN."""
+    from unison.collectives.packed_all_reduce import LANE_SPLIT_BYTES
+
+    strategy = strategy_for(rank, world, timeout_seconds=30)
+
+    def tensors_of(r: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + r)
+        big = [torch.randn(LANE_SPLIT_BYTES // 4 // 6, generator=g) for _ in range(8)]
+        return big + [torch.randn(3, 5, generator=g), torch.tensor(float(r + 1)),
+                      torch.arange(4, dtype=torch.int64) * (r + 1), torch.randn(2, 3, generator=g, dtype=torch.float64)]
+
+    mine = tensors_of(rank)
+    pairs = [(unison.PerReplica([t]), "cpu:0") for t in mine]
+    sums = strategy.extended.batch_reduce_to("sum", pairs)
+    means = strategy.extended.batch_reduce_to("mean", pairs)
+    expected = [sum(parts) for parts in zip(*(tensors_of(r) for r in range(world)))]
+    sum_error = max((s.double() - e.double()).abs().max().item() for s, e in zip(sums, expected))
+    mean_error = max((m.double() - e.double() / world).abs().max().item() for m, e in zip(means, expected))
+    shapes_kept = all(s.shape == t.shape and s.dtype == t.dtype for s, t in zip(sums, mine))
+    return sum_error, mean_error, shapes_kept, torch.equal(mine[0], tensors_of(rank)[0])

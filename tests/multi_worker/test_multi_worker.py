@@ -108,3 +108,10 @@ def test_gradients_are_reduced_when_backward_returns():
 def test_buffers_start_from_the_chiefs_values():
     for noise, chiefs in run_workers(w.buffers_from_chief, 2, timeout=60):
         assert torch.equal(noise, chiefs)
+
+
+@pytest.mark.timeout(90)
+def test_packed_batch_reduce_sums_and_averages_exactly():
+    for sum_error, mean_error, shapes_kept, inputs_untouched in run_workers(w.packed_batch_reduce, 2, timeout=60):
+        assert sum_error <= 1e-6 and mean_error <= 1e-6
+        assert shapes_kept and inputs_untouched

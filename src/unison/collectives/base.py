@@ -32,6 +32,8 @@ def normalize_destinations(destinations: Any) -> Destinations:
 def check_same_layout(value: PerReplica, what: str = "reduce") -> None:
     """Raises ValueError unless every component is a tensor of one shape and dtype."""
     components = value.values
+    if len(components) == 1 and isinstance(components[0], torch.Tensor):
+        return
     for i, c in enumerate(components):
         if not isinstance(c, torch.Tensor):
             raise TypeError(
@@ -52,10 +54,12 @@ def to_destinations(tensor: torch.Tensor, destinations: Destinations, copies: Se
 
     ``copies`` may give ready-made per-destination tensors (an all-reduce's outputs).
     """
+    if len(destinations) == 1:
+        if copies is not None:
+            return copies[0]
+        return tensor.to(torch_device(destinations[0]))  # no copy when it is already there
     if copies is None:
         copies = [tensor.to(torch_device(d), copy=i > 0) for i, d in enumerate(destinations)]
-    if len(destinations) == 1:
-        return copies[0]
     return Mirrored(copies)
 
 
@@ -74,11 +78,16 @@ class CrossDeviceOps(abc.ABC):
         """Reduces several PerReplica values at once; returns one result per pair."""
         reduce_op = ReduceOp.from_any(reduce_op)
         pairs = []
-        for value, destinations in value_destination_pairs:
+        # batches usually name one destination for every value: resolve it once
+        named: Any = None
+        normalized: Destinations = ()
+        for i, (value, destinations) in enumerate(value_destination_pairs):
             if not isinstance(value, PerReplica):
                 value = PerReplica(value.values if isinstance(value, DistributedValues) else [value])
             check_same_layout(value)
-            pairs.append((value, normalize_destinations(destinations)))
+            if destinations is not named or i == 0:
+                named, normalized = destinations, normalize_destinations(destinations)
+            pairs.append((value, normalized))
         return self._batch_reduce(reduce_op, pairs) if pairs else []
 
     def broadcast(self, tensor: torch.Tensor, destinations: Any) -> Any:

@@ -3,7 +3,7 @@
 A batch of values is first reduced in-process over this worker's replicas, then packed
 in reverse order into groups of about ``bytes_per_pack`` bytes (the last gradients
 computed travel first) and all-reduced with one ``all_reduce`` per pack, all packs in
-flight at once. Sparse tensors travel by all-gather of indices and values. Every call
+flight at once (``packed_all_reduce.py``). Sparse tensors travel by all-gather of indices and values. Every call
 first compares a small signature of the tensors' shapes and dtypes across workers, so a
 mismatch raises ``CollectiveMismatchError`` on every worker instead of hanging or
 producing garbage.
@@ -11,15 +11,17 @@ producing garbage.
 
 from __future__ import annotations
 
+import array
 import datetime
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from unison.collectives.base import CrossDeviceOps, Destinations, to_destinations
 from unison.collectives.options import CommunicationOptions
+from unison.collectives.packed_all_reduce import PackedAllReduce
 from unison.collectives.packing import TensorPacker
 from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
 from unison.devices import canonicalize_all, torch_device
@@ -38,6 +40,32 @@ def _local_sum(value: PerReplica) -> torch.Tensor:
     for component in components[1:]:
         total = total + component.to(total.device)
     return total
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())
+
+
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
+def _layout_crc(tensors: Sequence[torch.Tensor]) -> int:
+    """A CRC of every tensor's dtype, layout and shape: equal on every worker iff (almost surely) they agree."""
+    words: list[int] = []
+    for t in tensors:
+        dtype = t.dtype
+        code = _DTYPE_CODES.get(dtype)
+        if code is None:
+            code = _DTYPE_CODES[dtype] = _dtype_code(dtype)
+        shape = t.shape
+        words.append(code)
+        words.append(len(shape) if t.layout == torch.strided else -1 - len(shape))
+        words.extend(shape)
+    return zlib.crc32(array.array("q", words).tobytes())
+
+
+def _describe_layout(tensors: Sequence[torch.Tensor]) -> str:
+    return repr([(tuple(t.shape), str(t.dtype), t.layout == torch.strided) for t in tensors])
 
 
 class CollectiveAllReduce(CrossDeviceOps):
@@ -67,6 +95,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                                        [f"rank:{r}" for r in range(world)], dist.get_backend(),
                                        self._options.effective_timeout, None)
         self._group_source = worker_group
+        self._packed = PackedAllReduce(self._options.bytes_per_pack)
 
     @property
     def _group(self) -> WorkerGroup:
@@ -103,10 +132,34 @@ class CollectiveAllReduce(CrossDeviceOps):
         return [g.tolist() for g in gathered]
 
     def check_layout(self, tensors: Sequence[torch.Tensor], operation: str) -> None:
-        """Raises CollectiveMismatchError on every worker unless all pass the same shapes and dtypes."""
-        description = repr([(tuple(t.shape), str(t.dtype), t.layout == torch.strided) for t in tensors])
-        signatures = self._all_gather_ints([len(tensors), zlib.crc32(description.encode())], f"{operation} (layout check)")
+        """Raises CollectiveMismatchError on every worker unless all pass the same shapes and dtypes.
+
+        Costs one all-gather of two integers: a CRC of the tensors' layouts and their count.
+        """
+        self.start_layout_check(tensors, operation)()
+
+    def start_layout_check(self, tensors: Sequence[torch.Tensor], operation: str) -> Callable[[], None]:
+        """Starts ``check_layout``'s all-gather and returns the function that finishes it.
+
+        The batch all-reduce copies its first pack while the check's round trip runs.
+        """
+        what = f"{operation} (layout check)"
+        mine = torch.tensor([len(tensors), _layout_crc(tensors)], dtype=torch.int64, device=self._comm_device)
+        gathered = [torch.empty_like(mine) for _ in range(self._group.world_size)]
+        try:
+            work = dist.all_gather(gathered, mine, group=self._group.group, async_op=True)
+        except Exception as exc:  # noqa: BLE001
+            raise self._group.lost_peer_error(what, exc) from exc
+
+        def finish() -> None:
+            self._wait(work, what)
+            self._raise_on_mismatch([g.tolist() for g in gathered], tensors, operation)
+
+        return finish
+
+    def _raise_on_mismatch(self, signatures: list[list[int]], tensors: Sequence[torch.Tensor], operation: str) -> None:
         if any(s != signatures[0] for s in signatures):
+            description = _describe_layout(tensors)
             differing = [self._group.names[r] for r, s in enumerate(signatures) if s != signatures[self._group.rank]]
             raise CollectiveMismatchError(
                 f"{operation}: workers passed tensors of different shapes or dtypes; this worker "
@@ -116,41 +169,41 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     # -- CrossDeviceOps -------------------------------------------------------------
     def _batch_reduce(self, reduce_op: ReduceOp, pairs: list[tuple[PerReplica, Destinations]]) -> list[Any]:
-        local = [_local_sum(value) for value, _ in pairs]
-        self.check_layout(local, "batch all-reduce")
+        local = [value.values[0] if len(value.values) == 1 else _local_sum(value) for value, _ in pairs]
+        finish_check = self.start_layout_check(local, "batch all-reduce")
         divisor = self._group.world_size * len(pairs[0][0].values) if reduce_op is ReduceOp.MEAN else 1
         dense = [i for i, t in enumerate(local) if t.layout == torch.strided]
-        reduced: list[Any] = list(local)
-        for i, tensor in zip(dense, self._all_reduce_dense([local[i] for i in dense])):
-            reduced[i] = tensor
-        for i, tensor in enumerate(local):
-            if tensor.layout != torch.strided:
-                reduced[i] = self._all_reduce_sparse(tensor)
-        results = []
-        for tensor, (_, destinations) in zip(reduced, pairs):
-            if divisor != 1:
-                tensor = tensor / divisor
-            results.append(to_destinations(tensor, destinations))
-        return results
+        if len(dense) == len(local):
+            reduced = self._all_reduce_dense(local, divisor, before_launch=finish_check)
+        else:
+            finish_check()
+            reduced = list(local)
+            for i, tensor in zip(dense, self._all_reduce_dense([local[i] for i in dense], divisor)):
+                reduced[i] = tensor
+            for i, tensor in enumerate(local):
+                if tensor.layout != torch.strided:
+                    summed = self._all_reduce_sparse(tensor)
+                    reduced[i] = summed / divisor if divisor != 1 else summed
+        destinations = pairs[0][1]
+        if (len(destinations) == 1 and destinations[0].startswith("cpu") and all(d is destinations for _, d in pairs)
+                and all(t.is_cpu for t in reduced)):
+            return reduced  # the usual batch: every result already on the one CPU destination
+        return [to_destinations(tensor, destinations) for tensor, (_, destinations) in zip(reduced, pairs)]
 
-    def _all_reduce_dense(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _all_reduce_dense(self, tensors: list[torch.Tensor], divisor: int = 1,
+                          before_launch: Callable[[], None] | None = None) -> list[torch.Tensor]:
         if not tensors:
             return []
-        device, group = self._comm_device, self._group  # properties: read once, not per tensor
-        on_device = device.type == "cpu" and not any(t.is_cuda for t in tensors)
-        moved = tensors if on_device else [t.to(device) for t in tensors]
-        packer = TensorPacker(bytes_per_pack=self._options.bytes_per_pack)
-        packs = packer.pack([moved[::-1]])[0]  # reversed: the last gradients computed travel first
-        works = []
-        for pack in packs:
+        group = self._group  # a property: read once, not per pack
+
+        def launch(pack: torch.Tensor) -> Any:
             try:
-                works.append(dist.all_reduce(pack, group=group.group, async_op=True))
+                return dist.all_reduce(pack, group=group.group, async_op=True)
             except Exception as exc:  # noqa: BLE001
                 raise group.lost_peer_error("batch all-reduce", exc) from exc
-        for work in works:
-            self._wait(work, "batch all-reduce")
-        reduced = packer.unpack([packs])[0][::-1]
-        return reduced if on_device else [r.to(t.device) for r, t in zip(reduced, tensors)]
+
+        return self._packed(tensors, self._comm_device, launch, lambda work: self._wait(work, "batch all-reduce"),
+                            divisor, before_launch)
 
     def _all_gather_varying(self, tensor: torch.Tensor, operation: str) -> list[torch.Tensor]:
         """All-gathers tensors whose first dimension differs between workers."""

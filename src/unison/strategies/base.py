@@ -181,8 +181,12 @@ class StrategyExtended:
         pairs = list(value_destination_pairs)
         results: list[Any] = [None] * len(pairs)
         distributed = []
+        # batches usually name one destination for every value: resolve it once
+        named: Any = None
+        devices: tuple[str, ...] = ()
         for i, (value, destinations) in enumerate(pairs):
-            devices = self._destination_devices(destinations)
+            if destinations is not named or i == 0:
+                named, devices = destinations, self._destination_devices(destinations)
             if is_distributed(value):
                 distributed.append((i, self._as_per_replica(value), devices))
             elif self._c.cluster.num_workers > 1:
