@@ -21,9 +21,11 @@ def strategy_for(rank: int, world: int, devices=None, **options):
     return unison.MultiWorkerMirroredStrategy(resolver, comm, devices=devices)
 
 
-def make_mlp() -> nn.Module:
+def make_mlp(extra_layers: int = 0) -> nn.Module:
+    """An MLP; ``extra_layers`` hidden Linear(16, 16) layers give buckets of many gradients."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    hidden = [module for _ in range(extra_layers) for module in (nn.Linear(16, 16), nn.ReLU())]
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), *hidden, nn.Linear(16, 4))
 
 
 def global_batches(steps: int = 20, batch: int = 64):
@@ -31,8 +33,8 @@ def global_batches(steps: int = 20, batch: int = 64):
     return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(steps)]
 
 
-def single_device_weights() -> list[torch.Tensor]:
-    model = make_mlp()
+def single_device_weights(extra_layers: int = 0) -> list[torch.Tensor]:
+    model = make_mlp(extra_layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in global_batches():
         opt.zero_grad()
@@ -41,10 +43,10 @@ def single_device_weights() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_mlp(rank: int, world: int, local_devices: int):
+def train_mlp(rank: int, world: int, local_devices: int, extra_layers: int = 0):
     strategy = strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)])
     with strategy.scope():
-        model = make_mlp()
+        model = make_mlp(extra_layers)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step(x, y):
