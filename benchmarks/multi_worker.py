@@ -14,7 +14,8 @@ One command, one run, three things measured on this machine:
   ``CollectiveAllReduce._all_reduce_dense`` -- vs one flat ``dist.all_reduce`` of the same
   bytes (a reused buffer) vs 400 separate ``dist.all_reduce`` calls; for reference also
   ``torch.cat`` + one all_reduce + split (the copy any batch all-reduce that returns new
-  tensors makes), the flat buffer as two concurrent halves, and 400 asynchronous calls.
+  tensors makes), ``torch.cat`` into a reused buffer + one all_reduce (the least any
+  packing does), the flat buffer as two concurrent halves, and 400 asynchronous calls.
 
 DDP and unison run *interleaved in the same two processes* (one thread each, on a
 2-core machine): both models are built from the same seed, and rounds alternate DDP,
@@ -62,13 +63,14 @@ TARGET_VS_DDP = 1.00
 TARGET_VS_FLAT = 0.85
 TARGET_VS_SEPARATE = 5.0
 TRAIN_VARIANTS = ("plain", "ddp", "unison")
-AR_VARIANTS = ("unison_batch_reduce_to", "unison_packed", "copy_then_flat", "flat", "flat_halves", "separate",
+AR_VARIANTS = ("unison_batch_reduce_to", "unison_packed", "copy_then_flat", "copy_into_flat", "flat", "flat_halves", "separate",
                "separate_async")
 AR_SLOW = ("separate", "separate_async")  # ~100x slower: fewer calls per round
 AR_LABELS = {
     "unison_batch_reduce_to": "unison batch_reduce_to (public)",
     "unison_packed": "unison packed (_all_reduce_dense)",
     "copy_then_flat": "cat + all_reduce + split (copy ref)",
+    "copy_into_flat": "cat into reused buffer + all_reduce",
     "flat": "one flat all_reduce",
     "flat_halves": "flat buffer as 2 concurrent halves",
     "separate": "400 separate all_reduce",
@@ -230,6 +232,15 @@ def _all_reduce(rank: int, cfg: dict) -> dict[str, Any]:
         dist.all_reduce(pack)
         return list(pack.split(AR_NUMEL))
 
+    reused = torch.empty(AR_TENSORS * AR_NUMEL)
+
+    def copy_into_flat() -> None:
+        # The least any packing does before one collective: write the inputs into a buffer
+        # (here one that is reused, so no fresh pages). On a shared 2-core VM that write
+        # alone slows the all_reduce after it by more than its own time (cache refill).
+        torch.cat(tensors, out=reused)
+        dist.all_reduce(reused)
+
     def flat_halves() -> None:
         # gloo runs collectives on two worker threads: how much two concurrent halves gain
         # over one all_reduce of the same buffer (unison's packed path sends one).
@@ -245,6 +256,7 @@ def _all_reduce(rank: int, cfg: dict) -> dict[str, Any]:
         "unison_batch_reduce_to": lambda: extended.batch_reduce_to(ReduceOp.SUM, pairs),
         "unison_packed": lambda: ops._all_reduce_dense(tensors),
         "copy_then_flat": copy_then_flat,
+        "copy_into_flat": copy_into_flat,
         "flat": lambda: dist.all_reduce(flat),
         "flat_halves": flat_halves,
         "separate": run_separate,

@@ -31,9 +31,9 @@ class FakeCollective:
         self.waited += 1
 
 
-def reduce(packed: PackedAllReduce, tensors, divisor: int = 1, before_launch=None):
+def reduce(packed: PackedAllReduce, tensors, divisor: int = 1):
     fake = FakeCollective()
-    return packed(tensors, CPU, fake.launch, fake.wait, divisor, before_launch), fake
+    return packed(tensors, CPU, fake.launch, fake.wait, divisor), fake
 
 
 def mixed_tensors() -> list[torch.Tensor]:
@@ -131,27 +131,6 @@ def test_inputs_that_require_grad_are_reduced():
     weight = torch.ones(3, requires_grad=True)
     (result,), _ = reduce(PackedAllReduce(0), [weight * 3])
     assert torch.equal(result, torch.full((3,), 6.0)) and not result.requires_grad
-
-
-def test_before_launch_runs_once_before_the_first_launch_and_can_stop_it():
-    calls: list[str] = []
-    fake = FakeCollective()
-    tensors = [torch.ones(LANE_SPLIT_BYTES // 8) for _ in range(2)]
-
-    def launch(pack):
-        calls.append("launch")
-        return fake.launch(pack)
-
-    PackedAllReduce(0)(tensors, CPU, launch, fake.wait, 1, lambda: calls.append("check"))
-    assert calls == ["check", "launch", "launch"]
-
-    def refuse():
-        raise RuntimeError("layouts differ")
-
-    calls.clear()
-    with pytest.raises(RuntimeError, match="layouts differ"):
-        PackedAllReduce(0)(tensors, CPU, launch, fake.wait, 1, refuse)
-    assert calls == []
 
 
 def test_layout_crc_tells_shapes_dtypes_and_sparsity_apart():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import array
 import datetime
 import zlib
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -134,28 +134,11 @@ class CollectiveAllReduce(CrossDeviceOps):
     def check_layout(self, tensors: Sequence[torch.Tensor], operation: str) -> None:
         """Raises CollectiveMismatchError on every worker unless all pass the same shapes and dtypes.
 
-        Costs one all-gather of two integers: a CRC of the tensors' layouts and their count.
+        Costs one all-gather of two integers: the tensors' count and a CRC of their layouts.
+        (Started before the first pack's copy so that the two overlap, it measured slower.)
         """
-        self.start_layout_check(tensors, operation)()
-
-    def start_layout_check(self, tensors: Sequence[torch.Tensor], operation: str) -> Callable[[], None]:
-        """Starts ``check_layout``'s all-gather and returns the function that finishes it.
-
-        The batch all-reduce copies its first pack while the check's round trip runs.
-        """
-        what = f"{operation} (layout check)"
-        mine = torch.tensor([len(tensors), _layout_crc(tensors)], dtype=torch.int64, device=self._comm_device)
-        gathered = [torch.empty_like(mine) for _ in range(self._group.world_size)]
-        try:
-            work = dist.all_gather(gathered, mine, group=self._group.group, async_op=True)
-        except Exception as exc:  # noqa: BLE001
-            raise self._group.lost_peer_error(what, exc) from exc
-
-        def finish() -> None:
-            self._wait(work, what)
-            self._raise_on_mismatch([g.tolist() for g in gathered], tensors, operation)
-
-        return finish
+        signatures = self._all_gather_ints([len(tensors), _layout_crc(tensors)], f"{operation} (layout check)")
+        self._raise_on_mismatch(signatures, tensors, operation)
 
     def _raise_on_mismatch(self, signatures: list[list[int]], tensors: Sequence[torch.Tensor], operation: str) -> None:
         if any(s != signatures[0] for s in signatures):
@@ -170,13 +153,12 @@ class CollectiveAllReduce(CrossDeviceOps):
     # -- CrossDeviceOps -------------------------------------------------------------
     def _batch_reduce(self, reduce_op: ReduceOp, pairs: list[tuple[PerReplica, Destinations]]) -> list[Any]:
         local = [value.values[0] if len(value.values) == 1 else _local_sum(value) for value, _ in pairs]
-        finish_check = self.start_layout_check(local, "batch all-reduce")
+        self.check_layout(local, "batch all-reduce")
         divisor = self._group.world_size * len(pairs[0][0].values) if reduce_op is ReduceOp.MEAN else 1
         dense = [i for i, t in enumerate(local) if t.layout == torch.strided]
         if len(dense) == len(local):
-            reduced = self._all_reduce_dense(local, divisor, before_launch=finish_check)
+            reduced = self._all_reduce_dense(local, divisor)
         else:
-            finish_check()
             reduced = list(local)
             for i, tensor in zip(dense, self._all_reduce_dense([local[i] for i in dense], divisor)):
                 reduced[i] = tensor
@@ -190,8 +172,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             return reduced  # the usual batch: every result already on the one CPU destination
         return [to_destinations(tensor, destinations) for tensor, (_, destinations) in zip(reduced, pairs)]
 
-    def _all_reduce_dense(self, tensors: list[torch.Tensor], divisor: int = 1,
-                          before_launch: Callable[[], None] | None = None) -> list[torch.Tensor]:
+    def _all_reduce_dense(self, tensors: list[torch.Tensor], divisor: int = 1) -> list[torch.Tensor]:
         if not tensors:
             return []
         group = self._group  # a property: read once, not per pack
@@ -203,7 +184,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                 raise group.lost_peer_error("batch all-reduce", exc) from exc
 
         return self._packed(tensors, self._comm_device, launch, lambda work: self._wait(work, "batch all-reduce"),
-                            divisor, before_launch)
+                            divisor)
 
     def _all_gather_varying(self, tensor: torch.Tensor, operation: str) -> list[torch.Tensor]:
         """All-gathers tensors whose first dimension differs between workers."""

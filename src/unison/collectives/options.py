@@ -31,8 +31,9 @@ class CommunicationOptions:
 
     Args:
         bytes_per_pack: split a batch all-reduce into packs of about this many bytes
-            (0: one pack per dtype). Packs are formed in reverse order, so the last
-            gradients computed travel first. Also the gradient bucket size of the
+            (0: unison chooses: one pack per dtype, sent as two concurrent halves from
+            4 MiB on). Packs are formed in reverse order, so the last gradients computed
+            travel first, and all travel at once. Also the gradient bucket size of the
             backward-overlapped all-reduce (0: unison's default, 4 MiB).
         timeout_seconds: bound on every collective; a peer that does not answer in time
             raises ``unison.errors.PeerLostError`` naming it. None: 300 s.
@@ -50,7 +51,7 @@ class CommunicationOptions:
         if isinstance(self.bytes_per_pack, bool) or not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
             raise ValueError(
                 f"CommunicationOptions.bytes_per_pack must be an int >= 0, got {self.bytes_per_pack!r}; "
-                f"use 0 for one pack"
+                f"use 0 to let unison choose"
             )
         if self.timeout_seconds is not None and not self.timeout_seconds > 0:
             raise ValueError(

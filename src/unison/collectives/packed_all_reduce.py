@@ -103,7 +103,7 @@ class PackedAllReduce:
 
     def __call__(self, tensors: Sequence[torch.Tensor], device: torch.device,
                  launch: Callable[[torch.Tensor], Any], wait: Callable[[Any], None],
-                 divisor: int = 1, before_launch: Callable[[], None] | None = None) -> list[torch.Tensor]:
+                 divisor: int = 1) -> list[torch.Tensor]:
         """Returns the reduced tensors, in input order, as views of pooled buffers on ``device``.
 
         Args:
@@ -112,8 +112,6 @@ class PackedAllReduce:
             launch: starts the in-place all-reduce of one pack, returning its work handle.
             wait: waits for a work handle (and turns failures into unison errors).
             divisor: every result is divided by it (MEAN); 1 leaves the sums.
-            before_launch: called once, after the first pack's copy and before its
-                launch: the layout check, whose round trip then overlaps that copy.
         """
         count = len(tensors)
         reversed_tensors = tensors[::-1]  # last computed first
@@ -147,9 +145,6 @@ class PackedAllReduce:
                         torch.cat(sources[first:end], out=pack)
                     else:
                         torch._foreach_copy_(list(views[first:end]), sources[first:end])
-                    if before_launch is not None:
-                        before_launch()
-                        before_launch = None
                     pending.append((launch(pack), pack))
                     start += size
             # 1-d views cut while the packs travel; values are final once the waits return.
