@@ -136,15 +136,24 @@ def release_worker_group(group: WorkerGroup, timeout: float = 10.0) -> None:
     worker threads drop their last reference to a finished collective (and so to its
     tensors) after the caller's ``wait()`` returned; one that does so while Python is
     finalising cannot take the GIL and aborts the process ("terminate called without an
-    active exception"). Destroying the group joins those threads first. The destroy runs
-    in a helper thread joined for at most ``timeout`` seconds, so an exit after an error,
-    with a collective still waiting for a peer that is gone, is not held up.
+    active exception"). Destroying the group joins those threads first -- but only once
+    nothing references the ProcessGroup object any more: ``destroy_process_group`` alone
+    leaves gloo's threads running while ``group.group`` holds it, so that reference is
+    dropped too. (A DDP module of the user's still holding it keeps the threads alive.)
+    The destroy runs in a helper thread joined for at most ``timeout`` seconds, so an
+    exit after an error, with a collective still waiting for a peer that is gone, is not
+    held up.
     """
     if group.liveness is not None:
         group.liveness.stop()
     if not dist.is_initialized() or dist.group.WORLD is not group.group:
         return  # destroyed already (by the user, or by an earlier call)
-    destroyer = threading.Thread(target=dist.destroy_process_group, name="unison-destroy-group", daemon=True)
+
+    def destroy() -> None:
+        dist.destroy_process_group()
+        group.group = None  # the last reference: its destructor joins gloo's threads, here
+
+    destroyer = threading.Thread(target=destroy, name="unison-destroy-group", daemon=True)
     destroyer.start()
     destroyer.join(timeout)
     if destroyer.is_alive():
