@@ -3,10 +3,10 @@
 A batch of values is first reduced in-process over this worker's replicas, then packed
 in reverse order into groups of about ``bytes_per_pack`` bytes (the last gradients
 computed travel first) and all-reduced with one ``all_reduce`` per pack, all packs in
-flight at once (``packed_all_reduce.py``). Sparse tensors travel by all-gather of indices and values. Every call
-first compares a small signature of the tensors' shapes and dtypes across workers, so a
-mismatch raises ``CollectiveMismatchError`` on every worker instead of hanging or
-producing garbage.
+flight at once (``packed_all_reduce.py``). Sparse tensors travel by all-gather of
+indices and values. Every call first compares a CRC of the tensors' shapes and dtypes
+across workers, so a mismatch raises ``CollectiveMismatchError`` on every worker instead
+of hanging, producing garbage, or letting gloo abort the process on mismatched sizes.
 """
 
 from __future__ import annotations
@@ -135,7 +135,10 @@ class CollectiveAllReduce(CrossDeviceOps):
         """Raises CollectiveMismatchError on every worker unless all pass the same shapes and dtypes.
 
         Costs one all-gather of two integers: the tensors' count and a CRC of their layouts.
-        (Started before the first pack's copy so that the two overlap, it measured slower.)
+        It runs on every call, not only on a layout's first: a worker that skipped it while
+        a peer checked would pair a data all-reduce with the peer's all-gather, and gloo
+        aborts the process on such a size mismatch. (Overlapping it with the first pack's
+        copy measured slower, so it simply runs first.)
         """
         signatures = self._all_gather_ints([len(tensors), _layout_crc(tensors)], f"{operation} (layout check)")
         self._raise_on_mismatch(signatures, tensors, operation)
