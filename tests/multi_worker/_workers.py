@@ -43,14 +43,14 @@ def single_device_weights(extra_layers: int = 0) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_mlp(rank: int, world: int, local_devices: int, extra_layers: int = 0):
+def train_mlp(rank: int, world: int, local_devices: int, extra_layers: int = 0, set_to_none: bool = True):
     strategy = strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)])
     with strategy.scope():
         model = make_mlp(extra_layers)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step(x, y):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)  # False: gradients stay views of the buckets
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()

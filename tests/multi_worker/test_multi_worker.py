@@ -10,10 +10,12 @@ from tests.multi_worker import _workers as w
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("local_devices", "extra_layers"), [(1, 0), (2, 0), (1, 8)])
-def test_two_workers_match_single_device(local_devices, extra_layers):
-    # 4 gradients: each divided straight into its bucket slot; 20: one foreach copy, then one division
-    results = run_workers(w.train_mlp, 2, args=(local_devices, extra_layers), timeout=90)
+@pytest.mark.parametrize(("local_devices", "extra_layers", "set_to_none"),
+                         [(1, 0, True), (2, 0, True), (1, 8, True), (1, 0, False), (1, 8, False)])
+def test_two_workers_match_single_device(local_devices, extra_layers, set_to_none):
+    # 4 gradients: each divided straight into its bucket slot; 20: one foreach copy, then one
+    # division. set_to_none=False keeps gradients as bucket views, reduced in place.
+    results = run_workers(w.train_mlp, 2, args=(local_devices, extra_layers, set_to_none), timeout=90)
     reference = w.single_device_weights(extra_layers)
     for rank, result in enumerate(results):
         assert result["replicas"] == 2 * local_devices

@@ -138,32 +138,28 @@ class BucketedGradientSync:
     def _launch(self, bucket: _Bucket) -> None:
         flat = bucket.flat
         divisor = self._group.world_size if self._reduce_op() is ReduceOp.MEAN else 1
-        if divisor != 1 and len(bucket.params) <= _FUSED_DIVIDE_MAX_PARAMS:
-            # Few, large gradients: divide each straight into its slot, one pass over the
-            # bytes instead of a copy and then a division of the whole bucket.
-            for param, view in zip(bucket.params, bucket.views):
-                grad = param.grad
-                if grad is None or id(param) in self._sparse:
-                    view.zero_()
-                elif grad.data_ptr() == view.data_ptr():
+        # Few, large gradients (MEAN): divide each straight into its slot, one pass over the
+        # bytes instead of a copy and then a division of the whole bucket. Many small ones:
+        # one foreach copy, since a Python-level op per gradient costs more than the
+        # all-reduce it feeds.
+        fused = divisor != 1 and len(bucket.params) <= _FUSED_DIVIDE_MAX_PARAMS
+        targets, sources = [], []
+        for param, view in zip(bucket.params, bucket.views):
+            grad = param.grad
+            if grad is None or id(param) in self._sparse:
+                view.zero_()
+            elif grad.data_ptr() == view.data_ptr():
+                if fused:
                     view.div_(divisor)
-                else:
-                    torch.div(grad, divisor, out=view)
-        else:
-            # One foreach copy per bucket: with hundreds of small parameters a Python-level
-            # copy_ per gradient costs more than the all-reduce it feeds.
-            targets, sources = [], []
-            for param, view in zip(bucket.params, bucket.views):
-                grad = param.grad
-                if grad is None or id(param) in self._sparse:
-                    view.zero_()
-                elif grad.data_ptr() != view.data_ptr():
-                    targets.append(view)
-                    sources.append(grad)
-            if targets:
-                torch._foreach_copy_(targets, sources)
-            if divisor != 1:
-                flat.div_(divisor)
+            elif fused:
+                torch.div(grad, divisor, out=view)
+            else:
+                targets.append(view)
+                sources.append(grad)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if divisor != 1 and not fused:
+            flat.div_(divisor)
         try:
             bucket.work = dist.all_reduce(flat, group=self._group.group, async_op=True)
         except Exception as exc:  # noqa: BLE001
