@@ -42,11 +42,7 @@ def _local_sum(value: PerReplica) -> torch.Tensor:
     return total
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    return zlib.crc32(str(dtype).encode())
-
-
-_DTYPE_CODES: dict[torch.dtype, int] = {}
+_DTYPE_CODES: dict[torch.dtype, int] = {}  # a dtype's CRC, the same in every process
 
 
 def _layout_crc(tensors: Sequence[torch.Tensor]) -> int:
@@ -56,7 +52,7 @@ def _layout_crc(tensors: Sequence[torch.Tensor]) -> int:
         dtype = t.dtype
         code = _DTYPE_CODES.get(dtype)
         if code is None:
-            code = _DTYPE_CODES[dtype] = _dtype_code(dtype)
+            code = _DTYPE_CODES[dtype] = zlib.crc32(str(dtype).encode())
         shape = t.shape
         words.append(code)
         words.append(len(shape) if t.layout == torch.strided else -1 - len(shape))
