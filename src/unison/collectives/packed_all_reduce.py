@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-from torch._utils import _unflatten_dense_tensors
 
+from unison.collectives.flat_buffers import BufferPool, dtype_groups, fill, views_of
 from unison.collectives.packing import _group_sizes
 
 __all__ = ["PackedAllReduce", "LANE_SPLIT_BYTES"]
@@ -38,41 +38,6 @@ against 4.8-5.5 ms for one 6.5 MB all-reduce, while at 1 MiB two halves take 5x 
 than one call. NCCL runs collectives one after another; the split then only overlaps
 the second copy with the first transfer.
 """
-
-_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _storage_uses(tensor: torch.Tensor) -> int:
-    assert _use_count is not None
-    return _use_count(tensor.untyped_storage()._cdata)
-
-
-class _BufferPool:
-    """Flat buffers of the latest call, reused when nothing outside holds them any more.
-
-    A buffer is handed out again only if its storage has no user but the pool: every
-    view given to a caller, and every tensor autograd saved from one, holds a use. The
-    pool keeps the buffers of the latest call only, so it never holds more memory than
-    one call's results. Without ``torch._C._storage_Use_Count`` nothing is pooled.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
-        self._used: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
-        key = (numel, dtype, device, slot)
-        entry = self._buffers.get(key)
-        if entry is None or _use_count is None or _storage_uses(entry[0]) != entry[1]:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
-            entry = (buffer, _storage_uses(buffer) if _use_count is not None else 0)
-        self._used[key] = entry
-        return entry[0]
-
-    def end_call(self) -> None:
-        """Keeps only the buffers taken since the last ``end_call``."""
-        self._buffers, self._used = self._used, {}
-
 
 def _lanes(numels: list[int], itemsize: int, bytes_per_pack: int) -> list[tuple[int, int]]:
     """One dtype's packs, as ``[first, end)`` ranges of its tensors in launch order."""
@@ -99,7 +64,7 @@ class PackedAllReduce:
 
     def __init__(self, bytes_per_pack: int = 0) -> None:
         self._bytes_per_pack = bytes_per_pack
-        self._pool = _BufferPool()
+        self._pool = BufferPool()
 
     def __call__(self, tensors: Sequence[torch.Tensor], device: torch.device,
                  launch: Callable[[torch.Tensor], Any], wait: Callable[[Any], None],
@@ -113,16 +78,7 @@ class PackedAllReduce:
             wait: waits for a work handle (and turns failures into unison errors).
             divisor: every result is divided by it (MEAN); 1 leaves the sums.
         """
-        count = len(tensors)
-        reversed_tensors = tensors[::-1]  # last computed first
-        dtypes = {t.dtype for t in tensors}
-        if len(dtypes) == 1:
-            groups = [(next(iter(dtypes)), list(range(count - 1, -1, -1)), list(reversed_tensors))]
-        else:
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for position, t in enumerate(reversed_tensors):
-                by_dtype.setdefault(t.dtype, []).append(count - 1 - position)
-            groups = [(dtype, members, [tensors[i] for i in members]) for dtype, members in by_dtype.items()]
+        groups = dtype_groups(tensors, reverse=True)  # last computed first
         results: list[torch.Tensor] = list(tensors)  # every entry is replaced below
         pending: list[tuple[Any, torch.Tensor]] = []
         divide_after: list[int] = []  # integer results: divided per tensor, into new tensors
@@ -131,25 +87,19 @@ class PackedAllReduce:
             if not _all_on(sources, device):
                 sources, moved = [t.to(device) for t in sources], True
             numels = [t.numel() for t in sources]
-            one_dimensional = all(t.dim() == 1 for t in sources)
             buffer = self._pool.take(sum(numels), dtype, device, slot)
-            # N-d tensors: shaped views first, filled by one foreach copy per pack (cheaper
-            # than a reshape per tensor for cat and a view per tensor afterwards).
-            views = None if one_dimensional else _unflatten_dense_tensors(buffer, sources)
+            # N-d: shaped views first, filled by one foreach copy per pack; 1-d: cut while the
+            # packs travel. Their values are final once the waits below return.
+            one_dimensional = all(t.dim() == 1 for t in sources)
+            views = None if one_dimensional else views_of(buffer, sources)
             start = 0
-            with torch.no_grad():  # a reduction is not differentiable; cat(out=) refuses grad inputs
-                for first, end in _lanes(numels, dtype.itemsize, self._bytes_per_pack):
-                    size = sum(numels[first:end])
-                    pack = buffer[start:start + size]
-                    if views is None:
-                        torch.cat(sources[first:end], out=pack)
-                    else:
-                        torch._foreach_copy_(list(views[first:end]), sources[first:end])
-                    pending.append((launch(pack), pack))
-                    start += size
-            # 1-d views cut while the packs travel; values are final once the waits return.
-            pieces = buffer.split(numels) if views is None else views
-            for index, piece in zip(members, pieces):
+            for first, end in _lanes(numels, dtype.itemsize, self._bytes_per_pack):
+                size = sum(numels[first:end])
+                pack = buffer[start:start + size]
+                fill(pack, sources[first:end], None if views is None else views[first:end])
+                pending.append((launch(pack), pack))
+                start += size
+            for index, piece in zip(members, views_of(buffer, sources) if views is None else views):
                 results[index] = piece
             if divisor != 1 and not (dtype.is_floating_point or dtype.is_complex):
                 divide_after.extend(members)
