@@ -273,11 +273,14 @@ def buffers_from_chief(rank: int, world: int):
     return module.noise.clone(), torch.randn(3)
 
 
-def packed_batch_reduce(rank: int, world: int):
-    """A batch over LANE_SPLIT_BYTES (two concurrent packs) plus mixed dtypes and shapes, SUM and MEAN."""
+def packed_batch_reduce(rank: int, world: int, implementation: str = "AUTO"):
+    """A batch over LANE_SPLIT_BYTES plus mixed dtypes and shapes, SUM and MEAN.
+
+    AUTO: through shared memory (the workers share a host); RING: gloo, two concurrent packs.
+    """
     from unison.collectives.packed_all_reduce import LANE_SPLIT_BYTES
 
-    strategy = strategy_for(rank, world, timeout_seconds=30)
+    strategy = strategy_for(rank, world, timeout_seconds=30, implementation=implementation)
 
     def tensors_of(r: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(100 + r)
@@ -293,4 +296,6 @@ def packed_batch_reduce(rank: int, world: int):
     sum_error = max((s.double() - e.double()).abs().max().item() for s, e in zip(sums, expected))
     mean_error = max((m.double() - e.double() / world).abs().max().item() for m, e in zip(means, expected))
     shapes_kept = all(s.shape == t.shape and s.dtype == t.dtype for s, t in zip(sums, mine))
-    return sum_error, mean_error, shapes_kept, torch.equal(mine[0], tensors_of(rank)[0])
+    transport = strategy.extended.cross_device_ops._shared_memory
+    used_shared_memory = transport is not None and bool(transport._segments)
+    return sum_error, mean_error, shapes_kept, torch.equal(mine[0], tensors_of(rank)[0]), used_shared_memory

@@ -114,7 +114,10 @@ def test_buffers_start_from_the_chiefs_values():
 
 
 @pytest.mark.timeout(90)
-def test_packed_batch_reduce_sums_and_averages_exactly():
-    for sum_error, mean_error, shapes_kept, inputs_untouched in run_workers(w.packed_batch_reduce, 2, timeout=60):
+@pytest.mark.parametrize("implementation", ["AUTO", "RING"])
+def test_packed_batch_reduce_sums_and_averages_exactly(implementation):
+    results = run_workers(w.packed_batch_reduce, 2, args=(implementation,), timeout=60)
+    for sum_error, mean_error, shapes_kept, inputs_untouched, used_shared_memory in results:
         assert sum_error <= 1e-6 and mean_error <= 1e-6
         assert shapes_kept and inputs_untouched
+        assert used_shared_memory == (implementation == "AUTO")

@@ -1,12 +1,20 @@
 """CollectiveAllReduce: reductions across the workers' torch.distributed process group.
 
-A batch of values is first reduced in-process over this worker's replicas, then packed
-in reverse order into groups of about ``bytes_per_pack`` bytes (the last gradients
-computed travel first) and all-reduced with one ``all_reduce`` per pack, all packs in
-flight at once (``packed_all_reduce.py``). Sparse tensors travel by all-gather of
-indices and values. Every call first compares a CRC of the tensors' shapes and dtypes
-across workers, so a mismatch raises ``CollectiveMismatchError`` on every worker instead
-of hanging, producing garbage, or letting gloo abort the process on mismatched sizes.
+A batch of values is first reduced in-process over this worker's replicas, then summed
+across workers by one of two transports:
+
+- shared memory (``shared_memory.py``), when every worker is on this host, the group is
+  gloo and ``implementation`` is AUTO: each worker writes its tensors into one
+  ``/dev/shm`` file and sums a slice of everyone's; about 2x faster than gloo's
+  all-reduce of the same bytes over loopback;
+- packed collectives (``packed_all_reduce.py``) otherwise: packed in reverse order into
+  groups of about ``bytes_per_pack`` bytes (the last gradients computed travel first),
+  one ``all_reduce`` per pack, all packs in flight at once.
+
+Sparse tensors travel by all-gather of indices and values. Every call first compares a
+CRC of the tensors' shapes and dtypes across workers, so a mismatch raises
+``CollectiveMismatchError`` on every worker instead of hanging, producing garbage, or
+letting gloo abort the process on mismatched sizes.
 """
 
 from __future__ import annotations
@@ -14,16 +22,17 @@ from __future__ import annotations
 import array
 import datetime
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from unison.collectives.base import CrossDeviceOps, Destinations, to_destinations
-from unison.collectives.options import CommunicationOptions
+from unison.collectives.options import CommunicationImplementation, CommunicationOptions
 from unison.collectives.packed_all_reduce import PackedAllReduce
 from unison.collectives.packing import TensorPacker
 from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
+from unison.collectives.shared_memory import SharedMemoryAllReduce
 from unison.devices import canonicalize_all, torch_device
 from unison.errors import CollectiveMismatchError
 from unison.reduce import ReduceOp
@@ -92,6 +101,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                                        self._options.effective_timeout, None)
         self._group_source = worker_group
         self._packed = PackedAllReduce(self._options.bytes_per_pack)
+        self._shared_memory_transport: SharedMemoryAllReduce | None = None
 
     @property
     def _group(self) -> WorkerGroup:
@@ -101,6 +111,19 @@ class CollectiveAllReduce(CrossDeviceOps):
     @property
     def _comm_device(self) -> torch.device:
         return torch_device(self._devices[0]) if self._group.backend == "nccl" else torch.device("cpu")
+
+    @property
+    def _shared_memory(self) -> SharedMemoryAllReduce | None:
+        """The shared-memory transport, with AUTO on gloo (None: every batch goes over the network)."""
+        if self._shared_memory_transport is None:
+            group = self._group
+            if self._options.implementation is not CommunicationImplementation.AUTO or group.backend != "gloo":
+                return None
+            self._shared_memory_transport = SharedMemoryAllReduce(
+                group.rank, group.world_size, lambda: self._agree_min(1, "batch all-reduce (shared memory)"),
+                lambda values: self._broadcast_ints(values, "shared-memory setup"),
+                lambda value: self._agree_min(value, "shared-memory setup"))
+        return self._shared_memory_transport
 
     @property
     def worker_group(self) -> WorkerGroup:
@@ -127,6 +150,16 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._call(operation, dist.all_gather, gathered, mine)
         return [g.tolist() for g in gathered]
 
+    def _agree_min(self, value: int, operation: str) -> int:
+        flag = torch.tensor([value], dtype=torch.int64, device=self._comm_device)
+        self._call(operation, dist.all_reduce, flag, op=dist.ReduceOp.MIN)
+        return int(flag.item())
+
+    def _broadcast_ints(self, values: list[int], operation: str) -> list[int]:
+        payload = torch.tensor(values, dtype=torch.int64, device=self._comm_device)
+        self._call(operation, dist.broadcast, payload, src=0)
+        return payload.tolist()
+
     def check_layout(self, tensors: Sequence[torch.Tensor], operation: str) -> None:
         """Raises CollectiveMismatchError on every worker unless all pass the same shapes and dtypes.
 
@@ -152,12 +185,12 @@ class CollectiveAllReduce(CrossDeviceOps):
     # -- CrossDeviceOps -------------------------------------------------------------
     def _batch_reduce(self, reduce_op: ReduceOp, pairs: list[tuple[PerReplica, Destinations]]) -> list[Any]:
         local = [value.values[0] if len(value.values) == 1 else _local_sum(value) for value, _ in pairs]
-        self.check_layout(local, "batch all-reduce")
         divisor = self._group.world_size * len(pairs[0][0].values) if reduce_op is ReduceOp.MEAN else 1
-        dense = [i for i, t in enumerate(local) if t.layout == torch.strided]
-        if len(dense) == len(local):
-            reduced = self._all_reduce_dense(local, divisor)
+        if all(t.layout == torch.strided for t in local):
+            reduced = self._all_reduce_dense(local, divisor, check=lambda: self.check_layout(local, "batch all-reduce"))
         else:
+            self.check_layout(local, "batch all-reduce")
+            dense = [i for i, t in enumerate(local) if t.layout == torch.strided]
             reduced = list(local)
             for i, tensor in zip(dense, self._all_reduce_dense([local[i] for i in dense], divisor)):
                 reduced[i] = tensor
@@ -171,9 +204,25 @@ class CollectiveAllReduce(CrossDeviceOps):
             return reduced  # the usual batch: every result already on the one CPU destination
         return [to_destinations(tensor, destinations) for tensor, (_, destinations) in zip(reduced, pairs)]
 
-    def _all_reduce_dense(self, tensors: list[torch.Tensor], divisor: int = 1) -> list[torch.Tensor]:
+    def _all_reduce_dense(self, tensors: list[torch.Tensor], divisor: int = 1,
+                          check: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        """Sums (then divides by ``divisor``) dense tensors across workers: shared memory or packed collectives.
+
+        ``check``, the layout check, runs before any data collective; None: the caller
+        has checked (or skips it).
+        """
         if not tensors:
+            if check is not None:
+                check()
             return []
+        shared = self._shared_memory
+        if shared is not None and shared.eligible(tensors):
+            reduced = shared(tensors, divisor, check)
+            if reduced is not None:
+                return reduced
+            check = None  # the workers cannot share memory; the check has run
+        if check is not None:
+            check()
         group = self._group  # a property: read once, not per pack
 
         def launch(pack: torch.Tensor) -> Any:

@@ -12,8 +12,10 @@ __all__ = ["CommunicationImplementation", "CommunicationOptions"]
 class CommunicationImplementation(NamedEnum):
     """Which torch.distributed backend carries cross-process collectives.
 
-    ``AUTO``: NCCL when the replicas are CUDA devices and NCCL is available, else gloo.
-    ``RING``: gloo (ring all-reduce on CPU tensors). ``NCCL``: NCCL, CUDA only.
+    ``AUTO``: NCCL when the replicas are CUDA devices and NCCL is available, else gloo;
+    on gloo, batch all-reduces between workers of one host go through shared memory.
+    ``RING``: gloo's ring all-reduce over the network for every batch, even on one host.
+    ``NCCL``: NCCL, CUDA only.
     """
 
     AUTO = "AUTO"
@@ -34,7 +36,8 @@ class CommunicationOptions:
             (0: unison chooses: one pack per dtype, sent as two concurrent halves from
             4 MiB on). Packs are formed in reverse order, so the last gradients computed
             travel first, and all travel at once. Also the gradient bucket size of the
-            backward-overlapped all-reduce (0: unison's default, 4 MiB).
+            backward-overlapped all-reduce (0: unison's default, 4 MiB). Batches that
+            go through shared memory are not cut into packs.
         timeout_seconds: bound on every collective; a peer that does not answer in time
             raises ``unison.errors.PeerLostError`` naming it. None: 300 s.
         implementation: the backend, see :class:`CommunicationImplementation`.

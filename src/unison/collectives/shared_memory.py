@@ -1,0 +1,207 @@
+"""All-reduce through shared memory, for CPU workers that share one host.
+
+gloo moves every byte of a CPU all-reduce through loopback TCP, several times over and
+on its own threads. Workers on one host can instead meet in one shared-memory file:
+each writes its tensors into its own slot, sums one slice of every worker's slot into
+the result slot, and copies the result out. Two tiny gloo all-reduces order these steps
+and carry the timeout and peer-loss detection of every other collective. For 400 x 16
+KB on 2 processes this takes 2.9 ms against 6.3 ms for gloo's all-reduce of one flat
+buffer of the same bytes (``benchmarks/multi_worker.py``).
+
+The files live in ``/dev/shm``. Worker 0 creates each one (``posix_fallocate``, so a
+full tmpfs is a clean error, not a SIGBUS later), every worker maps it, and worker 0
+unlinks it once all have: the memory is freed when the last worker unmaps it or exits,
+crash included. Whether the workers share a host is found by that first mapping: a
+worker on another host (or with another ``/dev/shm``) cannot open the file, and then
+every worker falls back to the network collectives for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from typing import Callable, Sequence
+
+import torch
+
+from unison.collectives.flat_buffers import BufferPool, dtype_groups, fill, views_of
+
+__all__ = ["SharedMemoryAllReduce", "SHARED_MEMORY_DIR", "MIN_BYTES", "MAX_SEGMENTS"]
+
+logger = logging.getLogger(__name__)
+
+SHARED_MEMORY_DIR = "/dev/shm"
+MIN_BYTES = 64 << 10
+"""Smaller batches stay on the network collective: their transfer is mostly latency."""
+MAX_SEGMENTS = 8
+"""Mapped files kept for reuse, least recently used dropped first (one per dtype and size)."""
+
+
+class _Segment:
+    """One shared file: ``world_size`` input slots and one result slot of ``numel`` elements."""
+
+    def __init__(self, storage: torch.Tensor, world_size: int, numel: int):
+        self.inputs = [storage[r * numel:(r + 1) * numel] for r in range(world_size)]
+        self.result = storage[world_size * numel:]
+
+
+class SharedMemoryAllReduce:
+    """Sums (or averages) dense CPU tensors across the workers of one host through ``/dev/shm``.
+
+    Every worker must make the same calls in the same order (as for any collective); the
+    segment cache then evolves identically everywhere, so all workers agree on when a new
+    file is created without saying so.
+
+    Args:
+        rank, world_size: this worker's place in the group.
+        barrier: waits until every worker arrives (raises the group's PeerLostError).
+        broadcast_ints: worker 0's list of ints, on every worker.
+        agree_min: the smallest of every worker's int, on every worker.
+    """
+
+    def __init__(self, rank: int, world_size: int, barrier: Callable[[], None],
+                 broadcast_ints: Callable[[list[int]], list[int]], agree_min: Callable[[int], int]):
+        self._rank = rank
+        self._world_size = world_size
+        self._barrier = barrier
+        self._broadcast_ints = broadcast_ints
+        self._agree_min = agree_min
+        self._segments: dict[tuple[torch.dtype, int], _Segment] = {}  # insertion order = least recent first
+        self._pool = BufferPool()
+        self.available = world_size > 1
+
+    def eligible(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether this batch goes through shared memory (the same answer on every worker for the same layout)."""
+        return (self.available and bool(tensors) and all(t.is_cpu and t.layout == torch.strided for t in tensors)
+                and sum(t.numel() * t.element_size() for t in tensors) >= MIN_BYTES)
+
+    def __call__(self, tensors: Sequence[torch.Tensor], divisor: int = 1,
+                 check: Callable[[], None] | None = None) -> list[torch.Tensor] | None:
+        """The reduced tensors, in input order, as views of private pooled buffers.
+
+        Args:
+            tensors: ``eligible`` tensors; they are only read.
+            divisor: every result is divided by it (MEAN); 1 leaves the sums.
+            check: the layout check, a collective that every worker must pass first; it
+                doubles as the barrier after the inputs are written. None: a plain barrier.
+
+        Returns:
+            None when the workers just found that they cannot share memory (``available``
+            is then False on all of them); ``check`` has run by then.
+        """
+        groups = dtype_groups(tensors)
+        keys = [(dtype, sum(t.numel() for t in sources)) for dtype, _, sources in groups]
+        if all(key in self._segments for key in keys):
+            segments = [self._use(key) for key in keys]
+            self._write(groups, segments)
+            (check or self._barrier)()  # every input slot is written once every worker is past it
+        else:
+            if check is not None:
+                check()  # before any new file: the layouts, hence the sizes, agree
+            segments = []
+            for key in keys:
+                segment = self._segments.get(key) or self._create(*key)
+                if segment is None:
+                    return None
+                segments.append(self._use(key))
+            self._write(groups, segments)
+            self._barrier()
+        for segment in segments:
+            self._sum_my_slice(segment, divisor)
+        self._barrier()  # every slice of the result is summed
+        results: list[torch.Tensor] = list(tensors)
+        for slot, ((dtype, members, sources), segment) in enumerate(zip(groups, segments)):
+            private = self._pool.take(segment.result.numel(), dtype, torch.device("cpu"), slot)
+            private.copy_(segment.result)
+            for index, view in zip(members, views_of(private, sources)):
+                results[index] = view
+            if divisor != 1 and not (dtype.is_floating_point or dtype.is_complex):
+                for index in members:  # integers: divided per tensor, like the packed path
+                    results[index] = results[index] / divisor
+        self._pool.end_call()
+        return results
+
+    def _write(self, groups: list, segments: list[_Segment]) -> None:
+        for (_, _, sources), segment in zip(groups, segments):
+            fill(segment.inputs[self._rank], sources)
+
+    def _sum_my_slice(self, segment: _Segment, divisor: int) -> None:
+        numel = segment.result.numel()
+        start, end = numel * self._rank // self._world_size, numel * (self._rank + 1) // self._world_size
+        if start == end:
+            return
+        out = segment.result[start:end]
+        # Worker order, so every element is summed the same way whoever owns it.
+        torch.add(segment.inputs[0][start:end], segment.inputs[1][start:end], out=out)
+        for inputs in segment.inputs[2:]:
+            out.add_(inputs[start:end])
+        if divisor != 1 and (out.is_floating_point() or out.is_complex()):
+            out.div_(divisor)
+
+    def _use(self, key: tuple[torch.dtype, int]) -> _Segment:
+        segment = self._segments.pop(key)
+        self._segments[key] = segment  # most recent last
+        return segment
+
+    def _create(self, dtype: torch.dtype, numel: int) -> _Segment | None:
+        """Creates and maps one shared file on every worker (a collective), or finds it cannot."""
+        if len(self._segments) >= MAX_SEGMENTS:
+            del self._segments[next(iter(self._segments))]
+        elements = (self._world_size + 1) * numel
+        size = elements * dtype.itemsize
+        token, reason, created = 0, "", None
+        if self._rank == 0:
+            token = secrets.randbits(62)
+            created = _path(token)
+            try:
+                descriptor = os.open(created, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.posix_fallocate(descriptor, 0, size)
+                finally:
+                    os.close(descriptor)
+            except OSError as exc:
+                reason = f"cannot create {size} bytes in {SHARED_MEMORY_DIR}: {exc}"
+                token = 0
+                _unlink(created)
+                created = None
+        token = self._broadcast_ints([token])[0]
+        storage = None
+        if not token and not reason:
+            reason = "worker 0 could not create a shared file (its log says why)"
+        if token:
+            path = _path(token)
+            try:
+                descriptor = os.open(path, os.O_RDWR)  # no O_CREAT: another host's worker fails here
+                try:
+                    if os.fstat(descriptor).st_size != size:
+                        raise OSError(f"{path} has {os.fstat(descriptor).st_size} bytes, expected {size}")
+                finally:
+                    os.close(descriptor)
+                storage = torch.from_file(path, shared=True, size=elements, dtype=dtype)
+            except (OSError, RuntimeError) as exc:
+                reason = f"worker {self._rank} cannot map {path}: {exc} (workers on different hosts?)"
+        everyone = self._agree_min(1 if storage is not None else 0)
+        if created is not None:
+            _unlink(created)  # every worker has it mapped, or has given up
+        if not everyone:
+            self.available = False
+            self._segments.clear()
+            logger.warning("unison: batch all-reduce falls back to the network collective: %s",
+                           reason or "another worker cannot map the shared file (its log says why)")
+            return None
+        assert storage is not None
+        segment = _Segment(storage, self._world_size, numel)
+        self._segments[(dtype, numel)] = segment
+        return segment
+
+
+def _path(token: int) -> str:
+    return os.path.join(SHARED_MEMORY_DIR, f"unison-{token:016x}")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,169 @@
+"""Worker functions for the shared-memory all-reduce tests (module level, so spawned processes import them)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import time
+
+import torch
+
+import unison
+from unison.collectives import shared_memory
+from unison.collectives.collective import CollectiveAllReduce
+
+from tests.multi_worker._workers import strategy_for
+
+BIG = 20_011  # float32 elements: 80 KB, above shared_memory.MIN_BYTES; prime, so slices are uneven
+
+
+def batch_of(rank: int, scale: int = 1) -> list[torch.Tensor]:
+    """Mixed dtypes, 1-d, N-d and 0-d tensors, over MIN_BYTES in all."""
+    g = torch.Generator().manual_seed(10 + rank)
+    return [
+        torch.randn(BIG * scale, generator=g),
+        torch.randn(7, 13, generator=g),
+        torch.tensor(float(rank + 1)),
+        torch.arange(6, dtype=torch.int64).reshape(2, 3) * (rank + 1),
+        torch.randn(BIG // 2, generator=g, dtype=torch.float64),
+        torch.randn(3, 4, 5, generator=g),
+    ]
+
+
+def _pairs(tensors: list[torch.Tensor]) -> list:
+    return [(unison.PerReplica([t]), "cpu:0") for t in tensors]
+
+
+def _exact_sum(world: int, scale: int = 1) -> list[torch.Tensor]:
+    """Worker-order sums: what the shared-memory path computes, bit for bit."""
+    parts = [batch_of(r, scale) for r in range(world)]
+    sums = []
+    for tensors in zip(*parts):
+        total = tensors[0].clone()
+        for t in tensors[1:]:
+            total = total + t
+        sums.append(total)
+    return sums
+
+
+def _unison_files() -> set[str]:
+    return {name for name in os.listdir(shared_memory.SHARED_MEMORY_DIR) if name.startswith("unison-")}
+
+
+def sums_means_and_reuse(rank: int, world: int):
+    """SUM and MEAN through shared memory, against gloo's answer; segments reused; no file left behind."""
+    files_before = _unison_files()
+    strategy = strategy_for(rank, world, timeout_seconds=30)
+    ops = strategy.extended.cross_device_ops
+    ring = CollectiveAllReduce(["cpu:0"], ops.worker_group, unison.CommunicationOptions(implementation="RING"))
+    mine = batch_of(rank)
+    originals = [t.clone() for t in mine]
+    sums = strategy.extended.batch_reduce_to("sum", _pairs(mine))
+    transport = ops._shared_memory
+    segments_after_first = dict(transport._segments)
+    means = strategy.extended.batch_reduce_to("mean", _pairs(mine))
+    again = strategy.extended.batch_reduce_to("sum", _pairs(mine))
+    ring_sums = ring.batch_reduce("sum", _pairs(mine))
+    ring_means = ring.batch_reduce("mean", _pairs(mine))
+    expected = _exact_sum(world)
+    ops.barrier()
+    return {
+        "used_shared_memory": transport is not None and transport.available and len(segments_after_first) == 3,
+        "sums_exact": all(torch.equal(s, e) for s, e in zip(sums, expected)),
+        "kept_results_untouched": all(torch.equal(s, e) for s, e in zip(sums, expected)) and all(
+            torch.equal(a, e) for a, e in zip(again, expected)),
+        "means_as_gloo": all(m.dtype == r.dtype and torch.allclose(m, r, rtol=0, atol=1e-6)
+                             for m, r in zip(means, ring_means)),
+        "means_are_sums_over_world": all(torch.allclose(m.double(), e.double() / world, rtol=0, atol=1e-6)
+                                         for m, e in zip(means, expected)),
+        "equal_to_gloo": all(torch.allclose(s, r, rtol=0, atol=1e-5) for s, r in zip(sums, ring_sums)),
+        "exactly_gloo": all(torch.equal(s, r) for s, r in zip(sums, ring_sums)),
+        "shapes_kept": [s.shape for s in sums] == [t.shape for t in mine],
+        "inputs_untouched": all(torch.equal(t, o) for t, o in zip(mine, originals)),
+        "segments_reused": all(transport._segments[k] is v for k, v in segments_after_first.items()),
+        "files_left": sorted(_unison_files() - files_before),
+        "ring_transport": ring._shared_memory,
+    }
+
+
+def mismatch_then_recover(rank: int, world: int):
+    """Layout mismatches on the shared-memory path raise on every worker, and the next good call works."""
+    strategy = strategy_for(rank, world, timeout_seconds=20)
+    reduce = strategy.extended.batch_reduce_to
+    good = [torch.ones(BIG), torch.ones(4, 5)]
+    reduce("sum", _pairs(good))  # both workers now hold this layout's segment
+    cases = {
+        "same size, other shape": [torch.ones(BIG), torch.ones(5, 4) if rank == 1 else torch.ones(4, 5)],
+        "other size": [torch.ones(BIG + (rank == 1)), torch.ones(4, 5)],
+        "below the shared-memory size on one worker": [torch.ones(BIG if rank == 0 else 3), torch.ones(4, 5)],
+    }
+    outcomes = {}
+    for name, tensors in cases.items():
+        try:
+            reduce("sum", _pairs(tensors))
+            outcomes[name] = "no error"
+        except unison.errors.CollectiveMismatchError as exc:
+            outcomes[name] = str(exc)
+    recovered = reduce("sum", _pairs(good))
+    return outcomes, all(torch.equal(r, torch.full_like(g, world)) for r, g in zip(recovered, good))
+
+
+def cannot_share(rank: int, world: int, how: str, tmp: str):
+    """Workers that cannot meet in shared memory fall back to gloo, all of them, with a warning."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger(shared_memory.__name__).addHandler(Keep())
+    if how == "different hosts":
+        own = os.path.join(tmp, f"host-{rank}")  # each worker its own /dev/shm
+        os.makedirs(own, exist_ok=True)
+        shared_memory.SHARED_MEMORY_DIR = own
+    elif how == "no space" and rank == 0:
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        shared_memory.os.posix_fallocate = full  # type: ignore[attr-defined]
+    strategy = strategy_for(rank, world, timeout_seconds=30)
+    mine = batch_of(rank)
+    first = strategy.extended.batch_reduce_to("sum", _pairs(mine))
+    second = strategy.extended.batch_reduce_to("sum", _pairs(mine))
+    expected = _exact_sum(world)
+    transport = strategy.extended.cross_device_ops._shared_memory
+    left = os.listdir(shared_memory.SHARED_MEMORY_DIR) if how == "different hosts" else []
+    return {
+        "available": transport.available,
+        "correct": all(torch.allclose(r, e, rtol=0, atol=1e-5) for r, e in zip(first + second, expected + expected)),
+        "warnings": records,
+        "files_left": left,
+    }
+
+
+def many_sizes(rank: int, world: int):
+    """More distinct layouts than MAX_SEGMENTS: results stay exact, mapped files stay bounded."""
+    strategy = strategy_for(rank, world, timeout_seconds=30)
+    transport_sizes = []
+    exact = True
+    for size in range(shared_memory.MAX_SEGMENTS + 3):
+        mine, expected = batch_of(rank, scale=size + 1), _exact_sum(world, scale=size + 1)
+        result = strategy.extended.batch_reduce_to("sum", _pairs(mine))
+        exact = exact and all(torch.equal(r, e) for r, e in zip(result, expected))
+        transport_sizes.append(len(strategy.extended.cross_device_ops._shared_memory._segments))
+    return exact, max(transport_sizes)
+
+
+def killed_during_shared_reduce(rank: int, world: int, timeout: float):
+    strategy = strategy_for(rank, world, timeout_seconds=timeout)
+    mine = batch_of(rank)
+    for step in range(1000):
+        if rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            strategy.extended.batch_reduce_to("sum", _pairs(mine))
+        except unison.errors.PeerLostError as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - started, step
+    return "no error", "", 0.0, -1

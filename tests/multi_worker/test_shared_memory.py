@@ -1,0 +1,67 @@
+"""The shared-memory all-reduce between workers of one host, across real processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from unison._testing import run_workers
+from tests.multi_worker import _shared_memory_workers as w
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_sums_and_means_match_gloo_and_leave_no_file(world):
+    for result in run_workers(w.sums_means_and_reuse, world, timeout=90):
+        assert result["used_shared_memory"], result
+        assert result["sums_exact"] and result["kept_results_untouched"]
+        assert result["means_as_gloo"] and result["means_are_sums_over_world"]
+        assert result["equal_to_gloo"] and result["shapes_kept"] and result["inputs_untouched"]
+        if world == 2:
+            assert result["exactly_gloo"]  # a + b, the same bits whichever transport
+        assert result["segments_reused"]
+        assert result["files_left"] == []  # unlinked once mapped: nothing to leak in /dev/shm
+        assert result["ring_transport"] is None  # implementation=RING never uses shared memory
+
+
+@pytest.mark.timeout(90)
+def test_mismatched_layouts_raise_on_every_worker_then_the_next_call_works():
+    for outcomes, recovered in run_workers(w.mismatch_then_recover, 2, timeout=60):
+        for name, message in outcomes.items():
+            assert "different shapes or dtypes" in message, (name, message)
+        assert recovered
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how, reason", [("different hosts", "cannot map"), ("no space", "could not create")])
+def test_workers_that_cannot_share_memory_fall_back_together(how, reason, tmp_path):
+    results = run_workers(w.cannot_share, 2, args=(how, str(tmp_path)), timeout=60)
+    for rank, result in enumerate(results):
+        assert result["available"] is False
+        assert result["correct"]
+        assert result["files_left"] == []
+        assert len(result["warnings"]) == 1, result["warnings"]
+        assert "falls back to the network collective" in result["warnings"][0]
+    assert reason in results[1]["warnings"][0]
+    if how == "no space":
+        assert "No space left on device" in results[0]["warnings"][0]
+
+
+@pytest.mark.timeout(120)
+def test_many_layouts_keep_a_bounded_set_of_mapped_files():
+    from unison.collectives.shared_memory import MAX_SEGMENTS
+
+    for exact, most_segments in run_workers(w.many_sizes, 2, timeout=90):
+        assert exact
+        assert most_segments <= MAX_SEGMENTS
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_is_named_during_a_shared_memory_reduce():
+    timeout = 10.0
+    results = run_workers(w.killed_during_shared_reduce, 2, args=(timeout,), timeout=90, allow_failures=True)
+    assert results[1].exitcode == -9
+    kind, message, waited, step = results[0].value
+    assert kind == "PeerLostError"
+    assert "worker:1" in message
+    assert waited <= timeout + 10
+    assert step >= 3
