@@ -6,13 +6,18 @@ One command, one run, three things measured on this machine:
   - W1: an MLP 784-1024-1024-10 (6 gradient tensors, 7.45 MB),
   - W2: 200 x Linear(64, 64) as residual ``x + 0.1 * tanh(linear(x))`` blocks (400 small gradient tensors),
   under ``plain`` (1 process, 1 thread, the whole batch), ``ddp`` (2 processes, gloo,
-  ``DistributedDataParallel`` with its defaults) and ``unison`` (2 processes,
-  ``MultiWorkerMirroredStrategy``, a plain ``zero_grad / backward / step`` loop);
+  ``DistributedDataParallel`` with its defaults), ``unison`` (2 processes,
+  ``MultiWorkerMirroredStrategy`` with its defaults, a plain ``zero_grad / backward /
+  step`` loop: the two workers share this host, so gradients meet in shared memory) and
+  ``unison_ring`` (the same with ``implementation=RING``: gradients over gloo, as DDP's);
 - raw all-reduce of 400 float32 tensors of 16 KB (6.55 MB in all) through unison's packed
   batch all-reduce -- the public ``strategy.extended.batch_reduce_to`` (which also runs a
   small layout-check collective per call) and the bare packed path
   ``CollectiveAllReduce._all_reduce_dense`` -- vs one flat ``dist.all_reduce`` of the same
-  bytes (a reused buffer) vs 400 separate ``dist.all_reduce`` calls; for reference also
+  bytes (a reused buffer) vs 400 separate ``dist.all_reduce`` calls. unison's rows run
+  with its defaults (shared memory between the two workers of this host) and, as
+  ``*_ring``, over gloo like the baselines; ``unison_one_tensor`` sends the flat buffer
+  itself through unison, to show what packing costs on unison's own transport. For reference also
   ``torch.cat`` + one all_reduce + split (the copy any batch all-reduce that returns new
   tensors makes), ``torch.cat`` into a reused buffer + one all_reduce (the least any
   packing does), the flat buffer as two concurrent halves, and 400 asynchronous calls.
@@ -62,13 +67,18 @@ WEIGHT_TOLERANCE = 1e-5
 TARGET_VS_DDP = 1.00
 TARGET_VS_FLAT = 0.85
 TARGET_VS_SEPARATE = 5.0
-TRAIN_VARIANTS = ("plain", "ddp", "unison")
-AR_VARIANTS = ("unison_batch_reduce_to", "unison_packed", "copy_then_flat", "copy_into_flat", "flat", "flat_halves", "separate",
+TRAIN_VARIANTS = ("plain", "ddp", "unison", "unison_ring")
+AR_VARIANTS = ("unison_batch_reduce_to", "unison_packed", "unison_one_tensor", "unison_batch_reduce_to_ring",
+               "unison_packed_ring", "copy_then_flat", "copy_into_flat", "flat", "flat_halves", "separate",
                "separate_async")
+AR_CHECKED = ("unison_batch_reduce_to", "unison_packed", "unison_batch_reduce_to_ring", "unison_packed_ring")
 AR_SLOW = ("separate", "separate_async")  # ~100x slower: fewer calls per round
 AR_LABELS = {
     "unison_batch_reduce_to": "unison batch_reduce_to (public)",
     "unison_packed": "unison packed (_all_reduce_dense)",
+    "unison_one_tensor": "unison, the flat buffer as 1 tensor",
+    "unison_batch_reduce_to_ring": "unison batch_reduce_to, RING (gloo)",
+    "unison_packed_ring": "unison packed, RING (gloo)",
     "copy_then_flat": "cat + all_reduce + split (copy ref)",
     "copy_into_flat": "cat into reused buffer + all_reduce",
     "flat": "one flat all_reduce",
@@ -141,11 +151,12 @@ class _Runner:
         return times
 
 
-def _strategy(rank: int, cfg: dict) -> Any:
+def _strategy(rank: int, cfg: dict, implementation: str = "AUTO") -> Any:
     import unison
 
     spec = unison.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})  # rendezvous via UNISON_RENDEZVOUS
-    options = unison.CommunicationOptions(bytes_per_pack=cfg["bytes_per_pack"], timeout_seconds=cfg["collective_timeout"])
+    options = unison.CommunicationOptions(bytes_per_pack=cfg["bytes_per_pack"], timeout_seconds=cfg["collective_timeout"],
+                                          implementation=implementation)
     return unison.MultiWorkerMirroredStrategy(
         unison.SimpleClusterResolver(spec, task_type="worker", task_id=rank), communication_options=options
     )
@@ -154,6 +165,7 @@ def _strategy(rank: int, cfg: dict) -> Any:
 def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
     # A fresh strategy per workload: its gradient buckets then hold only this model's parameters.
     strategy = _strategy(rank, cfg)
+    ring_strategy = _strategy(rank, cfg, "RING")
     batches, loss_fn = _make_batches(workload, cfg["num_batches"])
     per = GLOBAL_BATCH // WORLD_SIZE
     local = [(x[rank * per:(rank + 1) * per].clone(), y[rank * per:(rank + 1) * per].clone()) for x, y in batches]
@@ -161,12 +173,16 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
     with strategy.scope():  # first: leaving the scope forms the process group (unison forms it lazily)
         unison_model = _make_model(workload)
         unison_opt = torch.optim.SGD(unison_model.parameters(), lr=LR)
+    with ring_strategy.scope():
+        ring_model = _make_model(workload)
+        ring_opt = torch.optim.SGD(ring_model.parameters(), lr=LR)
     ddp_model = nn.parallel.DistributedDataParallel(_make_model(workload))  # on the group unison formed
     plain_model = _make_model(workload)
     runners = {
         "plain": _Runner(_make_step(plain_model, torch.optim.SGD(plain_model.parameters(), lr=LR), loss_fn), batches),
         "ddp": _Runner(_make_step(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=LR), loss_fn), local),
         "unison": _Runner(_make_step(unison_model, unison_opt, loss_fn), local),
+        "unison_ring": _Runner(_make_step(ring_model, ring_opt, loss_fn), local),
     }
 
     def run(name: str, n: int) -> list[float]:
@@ -179,7 +195,7 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
         run(name, cfg["warmup"])
     samples: dict[str, list[list[float]]] = {name: [] for name in TRAIN_VARIANTS}
     for r in range(cfg["rounds"]):
-        order = TRAIN_VARIANTS[r % 3:] + TRAIN_VARIANTS[:r % 3]
+        order = TRAIN_VARIANTS[r % len(TRAIN_VARIANTS):] + TRAIN_VARIANTS[:r % len(TRAIN_VARIANTS)]
         if r % 2:  # alternate which of ddp/unison comes first, too
             order = tuple(reversed(order))
         for name in order:
@@ -190,12 +206,14 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
         ddp_params = list(ddp_model.module.parameters())
         unison_params = list(unison_model.parameters())
         weight_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, unison_params))
+        ring_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, ring_model.parameters()))
         plain_diff = max((a - b).abs().max().item() for a, b in zip(plain_model.parameters(), ddp_params)) \
             if rank == 0 else None
     return {
         "samples": samples,
         "steps_taken": {name: runner.taken for name, runner in runners.items()},
         "max_abs_weight_diff_unison_vs_ddp": weight_diff,
+        "max_abs_weight_diff_unison_ring_vs_ddp": ring_diff,
         "max_abs_weight_diff_plain_vs_ddp": plain_diff,
         "num_gradient_tensors": len(unison_params),
         "gradient_bytes": sum(p.numel() * p.element_size() for p in unison_params),
@@ -209,6 +227,8 @@ def _all_reduce(rank: int, cfg: dict) -> dict[str, Any]:
     strategy = _strategy(rank, cfg)
     extended = strategy.extended
     ops = extended.cross_device_ops
+    ring_strategy = _strategy(rank, cfg, "RING")
+    ring_ops = ring_strategy.extended.cross_device_ops
 
     def inputs(r: int) -> list[torch.Tensor]:
         return [torch.randn(AR_NUMEL, generator=torch.Generator().manual_seed(1000 * r + i)) for i in range(AR_TENSORS)]
@@ -218,6 +238,7 @@ def _all_reduce(rank: int, cfg: dict) -> dict[str, Any]:
     pairs = [(PerReplica([t]), "cpu:0") for t in tensors]
     # Zeros for the in-place baselines: their values then stay finite however often they are summed.
     flat = torch.zeros(AR_TENSORS * AR_NUMEL)
+    one_tensor = [torch.cat(tensors)]  # the same bytes as one tensor, through unison
     separate = [torch.zeros(AR_NUMEL) for _ in range(AR_TENSORS)]
 
     def run_separate_async() -> None:
@@ -255,6 +276,9 @@ def _all_reduce(rank: int, cfg: dict) -> dict[str, Any]:
     calls: dict[str, Callable[[], Any]] = {
         "unison_batch_reduce_to": lambda: extended.batch_reduce_to(ReduceOp.SUM, pairs),
         "unison_packed": lambda: ops._all_reduce_dense(tensors),
+        "unison_one_tensor": lambda: ops._all_reduce_dense(one_tensor),
+        "unison_batch_reduce_to_ring": lambda: ring_strategy.extended.batch_reduce_to(ReduceOp.SUM, pairs),
+        "unison_packed_ring": lambda: ring_ops._all_reduce_dense(tensors),
         "copy_then_flat": copy_then_flat,
         "copy_into_flat": copy_into_flat,
         "flat": lambda: dist.all_reduce(flat),
@@ -265,7 +289,7 @@ def _all_reduce(rank: int, cfg: dict) -> dict[str, Any]:
 
     # Correctness first: both unison paths must give the plain sum.
     errors = {}
-    for name in ("unison_batch_reduce_to", "unison_packed"):
+    for name in AR_CHECKED:
         out = calls[name]()
         errors[name] = max((o - e).abs().max().item() for o, e in zip(out, expected))
 
@@ -328,7 +352,9 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
         round_ratios = [statistics.median(d) / statistics.median(u)
                         for d, u in zip(data["samples"]["ddp"], data["samples"]["unison"])]
         weight_diff = max(r["train"][workload]["max_abs_weight_diff_unison_vs_ddp"] for r in results)
+        ring_diff = max(r["train"][workload]["max_abs_weight_diff_unison_ring_vs_ddp"] for r in results)
         ratio = rows["unison"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
+        ring_ratio = rows["unison_ring"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
         train[workload] = {
             "model": WORKLOADS[workload],
             "num_gradient_tensors": data["num_gradient_tensors"],
@@ -336,6 +362,7 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
             "variants": rows,
             "unison_vs_ddp": ratio,
             "unison_vs_ddp_from_mean": rows["unison"]["samples_per_s_from_mean"] / rows["ddp"]["samples_per_s_from_mean"],
+            "unison_ring_vs_ddp": ring_ratio,
             "unison_vs_ddp_round_ratios": round_ratios,
             "unison_vs_ddp_round_ratio_summary": describe(round_ratios),
             "ddp_scaling_vs_plain": rows["ddp"]["samples_per_s"] / rows["plain"]["samples_per_s"],
@@ -343,7 +370,8 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
             "target": TARGET_VS_DDP,
             "pass": ratio >= TARGET_VS_DDP,
             "max_abs_weight_diff_unison_vs_ddp": weight_diff,
-            "weights_match_ddp": weight_diff <= WEIGHT_TOLERANCE,
+            "max_abs_weight_diff_unison_ring_vs_ddp": ring_diff,
+            "weights_match_ddp": max(weight_diff, ring_diff) <= WEIGHT_TOLERANCE,
             "max_abs_weight_diff_plain_vs_ddp": data["max_abs_weight_diff_plain_vs_ddp"],
             "steps_taken": data["steps_taken"],
         }
@@ -367,8 +395,7 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
         if name.startswith("unison"):
             rows[name]["pass_vs_flat"] = rows[name]["vs_flat"] >= TARGET_VS_FLAT
             rows[name]["pass_vs_separate"] = rows[name]["vs_separate"] >= TARGET_VS_SEPARATE
-    errors = {name: max(r["all_reduce"]["max_abs_error_vs_sum"][name] for r in results)
-              for name in ("unison_batch_reduce_to", "unison_packed")}
+    errors = {name: max(r["all_reduce"]["max_abs_error_vs_sum"][name] for r in results) for name in AR_CHECKED}
     return {
         "train": train,
         "all_reduce": {
@@ -388,29 +415,34 @@ def _verdict(ok: bool) -> str:
 def format_tables(summary: dict[str, Any]) -> str:
     lines = [
         f"Training, global batch {GLOBAL_BATCH}, SGD, synthetic data; samples/s = {GLOBAL_BATCH} / median step time",
-        "(plain: 1 process x 1 thread; ddp, unison: 2 processes x 1 thread, gloo, interleaved in the same processes)",
-        (f"{'workload':<8} {'plain':>8} {'ddp':>8} {'unison':>8} {'unison/ddp':>10} {'(mean)':>7} "
-         f"{'rounds min..max':>15} {'ddp/plain':>9} {'unison/plain':>12} {'target':>7} {'result':>6}"),
+        "(plain: 1 process x 1 thread; the others 2 processes x 1 thread, interleaved in the same processes;",
+        " ddp and unison ring: gradients over gloo; unison: its default, shared memory between the 2 workers)",
+        (f"{'workload':<8} {'plain':>8} {'ddp':>8} {'unison':>8} {'ring':>8} {'unison/ddp':>10} {'(mean)':>7} "
+         f"{'rounds min..max':>15} {'ring/ddp':>8} {'ddp/plain':>9} {'unison/plain':>12} {'target':>7} {'result':>6}"),
     ]
     for workload, row in summary["train"].items():
         v, rr = row["variants"], row["unison_vs_ddp_round_ratio_summary"]
         lines.append(
             f"{workload:<8} {v['plain']['samples_per_s']:>8.0f} {v['ddp']['samples_per_s']:>8.0f} "
-            f"{v['unison']['samples_per_s']:>8.0f} {row['unison_vs_ddp']:>10.3f} {row['unison_vs_ddp_from_mean']:>7.3f} "
-            f"{rr['min']:>7.3f}..{rr['max']:<7.3f} {row['ddp_scaling_vs_plain']:>9.2f} {row['unison_scaling_vs_plain']:>12.2f} "
+            f"{v['unison']['samples_per_s']:>8.0f} {v['unison_ring']['samples_per_s']:>8.0f} "
+            f"{row['unison_vs_ddp']:>10.3f} {row['unison_vs_ddp_from_mean']:>7.3f} "
+            f"{rr['min']:>7.3f}..{rr['max']:<7.3f} {row['unison_ring_vs_ddp']:>8.3f} "
+            f"{row['ddp_scaling_vs_plain']:>9.2f} {row['unison_scaling_vs_plain']:>12.2f} "
             f"{'>=' + format(row['target'], '.2f'):>7} {_verdict(row['pass']):>6}"
         )
     for workload, row in summary["train"].items():
         lines.append(
             f"{workload}: weights match DDP: {'yes' if row['weights_match_ddp'] else 'no'} "
-            f"(max |diff| {row['max_abs_weight_diff_unison_vs_ddp']:.2e} after {row['steps_taken']['unison']} "
+            f"(max |diff| {row['max_abs_weight_diff_unison_vs_ddp']:.2e}, "
+            f"ring {row['max_abs_weight_diff_unison_ring_vs_ddp']:.2e}, after {row['steps_taken']['unison']} "
             f"identical steps; plain vs DDP {row['max_abs_weight_diff_plain_vs_ddp']:.2e})"
         )
     ar = summary["all_reduce"]
     lines += [
         "",
         (f"All-reduce of {ar['tensors']} float32 tensors of {ar['bytes_per_tensor'] // 1024} KB "
-         f"({ar['total_bytes'] / 1e6:.2f} MB), 2 processes, gloo; GB/s = bytes / median call time"),
+         f"({ar['total_bytes'] / 1e6:.2f} MB), 2 processes; baselines over gloo, unison with its defaults "
+         f"(shared memory) and over gloo (RING); GB/s = bytes / median call time"),
         (f"{'variant':<36} {'median ms':>9} {'GB/s':>7} {'x flat':>7} {'x separate':>10} {'x copy ref':>10}  "
          f"targets (>= {TARGET_VS_FLAT} flat, >= {TARGET_VS_SEPARATE:g} separate)"),
     ]
@@ -424,8 +456,8 @@ def format_tables(summary: dict[str, Any]) -> str:
         )
     errs = ar["max_abs_error_vs_sum"]
     lines.append(
-        f"packed result equals the sum: {'yes' if ar['sum_correct'] else 'no'} "
-        f"(max |error| public {errs['unison_batch_reduce_to']:.1e}, packed {errs['unison_packed']:.1e})"
+        f"unison's results equal the sum: {'yes' if ar['sum_correct'] else 'no'} (max |error| "
+        + ", ".join(f"{AR_LABELS[name]} {error:.1e}" for name, error in errs.items()) + ")"
     )
     return "\n".join(lines)
 
@@ -439,16 +471,17 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
     except ImportError:  # pragma: no cover - matplotlib is the `bench` extra
         print("matplotlib is not installed (pip install unison[bench]): no chart written", file=sys.stderr)
         return False
-    colors = {"plain": "#888888", "ddp": "#ee7733", "unison": "#4477aa"}
+    colors = {"plain": "#888888", "ddp": "#ee7733", "unison": "#4477aa", "unison_ring": "#66ccee"}
     workloads = list(summary["train"])
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for ax, workload in zip(axes[0], workloads):
         row = summary["train"][workload]
         values = [row["variants"][n]["samples_per_s"] for n in TRAIN_VARIANTS]
-        bars = ax.bar(["plain\n1 proc", "DDP\n2 procs", "unison MWMS\n2 procs"], values,
+        bars = ax.bar(["plain\n1 proc", "DDP\n2 procs", "unison MWMS\n2 procs", "unison RING\n2 procs"], values,
                       color=[colors[n] for n in TRAIN_VARIANTS])
         notes = [f"{v:.0f}" for v in values]
         notes[2] += f"\n{row['unison_vs_ddp']:.3f}x DDP"
+        notes[3] += f"\n{row['unison_ring_vs_ddp']:.3f}x DDP"
         for bar, note in zip(bars, notes):
             ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
         ax.set_ylim(0, max(values) * 1.25)
@@ -474,7 +507,8 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
     names = list(ar)
     values = [ar[n]["gb_per_s"] for n in names]
     bars = ax.barh(range(len(names)), values,
-                   color=["#4477aa", "#66ccee", "#999933", "#228833", "#117733", "#cc3311", "#ee6677"][: len(names)])
+                   color=["#4477aa", "#4477aa", "#4477aa", "#66ccee", "#66ccee", "#999933", "#228833", "#117733",
+                          "#cc3311", "#ee6677", "#ee6677"][: len(names)])
     for bar, name in zip(bars, names):
         ax.annotate(f" {ar[name]['gb_per_s']:.2f} GB/s, {ar[name]['vs_flat']:.2f}x flat",
                     (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
@@ -485,7 +519,7 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
     ax.invert_yaxis()
     ax.set_xlim(0, max(values) * 1.7)
     ax.set_xlabel("GB/s (6.55 MB / median call time)")
-    ax.set_title("all-reduce of 400 x 16 KB float32, 2 processes, gloo", fontsize=10)
+    ax.set_title("all-reduce of 400 x 16 KB float32, 2 processes (dark blue: unison's default transport)", fontsize=10)
 
     fig.suptitle(f"unison MultiWorkerMirroredStrategy vs DDP vs plain PyTorch -- {machine['cpu_model']}, "
                  f"{machine['usable_cores']} cores, torch {machine['torch']}, {machine['date'][:10]}", fontsize=10)

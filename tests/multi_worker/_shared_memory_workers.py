@@ -14,7 +14,7 @@ import unison
 from unison.collectives import shared_memory
 from unison.collectives.collective import CollectiveAllReduce
 
-from tests.multi_worker._workers import strategy_for
+from tests.multi_worker._workers import global_batches, make_mlp, strategy_for
 
 BIG = 20_011  # float32 elements: 80 KB, above shared_memory.MIN_BYTES; prime, so slices are uneven
 
@@ -127,7 +127,14 @@ def cannot_share(rank: int, world: int, how: str, tmp: str):
         def full(fd: int, offset: int, length: int) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         shared_memory.os.posix_fallocate = full  # type: ignore[attr-defined]
-    strategy = strategy_for(rank, world, timeout_seconds=30)
+    strategy = strategy_for(rank, world, timeout_seconds=30, bytes_per_pack=4 << 10)
+    with strategy.scope():  # over 64 KB of gradients: the buckets would go to shared memory
+        model = make_mlp(1, 160)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in global_batches():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
     mine = batch_of(rank)
     first = strategy.extended.batch_reduce_to("sum", _pairs(mine))
     second = strategy.extended.batch_reduce_to("sum", _pairs(mine))
@@ -139,6 +146,8 @@ def cannot_share(rank: int, world: int, how: str, tmp: str):
         "correct": all(torch.allclose(r, e, rtol=0, atol=1e-5) for r, e in zip(first + second, expected + expected)),
         "warnings": records,
         "files_left": left,
+        "shared_buckets": [b.segment is not None for b in strategy.extended._c.gradient_sync._buckets],
+        "weights": [p.detach().clone() for p in model.parameters()],
     }
 
 
@@ -167,3 +176,22 @@ def killed_during_shared_reduce(rank: int, world: int, timeout: float):
         except unison.errors.PeerLostError as exc:
             return type(exc).__name__, str(exc), time.monotonic() - started, step
     return "no error", "", 0.0, -1
+
+
+def killed_during_shared_gradient_sync(rank: int, world: int, timeout: float):
+    strategy = strategy_for(rank, world, timeout_seconds=timeout, bytes_per_pack=4 << 10)
+    with strategy.scope():
+        model = make_mlp(1, 160)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shared = all(b.segment is not None for b in strategy.extended._c.gradient_sync._buckets)
+    for step, (x, y) in enumerate(global_batches(steps=1000)):
+        if rank == 1 and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+        except unison.errors.PeerLostError as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - started, step, shared
+    return "no error", "", 0.0, -1, shared

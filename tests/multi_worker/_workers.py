@@ -21,11 +21,14 @@ def strategy_for(rank: int, world: int, devices=None, **options):
     return unison.MultiWorkerMirroredStrategy(resolver, comm, devices=devices)
 
 
-def make_mlp(extra_layers: int = 0) -> nn.Module:
-    """An MLP; ``extra_layers`` hidden Linear(16, 16) layers give buckets of many gradients."""
+def make_mlp(extra_layers: int = 0, width: int = 16) -> nn.Module:
+    """An MLP; ``extra_layers`` hidden Linear(width, width) layers give buckets of many gradients.
+
+    ``width=160`` with an extra layer gives over 64 KB of gradients: shared-memory buckets.
+    """
     torch.manual_seed(0)
-    hidden = [module for _ in range(extra_layers) for module in (nn.Linear(16, 16), nn.ReLU())]
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), *hidden, nn.Linear(16, 4))
+    hidden = [module for _ in range(extra_layers) for module in (nn.Linear(width, width), nn.ReLU())]
+    return nn.Sequential(nn.Linear(8, width), nn.ReLU(), *hidden, nn.Linear(width, 4))
 
 
 def global_batches(steps: int = 20, batch: int = 64):
@@ -33,8 +36,8 @@ def global_batches(steps: int = 20, batch: int = 64):
     return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(steps)]
 
 
-def single_device_weights(extra_layers: int = 0) -> list[torch.Tensor]:
-    model = make_mlp(extra_layers)
+def single_device_weights(extra_layers: int = 0, width: int = 16) -> list[torch.Tensor]:
+    model = make_mlp(extra_layers, width)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in global_batches():
         opt.zero_grad()
@@ -43,10 +46,12 @@ def single_device_weights(extra_layers: int = 0) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_mlp(rank: int, world: int, local_devices: int, extra_layers: int = 0, set_to_none: bool = True):
-    strategy = strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)])
+def train_mlp(rank: int, world: int, local_devices: int, extra_layers: int = 0, set_to_none: bool = True,
+              width: int = 16, bytes_per_pack: int = 0):
+    options = {"bytes_per_pack": bytes_per_pack} if bytes_per_pack else {}
+    strategy = strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)], **options)
     with strategy.scope():
-        model = make_mlp(extra_layers)
+        model = make_mlp(extra_layers, width)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step(x, y):
@@ -71,6 +76,7 @@ def train_mlp(rank: int, world: int, local_devices: int, extra_layers: int = 0, 
         "replicas": strategy.num_replicas_in_sync,
         "chief": strategy.extended.should_checkpoint,
         "replicas_equal": replicas_equal,
+        "buckets": [b.segment is not None for b in getattr(strategy.extended._c.gradient_sync, "_buckets", [])],
     }
 
 

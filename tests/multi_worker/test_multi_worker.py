@@ -10,17 +10,25 @@ from tests.multi_worker import _workers as w
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("local_devices", "extra_layers", "set_to_none"),
-                         [(1, 0, True), (2, 0, True), (1, 8, True), (1, 0, False), (1, 8, False)])
-def test_two_workers_match_single_device(local_devices, extra_layers, set_to_none):
+@pytest.mark.parametrize(("local_devices", "extra_layers", "set_to_none", "width", "shared_buckets"),
+                         [(1, 0, True, 16, False), (2, 0, True, 16, False), (1, 8, True, 16, False),
+                          (1, 0, False, 16, False), (1, 8, False, 16, False), (1, 1, True, 160, True),
+                          (1, 1, False, 160, True)])
+def test_two_workers_match_single_device(local_devices, extra_layers, set_to_none, width, shared_buckets):
     # 4 gradients: each divided straight into its bucket slot; 20: one foreach copy, then one
-    # division. set_to_none=False keeps gradients as bucket views, reduced in place.
-    results = run_workers(w.train_mlp, 2, args=(local_devices, extra_layers, set_to_none), timeout=90)
-    reference = w.single_device_weights(extra_layers)
+    # division. set_to_none=False keeps gradients as bucket views, reduced in place. Width
+    # 160 (over 64 KB of gradients, 4 KB buckets): the buckets live in shared memory.
+    bucket_bytes = 4 << 10 if shared_buckets else 0
+    results = run_workers(w.train_mlp, 2, args=(local_devices, extra_layers, set_to_none, width, bucket_bytes),
+                          timeout=90)
+    reference = w.single_device_weights(extra_layers, width)
     for rank, result in enumerate(results):
         assert result["replicas"] == 2 * local_devices
         assert result["chief"] is (rank == 0)
         assert result["replicas_equal"]
+        if local_devices == 1:
+            assert len(result["buckets"]) >= (2 if shared_buckets else 1)
+            assert result["buckets"] == [shared_buckets] * len(result["buckets"])  # all in shared memory, or none
         for got, want in zip(result["weights"], reference):
             assert (got - want).abs().max().item() <= 1e-5
     assert results[0]["loss"] == pytest.approx(results[1]["loss"])

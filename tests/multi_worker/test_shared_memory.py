@@ -6,6 +6,7 @@ import pytest
 
 from unison._testing import run_workers
 from tests.multi_worker import _shared_memory_workers as w
+from tests.multi_worker._workers import single_device_weights
 
 
 @pytest.mark.timeout(120)
@@ -40,7 +41,11 @@ def test_workers_that_cannot_share_memory_fall_back_together(how, reason, tmp_pa
         assert result["correct"]
         assert result["files_left"] == []
         assert len(result["warnings"]) == 1, result["warnings"]
-        assert "falls back to the network collective" in result["warnings"][0]
+        assert "all-reduces go over the network collective" in result["warnings"][0]
+    reference = single_device_weights(1, 160)
+    for result in results:  # the gradient buckets stayed on gloo, and training is still right
+        assert result["shared_buckets"] and not any(result["shared_buckets"])
+        assert max((got - want).abs().max().item() for got, want in zip(result["weights"], reference)) <= 1e-5
     assert reason in results[1]["warnings"][0]
     if how == "no space":
         assert "No space left on device" in results[0]["warnings"][0]
@@ -65,3 +70,16 @@ def test_killed_worker_is_named_during_a_shared_memory_reduce():
     assert "worker:1" in message
     assert waited <= timeout + 10
     assert step >= 3
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_is_named_during_shared_memory_gradient_sync():
+    timeout = 10.0
+    results = run_workers(w.killed_during_shared_gradient_sync, 2, args=(timeout,), timeout=90, allow_failures=True)
+    assert results[1].exitcode == -9
+    kind, message, waited, step, shared = results[0].value
+    assert shared
+    assert kind == "PeerLostError"
+    assert "worker:1" in message
+    assert waited <= timeout + 10
+    assert step >= 5

@@ -120,7 +120,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             if self._options.implementation is not CommunicationImplementation.AUTO or group.backend != "gloo":
                 return None
             self._shared_memory_transport = SharedMemoryAllReduce(
-                group.rank, group.world_size, lambda: self._agree_min(1, "batch all-reduce (shared memory)"),
+                group.rank, group.world_size, self._shared_memory_barrier,
                 lambda values: self._broadcast_ints(values, "shared-memory setup"),
                 lambda value: self._agree_min(value, "shared-memory setup"))
         return self._shared_memory_transport
@@ -149,6 +149,9 @@ class CollectiveAllReduce(CrossDeviceOps):
         gathered = [torch.empty_like(mine) for _ in range(self._group.world_size)]
         self._call(operation, dist.all_gather, gathered, mine)
         return [g.tolist() for g in gathered]
+
+    def _shared_memory_barrier(self) -> None:
+        self._agree_min(1, "batch all-reduce (shared memory)")
 
     def _agree_min(self, value: int, operation: str) -> int:
         flag = torch.tensor([value], dtype=torch.int64, device=self._comm_device)

@@ -10,6 +10,13 @@ in DDP) the buckets not yet launched go too — zeros for parameters that got no
 gradient this step, so no worker waits for one that never comes — and each parameter
 gets a view of the reduced buffer as its gradient, before any code after backward()
 (gradient clipping, AMP unscaling) reads it.
+
+When every worker is on this host (gloo, ``implementation=AUTO``, 64 KB of gradients or
+more), each bucket's buffer is this worker's slot of a shared-memory file instead
+(``shared_memory.py``): a complete bucket launches only a one-element all-reduce that
+says "written"; when backward ends each worker sums its slice of every bucket, and after
+one more tiny all-reduce copies the summed bucket back. Memory speed instead of gloo's
+loopback TCP, and the same sums as gloo's (gradients are divided before they are added).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch.distributed as dist
 
 from unison.collectives.packing import group_by_size
 from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
+from unison.collectives.shared_memory import MIN_BYTES, SharedMemoryAllReduce, SharedSegment
 from unison.reduce import ReduceOp
 
 __all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]
@@ -36,9 +44,11 @@ _FUSED_DIVIDE_MAX_PARAMS = 16  # up to this many gradients a bucket divides each
 class _Bucket:
     params: list[torch.nn.Parameter]
     views: list[torch.Tensor]  # one view of `flat` per parameter, in its shape: made once, reused every step
-    flat: torch.Tensor
+    flat: torch.Tensor  # with a segment: this worker's input slot of it
     ready: int = 0
     work: Any = None
+    segment: SharedSegment | None = None  # shared memory: `work` then only says every worker wrote its slot
+    written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
 
 
 class BucketedGradientSync:
@@ -51,11 +61,16 @@ class BucketedGradientSync:
         sparse_all_reduce: sums a sparse gradient over workers (by all-gather); sparse
             gradients (``nn.Embedding(sparse=True)``) are reduced in their hook, in the
             same order on every worker, and keep their slot in the bucket empty.
+        shared_memory: returns the shared-memory transport, or None where there is none.
     """
 
     def __init__(self, worker_group: "WorkerGroup | LazyWorkerGroup", bucket_bytes: int, reduce_op: Callable[[], ReduceOp],
-                 sparse_all_reduce: Callable[[torch.Tensor], torch.Tensor]):
+                 sparse_all_reduce: Callable[[torch.Tensor], torch.Tensor],
+                 shared_memory: Callable[[], SharedMemoryAllReduce | None] = lambda: None):
         self._group_source = worker_group
+        self._shared_memory = shared_memory
+        self._transport: SharedMemoryAllReduce | None = None
+        self._summed_flag = torch.zeros(1, dtype=torch.int32)
         self._sparse_all_reduce = sparse_all_reduce
         self._sparse: set[int] = set()
         self._bucket_bytes = bucket_bytes if bucket_bytes > 0 else DEFAULT_BUCKET_BYTES
@@ -79,7 +94,11 @@ class BucketedGradientSync:
             param.register_post_accumulate_grad_hook(self._on_grad)
 
     def finalize(self) -> None:
-        """(Re)builds the buckets over every registered parameter."""
+        """(Re)builds the buckets over every registered parameter.
+
+        A collective when the workers may share memory: every worker calls it at the
+        same point (after the initial broadcast of variables).
+        """
         order = list(reversed(self._params))
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for param in order:
@@ -97,6 +116,31 @@ class BucketedGradientSync:
                 for p in members:
                     self._bucket_of[id(p)] = len(self._buckets)
                 self._buckets.append(_Bucket(members, views, flat))
+        self._share_buckets()
+
+    def _share_buckets(self) -> None:
+        """Moves every bucket into a shared-memory file when the workers can share one."""
+        self._transport = None
+        transport = self._shared_memory()
+        if (transport is None or not transport.available or not self._buckets
+                or not all(b.flat.is_cpu for b in self._buckets)
+                or sum(b.flat.numel() * b.flat.element_size() for b in self._buckets) < MIN_BYTES):
+            return
+        segments = []
+        for bucket in self._buckets:
+            segment = transport.new_segment(bucket.flat.dtype, bucket.flat.numel())
+            if segment is None:
+                return  # the workers cannot share memory: every bucket stays on gloo
+            segments.append(segment)
+        rank = self._group.rank
+        for bucket, segment in zip(self._buckets, segments):
+            flat = segment.inputs[rank]
+            flat.zero_()
+            offsets = [view.data_ptr() - bucket.flat.data_ptr() for view in bucket.views]
+            bucket.views = [flat[o // flat.element_size(): o // flat.element_size() + p.numel()].view_as(p)
+                            for p, o in zip(bucket.params, offsets)]
+            bucket.flat, bucket.segment = flat, segment
+        self._transport = transport
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -161,7 +205,9 @@ class BucketedGradientSync:
         if divisor != 1 and not fused:
             flat.div_(divisor)
         try:
-            bucket.work = dist.all_reduce(flat, group=self._group.group, async_op=True)
+            # Shared memory: only say that this worker's slot is written.
+            payload = flat if bucket.segment is None else bucket.written
+            bucket.work = dist.all_reduce(payload, group=self._group.group, async_op=True)
         except Exception as exc:  # noqa: BLE001
             raise self._group.lost_peer_error("gradient all-reduce", exc) from exc
 
@@ -175,18 +221,33 @@ class BucketedGradientSync:
         timeout = datetime.timedelta(seconds=self._group.timeout)
         try:
             for bucket in self._buckets:
-                try:
-                    bucket.work.wait(timeout)
-                except Exception as exc:  # noqa: BLE001
-                    raise self._group.lost_peer_error("gradient all-reduce", exc) from exc
-                for param, view in zip(bucket.params, bucket.views):
-                    # still the view when zero_grad(set_to_none=False) kept it: setting .grad costs more
-                    if param.grad is not view and id(param) not in self._sparse:
-                        param.grad = view
+                self._wait(bucket.work, timeout)
+                if bucket.segment is None:
+                    self._hand_out(bucket)
+            if self._transport is not None:
+                shared = [(bucket, bucket.segment) for bucket in self._buckets if bucket.segment is not None]
+                for _, segment in shared:
+                    self._transport.sum_my_slice(segment)
+                self._wait(dist.all_reduce(self._summed_flag, group=self._group.group, async_op=True), timeout)
+                for bucket, segment in shared:
+                    bucket.flat.copy_(segment.result)
+                    self._hand_out(bucket)
         finally:
             for bucket in self._buckets:
                 bucket.work, bucket.ready = None, 0
             self._next, self._fired = 0, False
+
+    def _wait(self, work: Any, timeout: datetime.timedelta) -> None:
+        try:
+            work.wait(timeout)
+        except Exception as exc:  # noqa: BLE001
+            raise self._group.lost_peer_error("gradient all-reduce", exc) from exc
+
+    def _hand_out(self, bucket: _Bucket) -> None:
+        for param, view in zip(bucket.params, bucket.views):
+            # still the view when zero_grad(set_to_none=False) kept it: setting .grad costs more
+            if param.grad is not view and id(param) not in self._sparse:
+                param.grad = view
 
     # -- optimizer step ---------------------------------------------------------------
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

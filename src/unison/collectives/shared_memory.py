@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 from typing import Callable, Sequence
 
 import torch
 
 from unison.collectives.flat_buffers import BufferPool, dtype_groups, fill, views_of
 
-__all__ = ["SharedMemoryAllReduce", "SHARED_MEMORY_DIR", "MIN_BYTES", "MAX_SEGMENTS"]
+__all__ = ["SharedMemoryAllReduce", "SharedSegment", "SHARED_MEMORY_DIR", "MIN_BYTES", "MAX_SEGMENTS"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ MAX_SEGMENTS = 8
 """Mapped files kept for reuse, least recently used dropped first (one per dtype and size)."""
 
 
-class _Segment:
+class SharedSegment:
     """One shared file: ``world_size`` input slots and one result slot of ``numel`` elements."""
 
     def __init__(self, storage: torch.Tensor, world_size: int, numel: int):
@@ -67,14 +68,14 @@ class SharedMemoryAllReduce:
         self._barrier = barrier
         self._broadcast_ints = broadcast_ints
         self._agree_min = agree_min
-        self._segments: dict[tuple[torch.dtype, int], _Segment] = {}  # insertion order = least recent first
+        self._segments: dict[tuple[torch.dtype, int], SharedSegment] = {}  # insertion order = least recent first
         self._pool = BufferPool()
         self.available = world_size > 1
 
     def eligible(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether this batch goes through shared memory (the same answer on every worker for the same layout)."""
-        return (self.available and bool(tensors) and all(t.is_cpu and t.layout == torch.strided for t in tensors)
-                and sum(t.numel() * t.element_size() for t in tensors) >= MIN_BYTES)
+        """Whether these dense tensors go through shared memory (the same answer wherever the layout is the same)."""
+        return (self.available and bool(tensors) and all(t.is_cpu for t in tensors)
+                and sum(t.nbytes for t in tensors) >= MIN_BYTES)
 
     def __call__(self, tensors: Sequence[torch.Tensor], divisor: int = 1,
                  check: Callable[[], None] | None = None) -> list[torch.Tensor] | None:
@@ -108,7 +109,7 @@ class SharedMemoryAllReduce:
             self._write(groups, segments)
             self._barrier()
         for segment in segments:
-            self._sum_my_slice(segment, divisor)
+            self.sum_my_slice(segment, divisor)
         self._barrier()  # every slice of the result is summed
         results: list[torch.Tensor] = list(tensors)
         for slot, ((dtype, members, sources), segment) in enumerate(zip(groups, segments)):
@@ -122,11 +123,16 @@ class SharedMemoryAllReduce:
         self._pool.end_call()
         return results
 
-    def _write(self, groups: list, segments: list[_Segment]) -> None:
+    def _write(self, groups: list, segments: list[SharedSegment]) -> None:
         for (_, _, sources), segment in zip(groups, segments):
             fill(segment.inputs[self._rank], sources)
 
-    def _sum_my_slice(self, segment: _Segment, divisor: int) -> None:
+    def sum_my_slice(self, segment: SharedSegment, divisor: int = 1) -> None:
+        """Sums this worker's slice of every worker's input slot into the result slot (then divides).
+
+        Every worker must have written its input slot (a barrier) before, and reads the
+        result only after every worker has summed its slice (another barrier).
+        """
         numel = segment.result.numel()
         start, end = numel * self._rank // self._world_size, numel * (self._rank + 1) // self._world_size
         if start == end:
@@ -139,22 +145,34 @@ class SharedMemoryAllReduce:
         if divisor != 1 and (out.is_floating_point() or out.is_complex()):
             out.div_(divisor)
 
-    def _use(self, key: tuple[torch.dtype, int]) -> _Segment:
+    def _use(self, key: tuple[torch.dtype, int]) -> SharedSegment:
         segment = self._segments.pop(key)
         self._segments[key] = segment  # most recent last
         return segment
 
-    def _create(self, dtype: torch.dtype, numel: int) -> _Segment | None:
-        """Creates and maps one shared file on every worker (a collective), or finds it cannot."""
+    def _create(self, dtype: torch.dtype, numel: int) -> SharedSegment | None:
+        """A new cached segment (a collective), or None when the workers cannot share memory."""
         if len(self._segments) >= MAX_SEGMENTS:
             del self._segments[next(iter(self._segments))]
+        segment = self.new_segment(dtype, numel)
+        if segment is not None:
+            self._segments[(dtype, numel)] = segment
+        return segment
+
+    def new_segment(self, dtype: torch.dtype, numel: int) -> SharedSegment | None:
+        """Creates and maps one shared file on every worker (a collective), or finds it cannot.
+
+        Returns None, with ``available`` then False on every worker, when they cannot.
+        """
         elements = (self._world_size + 1) * numel
         size = elements * dtype.itemsize
         token, reason, created = 0, "", None
         if self._rank == 0:
-            token = secrets.randbits(62)
+            token = secrets.randbits(62) | 1  # never 0, which says 'failed'
             created = _path(token)
             try:
+                if not hasattr(os, "posix_fallocate"):  # macOS, Windows: no way to reserve the pages up front
+                    raise OSError(f"os.posix_fallocate does not exist on {sys.platform}")
                 descriptor = os.open(created, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
                     os.posix_fallocate(descriptor, 0, size)
@@ -187,13 +205,12 @@ class SharedMemoryAllReduce:
         if not everyone:
             self.available = False
             self._segments.clear()
-            logger.warning("unison: batch all-reduce falls back to the network collective: %s",
+            logger.warning("unison: no shared memory between the workers, all-reduces go over the network "
+                           "collective: %s",
                            reason or "another worker cannot map the shared file (its log says why)")
             return None
         assert storage is not None
-        segment = _Segment(storage, self._world_size, numel)
-        self._segments[(dtype, numel)] = segment
-        return segment
+        return SharedSegment(storage, self._world_size, numel)
 
 
 def _path(token: int) -> str:

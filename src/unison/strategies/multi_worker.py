@@ -111,7 +111,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         ops = CollectiveAllReduce(devices, group, self._options)
         if len(devices) == 1:
             sync = BucketedGradientSync(group, self._options.bytes_per_pack,
-                                             lambda: self.extended.gradient_reduce_op, ops._all_reduce_sparse)
+                                        lambda: self.extended.gradient_reduce_op, ops._all_reduce_sparse,
+                                        lambda: ops._shared_memory)
         else:
             sync = ReplicaGradientSync(self, len(devices))
 
