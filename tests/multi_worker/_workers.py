@@ -134,11 +134,11 @@ def killed_mid_training(rank: int, world: int, timeout: float):
     return "no error", "", 0.0, -1
 
 
-def grad_accumulation_and_unused(rank: int, world: int):
+def grad_accumulation_and_unused(rank: int, world: int, width: int = 16):
     """no_sync accumulation equals one big batch; an unused parameter does not hang."""
     strategy = strategy_for(rank, world, timeout_seconds=20)
     with strategy.scope():
-        model = make_mlp()
+        model = make_mlp(1 if width == 160 else 0, width)
         unused = nn.Linear(2, 2)
         opt = torch.optim.SGD(list(model.parameters()) + list(unused.parameters()), lr=0.1)
     x, y = global_batches(steps=1, batch=64)[0]
@@ -149,7 +149,9 @@ def grad_accumulation_and_unused(rank: int, world: int):
         (nn.functional.cross_entropy(model(halves[0][0]), halves[0][1]) / 2).backward()
     (nn.functional.cross_entropy(model(halves[1][0]), halves[1][1]) / 2).backward()
     opt.step()
-    return [p.detach().clone() for p in model.parameters()], unused.weight.grad.abs().sum().item()
+    buckets = strategy.extended._c.gradient_sync._buckets
+    return ([p.detach().clone() for p in model.parameters()], unused.weight.grad.abs().sum().item(),
+            all(b.segment is not None for b in buckets))
 
 
 def sparse_embedding(rank: int, world: int):

@@ -68,9 +68,12 @@ def test_killed_worker_is_named_by_the_survivor_within_the_timeout():
 
 
 @pytest.mark.timeout(90)
-def test_no_sync_accumulation_and_unused_parameters():
-    (weights0, unused0), (weights1, unused1) = run_workers(w.grad_accumulation_and_unused, 2, timeout=60)
-    model = w.make_mlp()
+@pytest.mark.parametrize("width", [16, 160])  # 160: the buckets live in shared memory
+def test_no_sync_accumulation_and_unused_parameters(width):
+    results = run_workers(w.grad_accumulation_and_unused, 2, args=(width,), timeout=60)
+    (weights0, unused0, shared0), (weights1, unused1, shared1) = results
+    assert shared0 == shared1 == (width == 160)
+    model = w.make_mlp(1 if width == 160 else 0, width)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = w.global_batches(steps=1, batch=64)[0]
     torch.nn.functional.cross_entropy(model(x), y).backward()
