@@ -16,11 +16,11 @@ from unison.collectives.collective import CollectiveAllReduce
 
 from tests.multi_worker._workers import global_batches, make_mlp, strategy_for
 
-BIG = 20_011  # float32 elements: 80 KB, above shared_memory.MIN_BYTES; prime, so slices are uneven
+BIG = 20_011  # float32 elements; prime, so the workers' slices are uneven
 
 
 def batch_of(rank: int, scale: int = 1) -> list[torch.Tensor]:
-    """Mixed dtypes, 1-d, N-d and 0-d tensors, over MIN_BYTES in all."""
+    """Mixed dtypes, 1-d, N-d and 0-d tensors."""
     g = torch.Generator().manual_seed(10 + rank)
     return [
         torch.randn(BIG * scale, generator=g),
@@ -97,7 +97,7 @@ def mismatch_then_recover(rank: int, world: int):
     cases = {
         "same size, other shape": [torch.ones(BIG), torch.ones(5, 4) if rank == 1 else torch.ones(4, 5)],
         "other size": [torch.ones(BIG + (rank == 1)), torch.ones(4, 5)],
-        "below the shared-memory size on one worker": [torch.ones(BIG if rank == 0 else 3), torch.ones(4, 5)],
+        "another size, new to one worker only": [torch.ones(BIG if rank == 0 else 3), torch.ones(4, 5)],
     }
     outcomes = {}
     for name, tensors in cases.items():
@@ -128,7 +128,7 @@ def cannot_share(rank: int, world: int, how: str, tmp: str):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         shared_memory.os.posix_fallocate = full  # type: ignore[attr-defined]
     strategy = strategy_for(rank, world, timeout_seconds=30, bytes_per_pack=4 << 10)
-    with strategy.scope():  # over 64 KB of gradients: the buckets would go to shared memory
+    with strategy.scope():  # the buckets would go to shared memory
         model = make_mlp(1, 160)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in global_batches():

@@ -22,10 +22,7 @@ def strategy_for(rank: int, world: int, devices=None, **options):
 
 
 def make_mlp(extra_layers: int = 0, width: int = 16) -> nn.Module:
-    """An MLP; ``extra_layers`` hidden Linear(width, width) layers give buckets of many gradients.
-
-    ``width=160`` with an extra layer gives over 64 KB of gradients: shared-memory buckets.
-    """
+    """An MLP; ``extra_layers`` hidden Linear(width, width) layers give buckets of many gradients."""
     torch.manual_seed(0)
     hidden = [module for _ in range(extra_layers) for module in (nn.Linear(width, width), nn.ReLU())]
     return nn.Sequential(nn.Linear(8, width), nn.ReLU(), *hidden, nn.Linear(width, 4))
@@ -47,8 +44,8 @@ def single_device_weights(extra_layers: int = 0, width: int = 16) -> list[torch.
 
 
 def train_mlp(rank: int, world: int, local_devices: int, extra_layers: int = 0, set_to_none: bool = True,
-              width: int = 16, bytes_per_pack: int = 0):
-    options = {"bytes_per_pack": bytes_per_pack} if bytes_per_pack else {}
+              width: int = 16, bytes_per_pack: int = 0, implementation: str = "AUTO"):
+    options = {"bytes_per_pack": bytes_per_pack, "implementation": implementation}
     strategy = strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)], **options)
     with strategy.scope():
         model = make_mlp(extra_layers, width)
@@ -134,11 +131,11 @@ def killed_mid_training(rank: int, world: int, timeout: float):
     return "no error", "", 0.0, -1
 
 
-def grad_accumulation_and_unused(rank: int, world: int, width: int = 16):
+def grad_accumulation_and_unused(rank: int, world: int, implementation: str = "AUTO"):
     """no_sync accumulation equals one big batch; an unused parameter does not hang."""
-    strategy = strategy_for(rank, world, timeout_seconds=20)
+    strategy = strategy_for(rank, world, timeout_seconds=20, implementation=implementation)
     with strategy.scope():
-        model = make_mlp(1 if width == 160 else 0, width)
+        model = make_mlp()
         unused = nn.Linear(2, 2)
         opt = torch.optim.SGD(list(model.parameters()) + list(unused.parameters()), lr=0.1)
     x, y = global_batches(steps=1, batch=64)[0]

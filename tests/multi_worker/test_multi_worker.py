@@ -10,24 +10,26 @@ from tests.multi_worker import _workers as w
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("local_devices", "extra_layers", "set_to_none", "width", "shared_buckets"),
-                         [(1, 0, True, 16, False), (2, 0, True, 16, False), (1, 8, True, 16, False),
-                          (1, 0, False, 16, False), (1, 8, False, 16, False), (1, 1, True, 160, True),
-                          (1, 1, False, 160, True)])
-def test_two_workers_match_single_device(local_devices, extra_layers, set_to_none, width, shared_buckets):
+@pytest.mark.parametrize(("local_devices", "extra_layers", "set_to_none", "width", "implementation"),
+                         [(1, 0, True, 16, "AUTO"), (1, 0, True, 16, "RING"), (2, 0, True, 16, "AUTO"),
+                          (1, 8, True, 16, "RING"), (1, 0, False, 16, "RING"), (1, 8, False, 16, "RING"),
+                          (1, 8, False, 16, "AUTO"), (1, 1, True, 160, "AUTO")])
+def test_two_workers_match_single_device(local_devices, extra_layers, set_to_none, width, implementation):
     # 4 gradients: each divided straight into its bucket slot; 20: one foreach copy, then one
-    # division. set_to_none=False keeps gradients as bucket views, reduced in place. Width
-    # 160 (over 64 KB of gradients, 4 KB buckets): the buckets live in shared memory.
-    bucket_bytes = 4 << 10 if shared_buckets else 0
-    results = run_workers(w.train_mlp, 2, args=(local_devices, extra_layers, set_to_none, width, bucket_bytes),
-                          timeout=90)
+    # division. set_to_none=False keeps gradients as bucket views, reduced in place. AUTO:
+    # the buckets live in shared memory (the workers share this host); RING: gloo. Width
+    # 160 with 4 KB buckets: several shared buckets.
+    shared_buckets = implementation == "AUTO"
+    bucket_bytes = 4 << 10 if width == 160 else 0
+    results = run_workers(w.train_mlp, 2, args=(local_devices, extra_layers, set_to_none, width, bucket_bytes,
+                                                 implementation), timeout=90)
     reference = w.single_device_weights(extra_layers, width)
     for rank, result in enumerate(results):
         assert result["replicas"] == 2 * local_devices
         assert result["chief"] is (rank == 0)
         assert result["replicas_equal"]
         if local_devices == 1:
-            assert len(result["buckets"]) >= (2 if shared_buckets else 1)
+            assert len(result["buckets"]) >= (2 if width == 160 else 1)
             assert result["buckets"] == [shared_buckets] * len(result["buckets"])  # all in shared memory, or none
         for got, want in zip(result["weights"], reference):
             assert (got - want).abs().max().item() <= 1e-5
@@ -68,12 +70,12 @@ def test_killed_worker_is_named_by_the_survivor_within_the_timeout():
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("width", [16, 160])  # 160: the buckets live in shared memory
-def test_no_sync_accumulation_and_unused_parameters(width):
-    results = run_workers(w.grad_accumulation_and_unused, 2, args=(width,), timeout=60)
+@pytest.mark.parametrize("implementation", ["AUTO", "RING"])  # AUTO: the buckets live in shared memory
+def test_no_sync_accumulation_and_unused_parameters(implementation):
+    results = run_workers(w.grad_accumulation_and_unused, 2, args=(implementation,), timeout=60)
     (weights0, unused0, shared0), (weights1, unused1, shared1) = results
-    assert shared0 == shared1 == (width == 160)
-    model = w.make_mlp(1 if width == 160 else 0, width)
+    assert shared0 == shared1 == (implementation == "AUTO")
+    model = w.make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = w.global_batches(steps=1, batch=64)[0]
     torch.nn.functional.cross_entropy(model(x), y).backward()

@@ -11,8 +11,7 @@ gradient this step, so no worker waits for one that never comes — and each par
 gets a view of the reduced buffer as its gradient, before any code after backward()
 (gradient clipping, AMP unscaling) reads it.
 
-When every worker is on this host (gloo, ``implementation=AUTO``, 64 KB of gradients or
-more), each bucket's buffer is this worker's slot of a shared-memory file instead
+When every worker is on this host (gloo, ``implementation=AUTO``), each bucket's buffer is this worker's slot of a shared-memory file instead
 (``shared_memory.py``): a complete bucket launches only a one-element all-reduce that
 says "written"; when backward ends each worker sums its slice of every bucket, and after
 one more tiny all-reduce copies the summed bucket back. Memory speed instead of gloo's
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 from unison.collectives.packing import group_by_size
 from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
-from unison.collectives.shared_memory import MIN_BYTES, SharedMemoryAllReduce, SharedSegment
+from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
 from unison.reduce import ReduceOp
 
 __all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]
@@ -124,7 +123,7 @@ class BucketedGradientSync:
         transport = self._shared_memory()
         if (transport is None or not transport.available or not self._buckets
                 or not all(b.flat.is_cpu for b in self._buckets)
-                or sum(b.flat.numel() * b.flat.element_size() for b in self._buckets) < MIN_BYTES):
+                or any(b.flat.numel() == 0 for b in self._buckets)):
             return
         segments = []
         for bucket in self._buckets:
