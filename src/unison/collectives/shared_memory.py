@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import sys
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 SHARED_MEMORY_DIR = "/dev/shm"
 MAX_SEGMENTS = 8
 """Mapped files kept for reuse, least recently used dropped first (one per dtype and size)."""
+ORPHAN_AGE_S = 60.0
+"""A file of a dead creator this old is an orphan (live ones are unlinked within milliseconds)."""
 
 
 class SharedSegment:
@@ -163,45 +166,39 @@ class SharedMemoryAllReduce:
         """Creates and maps one shared file on every worker (a collective), or finds it cannot.
 
         Returns None, with ``available`` then False on every worker, when they cannot.
+        Worker 0 creates the file only once every worker has arrived, and unlinks it
+        whatever happens next, so a file outlives the call only if worker 0 is killed in
+        the milliseconds between; the next creation on this host removes such orphans.
         """
         elements = (self._world_size + 1) * numel
         size = elements * dtype.itemsize
+        self._barrier()
         token, reason, created = 0, "", None
-        if self._rank == 0:
-            token = secrets.randbits(62) | 1  # never 0, which says 'failed'
-            created = _path(token)
-            try:
-                if not hasattr(os, "posix_fallocate"):  # macOS, Windows: no way to reserve the pages up front
-                    raise OSError(f"os.posix_fallocate does not exist on {sys.platform}")
-                descriptor = os.open(created, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            if self._rank == 0:
+                _remove_orphans()
+                token = secrets.randbits(62) | 1  # never 0, which says 'failed'
+                path = _path(token, os.getpid())
                 try:
-                    os.posix_fallocate(descriptor, 0, size)
-                finally:
-                    os.close(descriptor)
-            except OSError as exc:
-                reason = f"cannot create {size} bytes in {SHARED_MEMORY_DIR}: {exc}"
-                token = 0
-                _unlink(created)
-                created = None
-        token = self._broadcast_ints([token])[0]
-        storage = None
-        if not token and not reason:
-            reason = "worker 0 could not create a shared file (its log says why)"
-        if token:
-            path = _path(token)
-            try:
-                descriptor = os.open(path, os.O_RDWR)  # no O_CREAT: another host's worker fails here
+                    _create_file(path, size)
+                    created = path
+                except OSError as exc:
+                    reason = f"cannot create {size} bytes in {SHARED_MEMORY_DIR}: {exc}"
+                    token = 0
+            token, creator = self._broadcast_ints([token, os.getpid()])
+            storage = None
+            if not token and not reason:
+                reason = "worker 0 could not create a shared file (its log says why)"
+            if token:
+                path = _path(token, creator)
                 try:
-                    if os.fstat(descriptor).st_size != size:
-                        raise OSError(f"{path} has {os.fstat(descriptor).st_size} bytes, expected {size}")
-                finally:
-                    os.close(descriptor)
-                storage = torch.from_file(path, shared=True, size=elements, dtype=dtype)
-            except (OSError, RuntimeError) as exc:
-                reason = f"worker {self._rank} cannot map {path}: {exc} (workers on different hosts?)"
-        everyone = self._agree_min(1 if storage is not None else 0)
-        if created is not None:
-            _unlink(created)  # every worker has it mapped, or has given up
+                    storage = _map_file(path, size, elements, dtype)
+                except (OSError, RuntimeError) as exc:
+                    reason = f"worker {self._rank} cannot map {path}: {exc} (workers on different hosts?)"
+            everyone = self._agree_min(1 if storage is not None else 0)
+        finally:
+            if created is not None:
+                _unlink(created)  # every worker has it mapped, or has given up (or a peer is lost)
         if not everyone:
             self.available = False
             self._segments.clear()
@@ -213,8 +210,62 @@ class SharedMemoryAllReduce:
         return SharedSegment(storage, self._world_size, numel)
 
 
-def _path(token: int) -> str:
-    return os.path.join(SHARED_MEMORY_DIR, f"unison-{token:016x}")
+def _create_file(path: str, size: int) -> None:
+    """Creates ``path`` with ``size`` bytes reserved, or raises OSError and leaves nothing."""
+    if not hasattr(os, "posix_fallocate"):  # macOS, Windows: no way to reserve the pages up front
+        raise OSError(f"os.posix_fallocate does not exist on {sys.platform}")
+    descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(descriptor, 0, size)
+    except OSError:
+        _unlink(path)
+        raise
+    finally:
+        os.close(descriptor)
+
+
+def _map_file(path: str, size: int, elements: int, dtype: torch.dtype) -> torch.Tensor:
+    """Maps worker 0's file; raises OSError if it is not there (another host) or not its size."""
+    descriptor = os.open(path, os.O_RDWR)  # no O_CREAT: another host's worker fails here
+    try:
+        found = os.fstat(descriptor).st_size
+    finally:
+        os.close(descriptor)
+    if found != size:
+        raise OSError(f"{path} has {found} bytes, expected {size}")
+    return torch.from_file(path, shared=True, size=elements, dtype=dtype)
+
+
+def _path(token: int, creator: int) -> str:
+    """The file of ``token``; its name carries the creating process's pid, to find orphans."""
+    return os.path.join(SHARED_MEMORY_DIR, f"unison-{creator}-{token:016x}")
+
+
+def _remove_orphans(now: float | None = None) -> None:
+    """Deletes files left by a worker 0 killed between creating and unlinking one.
+
+    Such a file is older than ``ORPHAN_AGE_S`` and its creator's pid is gone. The age
+    spares a live job in another pid namespace that shares ``/dev/shm``: its files live
+    for milliseconds.
+    """
+    try:
+        names = os.listdir(SHARED_MEMORY_DIR)
+    except OSError:
+        return
+    now = time.time() if now is None else now
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "unison" or not parts[1].isdigit():
+            continue
+        path = os.path.join(SHARED_MEMORY_DIR, name)
+        try:
+            if now - os.stat(path).st_mtime < ORPHAN_AGE_S:
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            _unlink(path)
+        except OSError:
+            pass  # gone already, or alive under another user: not ours
 
 
 def _unlink(path: str) -> None:
