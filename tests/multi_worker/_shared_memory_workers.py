@@ -177,21 +177,3 @@ def killed_during_shared_reduce(rank: int, world: int, timeout: float):
             return type(exc).__name__, str(exc), time.monotonic() - started, step
     return "no error", "", 0.0, -1
 
-
-def killed_during_shared_gradient_sync(rank: int, world: int, timeout: float):
-    strategy = strategy_for(rank, world, timeout_seconds=timeout, bytes_per_pack=4 << 10)
-    with strategy.scope():
-        model = make_mlp(1, 160)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    shared = all(b.segment is not None for b in strategy.extended._c.gradient_sync._buckets)
-    for step, (x, y) in enumerate(global_batches(steps=1000)):
-        if rank == 1 and step == 5:
-            os.kill(os.getpid(), signal.SIGKILL)
-        started = time.monotonic()
-        try:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-            opt.step()
-        except unison.errors.PeerLostError as exc:
-            return type(exc).__name__, str(exc), time.monotonic() - started, step, shared
-    return "no error", "", 0.0, -1, shared

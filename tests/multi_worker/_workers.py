@@ -113,11 +113,14 @@ def mismatched_all_reduce(rank: int, world: int):
     return "no error", ""
 
 
-def killed_mid_training(rank: int, world: int, timeout: float):
-    strategy = strategy_for(rank, world, timeout_seconds=timeout)
+def killed_mid_training(rank: int, world: int, timeout: float, implementation: str = "AUTO"):
+    """Worker 1 kills itself at step 5; worker 0 reports what it raised, how long it waited,
+    and whether its buckets were in shared memory."""
+    strategy = strategy_for(rank, world, timeout_seconds=timeout, implementation=implementation)
     with strategy.scope():
         model = make_mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shared = all(b.segment is not None for b in strategy.extended._c.gradient_sync._buckets)
     for step, (x, y) in enumerate(global_batches(steps=1000)):
         if rank == 1 and step == 5:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -127,8 +130,19 @@ def killed_mid_training(rank: int, world: int, timeout: float):
             nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
             opt.step()
         except unison.errors.PeerLostError as exc:
-            return type(exc).__name__, str(exc), time.monotonic() - started, step
-    return "no error", "", 0.0, -1
+            return type(exc).__name__, str(exc), time.monotonic() - started, step, shared
+    return "no error", "", 0.0, -1, shared
+
+
+def check_worker_1_named(results: list, timeout: float, killed_at: int) -> tuple:
+    """Asserts worker 1 died by SIGKILL and worker 0 raised PeerLostError naming it in time; returns the rest."""
+    assert results[1].exitcode == -9
+    kind, message, waited, step, *rest = results[0].value
+    assert kind == "PeerLostError", message
+    assert "worker:1" in message and "worker:0" not in message.split("missing task(s):")[1].split(";")[0]
+    assert waited <= timeout + 10
+    assert step >= killed_at
+    return tuple(rest)
 
 
 def grad_accumulation_and_unused(rank: int, world: int, implementation: str = "AUTO"):
