@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from unison._testing import run_workers
 from tests.multi_worker import _shared_memory_workers as w
@@ -52,12 +53,13 @@ def test_workers_that_cannot_share_memory_fall_back_together(how, reason, tmp_pa
 
 
 @pytest.mark.timeout(120)
-def test_many_layouts_keep_a_bounded_set_of_mapped_files():
+def test_many_layouts_keep_a_bounded_set_of_mapped_files_and_idle_ones_go():
     from unison.collectives.shared_memory import MAX_SEGMENTS
 
-    for exact, most_segments in run_workers(w.many_sizes, 2, timeout=90):
+    for exact, most_segments, left in run_workers(w.many_sizes, 2, timeout=90):
         assert exact
-        assert most_segments <= MAX_SEGMENTS
+        assert most_segments == MAX_SEGMENTS
+        assert left == [(torch.float32, 5)]
 
 
 @pytest.mark.timeout(120)

@@ -30,13 +30,15 @@ import torch
 
 from unison.collectives.flat_buffers import BufferPool, dtype_groups, fill, views_of
 
-__all__ = ["SharedMemoryAllReduce", "SharedSegment", "SHARED_MEMORY_DIR", "MAX_SEGMENTS"]
+__all__ = ["SharedMemoryAllReduce", "SharedSegment", "SHARED_MEMORY_DIR", "MAX_SEGMENTS", "MAX_IDLE_CALLS"]
 
 logger = logging.getLogger(__name__)
 
 SHARED_MEMORY_DIR = "/dev/shm"
 MAX_SEGMENTS = 8
 """Mapped files kept for reuse, least recently used dropped first (one per dtype and size)."""
+MAX_IDLE_CALLS = 64
+"""A file no call used for this many calls is dropped: a one-off large batch does not pin its memory."""
 ORPHAN_AGE_S = 60.0
 """A file of a dead creator this old is an orphan (live ones are unlinked within milliseconds)."""
 
@@ -71,6 +73,8 @@ class SharedMemoryAllReduce:
         self._broadcast_ints = broadcast_ints
         self._agree_min = agree_min
         self._segments: dict[tuple[torch.dtype, int], SharedSegment] = {}  # insertion order = least recent first
+        self._last_used: dict[tuple[torch.dtype, int], int] = {}
+        self._calls = 0
         self._pool = BufferPool()
         self.available = world_size > 1
 
@@ -94,6 +98,8 @@ class SharedMemoryAllReduce:
             None when the workers just found that they cannot share memory (``available``
             is then False on all of them); ``check`` has run by then.
         """
+        self._calls += 1
+        self._drop_idle()
         groups = dtype_groups(tensors)
         keys = [(dtype, sum(t.numel() for t in sources)) for dtype, _, sources in groups]
         if all(key in self._segments for key in keys):
@@ -151,12 +157,21 @@ class SharedMemoryAllReduce:
     def _use(self, key: tuple[torch.dtype, int]) -> SharedSegment:
         segment = self._segments.pop(key)
         self._segments[key] = segment  # most recent last
+        self._last_used[key] = self._calls
         return segment
+
+    def _drop_idle(self) -> None:
+        """Unmaps files idle for MAX_IDLE_CALLS calls (the same on every worker: calls are collective)."""
+        for key in [k for k, last in self._last_used.items() if self._calls - last > MAX_IDLE_CALLS]:
+            self._segments.pop(key, None)
+            del self._last_used[key]
 
     def _create(self, dtype: torch.dtype, numel: int) -> SharedSegment | None:
         """A new cached segment (a collective), or None when the workers cannot share memory."""
         if len(self._segments) >= MAX_SEGMENTS:
-            del self._segments[next(iter(self._segments))]
+            oldest = next(iter(self._segments))
+            del self._segments[oldest]
+            self._last_used.pop(oldest, None)
         segment = self.new_segment(dtype, numel)
         if segment is not None:
             self._segments[(dtype, numel)] = segment
@@ -202,6 +217,7 @@ class SharedMemoryAllReduce:
         if not everyone:
             self.available = False
             self._segments.clear()
+            self._last_used.clear()
             logger.warning("unison: no shared memory between the workers, all-reduces go over the network "
                            "collective: %s",
                            reason or "another worker cannot map the shared file (its log says why)")
