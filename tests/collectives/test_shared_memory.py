@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from unison.collectives import shared_memory
 from unison.errors import PeerLostError
@@ -84,3 +88,75 @@ def test_empty_and_non_cpu_batches_are_not_eligible():
     assert not transport.eligible([])
     assert not transport.eligible([torch.ones(0)])
     assert not transport.eligible([torch.ones(3, device="meta")])
+
+
+# -- the protocol, with workers as threads of this process ---------------------------------
+class _ThreadWorkers:
+    """The three collectives the transport needs, for ``world`` threads (a stand-in for gloo)."""
+
+    def __init__(self, world: int):
+        self._barrier = threading.Barrier(world, timeout=30)
+        self._slots: list = [None] * world
+
+    def barrier(self) -> None:
+        self._barrier.wait()
+
+    def _exchange(self, rank: int, value):
+        self._slots[rank] = value
+        self.barrier()
+        seen = list(self._slots)
+        self.barrier()
+        return seen
+
+    def transport(self, rank: int, world: int) -> shared_memory.SharedMemoryAllReduce:
+        return shared_memory.SharedMemoryAllReduce(
+            rank, world, self.barrier, lambda values: self._exchange(rank, values)[0],
+            lambda value: min(self._exchange(rank, value)))
+
+
+_DTYPES = [torch.float32, torch.float64, torch.int64]
+_layouts = st.lists(st.tuples(st.lists(st.integers(0, 6), max_size=3), st.sampled_from(_DTYPES)), min_size=1, max_size=6)
+
+
+def _tensor(shape, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    return torch.randint(-50, 50, shape, generator=g, dtype=dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=_layouts, world=st.integers(2, 3), mean=st.booleans())
+def test_threads_sum_any_layout_exactly_and_reuse_their_files(layout, world, mean):
+    if sum(math.prod(shape) for shape, _ in layout) == 0:
+        return  # not eligible: the caller keeps such batches on the network collective
+    inputs = [[_tensor(shape, dtype, 97 * rank + i) for i, (shape, dtype) in enumerate(layout)] for rank in range(world)]
+    originals = [[t.clone() for t in ts] for ts in inputs]
+    expected = []
+    for parts in zip(*inputs):
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total = total + part
+        expected.append(total / world if mean else total)
+    group = _ThreadWorkers(world)
+    outcomes: list = [None] * world
+
+    def work(rank: int) -> None:
+        transport = group.transport(rank, world)
+        first = transport(inputs[rank], divisor=world if mean else 1)
+        second = transport(inputs[rank], divisor=world if mean else 1)  # the same files again
+        outcomes[rank] = (first, second, len(transport._segments))
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for rank in range(world):
+        first, second, files = outcomes[rank]
+        assert files == len({dtype for dtype in _DTYPES if sum(math.prod(s) for s, d in layout if d == dtype) > 0})
+        for got in (first, second):
+            for g, e in zip(got, expected):
+                assert g.shape == e.shape and g.dtype == e.dtype
+                assert torch.equal(g, e) if not mean else torch.allclose(g, e, rtol=0, atol=1e-6)
+        assert all(torch.equal(t, o) for t, o in zip(inputs[rank], originals[rank]))

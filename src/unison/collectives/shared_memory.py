@@ -100,7 +100,16 @@ class SharedMemoryAllReduce:
         """
         self._calls += 1
         self._drop_idle()
-        groups = dtype_groups(tensors)
+        results: list[torch.Tensor] = list(tensors)
+        groups, divide_after = [], []  # integer results: divided per tensor, like the packed path
+        for dtype, members, sources in dtype_groups(tensors):
+            if divisor != 1 and not (dtype.is_floating_point or dtype.is_complex):
+                divide_after.extend(members)
+            if any(t.numel() for t in sources):
+                groups.append((dtype, members, sources))
+            else:  # nothing to add up, and no file of 0 bytes: empty results
+                for index, source in zip(members, sources):
+                    results[index] = torch.empty_like(source, memory_format=torch.contiguous_format)
         keys = [(dtype, sum(t.numel() for t in sources)) for dtype, _, sources in groups]
         if all(key in self._segments for key in keys):
             segments = [self._use(key) for key in keys]
@@ -120,16 +129,14 @@ class SharedMemoryAllReduce:
         for segment in segments:
             self.sum_my_slice(segment, divisor)
         self._barrier()  # every slice of the result is summed
-        results: list[torch.Tensor] = list(tensors)
         for slot, ((dtype, members, sources), segment) in enumerate(zip(groups, segments)):
             private = self._pool.take(segment.result.numel(), dtype, torch.device("cpu"), slot)
             private.copy_(segment.result)
             for index, view in zip(members, views_of(private, sources)):
                 results[index] = view
-            if divisor != 1 and not (dtype.is_floating_point or dtype.is_complex):
-                for index in members:  # integers: divided per tensor, like the packed path
-                    results[index] = results[index] / divisor
         self._pool.end_call()
+        for index in divide_after:
+            results[index] = results[index] / divisor
         return results
 
     def _write(self, groups: list, segments: list[SharedSegment]) -> None:
