@@ -116,9 +116,11 @@ def cannot_share(rank: int, world: int, how: str, tmp: str):
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
+            records.append(f"{record.levelname}: {record.getMessage()}")
 
-    logging.getLogger(shared_memory.__name__).addHandler(Keep())
+    logger = logging.getLogger(shared_memory.__name__)
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
     if how == "different hosts":
         own = os.path.join(tmp, f"host-{rank}")  # each worker its own /dev/shm
         os.makedirs(own, exist_ok=True)

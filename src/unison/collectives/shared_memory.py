@@ -225,9 +225,11 @@ class SharedMemoryAllReduce:
             self.available = False
             self._segments.clear()
             self._last_used.clear()
-            logger.warning("unison: no shared memory between the workers, all-reduces go over the network "
-                           "collective: %s",
-                           reason or "another worker cannot map the shared file (its log says why)")
+            # Workers on several hosts are a normal cluster (info); a host that cannot give
+            # the memory (full /dev/shm, no posix_fallocate) is worth a warning.
+            logger.log(logging.WARNING if not token else logging.INFO,
+                       "unison: no shared memory between the workers, all-reduces go over the network "
+                       "collective: %s", reason or "another worker cannot map the shared file (its log says why)")
             return None
         assert storage is not None
         return SharedSegment(storage, self._world_size, numel)
