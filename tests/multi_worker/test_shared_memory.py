@@ -27,10 +27,12 @@ def test_sums_and_means_match_gloo_and_leave_no_file(world):
 
 @pytest.mark.timeout(90)
 def test_mismatched_layouts_raise_on_every_worker_then_the_next_call_works():
-    for outcomes, recovered in run_workers(w.mismatch_then_recover, 2, timeout=60):
+    results = run_workers(w.mismatch_then_recover, 2, timeout=60)
+    for outcomes, recovered, _ in results:
         for name, message in outcomes.items():
             assert "different shapes or dtypes" in message, (name, message)
         assert recovered
+    assert results[0][2] == results[1][2]  # the same file cache on both workers
 
 
 @pytest.mark.timeout(90)

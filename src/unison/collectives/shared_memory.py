@@ -56,7 +56,8 @@ class SharedMemoryAllReduce:
 
     Every worker must make the same calls in the same order (as for any collective); the
     segment cache then evolves identically everywhere, so all workers agree on when a new
-    file is created without saying so.
+    file is created or an idle one dropped without saying so. The cache changes only once
+    the layout check has passed, so a mismatch (raised on every worker) leaves it equal.
 
     Args:
         rank, world_size: this worker's place in the group.
@@ -112,9 +113,11 @@ class SharedMemoryAllReduce:
                     results[index] = torch.empty_like(source, memory_format=torch.contiguous_format)
         keys = [(dtype, sum(t.numel() for t in sources)) for dtype, _, sources in groups]
         if all(key in self._segments for key in keys):
-            segments = [self._use(key) for key in keys]
+            segments = [self._segments[key] for key in keys]
             self._write(groups, segments)
             (check or self._barrier)()  # every input slot is written once every worker is past it
+            for key in keys:  # only now: a failed check must leave every worker's cache as it was
+                self._use(key)
         else:
             if check is not None:
                 check()  # before any new file: the layouts, hence the sizes, agree
