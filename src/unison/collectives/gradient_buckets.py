@@ -11,10 +11,11 @@ gradient this step, so no worker waits for one that never comes — and each par
 gets a view of the reduced buffer as its gradient, before any code after backward()
 (gradient clipping, AMP unscaling) reads it.
 
-When every worker is on this host (gloo, ``implementation=AUTO``), each bucket's buffer is this worker's slot of a shared-memory file instead
-(``shared_memory.py``): a complete bucket launches only a one-element all-reduce that
-says "written"; when backward ends each worker sums its slice of every bucket, and after
-one more tiny all-reduce copies the summed bucket back. Memory speed instead of gloo's
+When every worker is on this host (gloo, ``implementation=AUTO``), each bucket's buffer
+is this worker's slot of a shared-memory file instead (``shared_memory.py``): a complete
+bucket launches only a one-element all-reduce that says "written"; when backward ends
+each worker sums its slice of every bucket, and after one more tiny all-reduce copies
+the summed bucket back. Memory speed instead of gloo's
 loopback TCP, and the same sums as gloo's (gradients are divided before they are added).
 """
 
@@ -28,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from unison.collectives.flat_buffers import views_of
 from unison.collectives.packing import group_by_size
 from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
 from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
@@ -106,12 +108,8 @@ class BucketedGradientSync:
         for params in by_kind.values():
             for group in group_by_size([p.detach() for p in params], self._bucket_bytes):
                 members = [params[i] for i in group]
-                offsets, total = [], 0
-                for p in members:
-                    offsets.append(total)
-                    total += p.numel()
-                flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
-                views = [flat[o: o + p.numel()].view_as(p) for p, o in zip(members, offsets)]
+                flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+                views = views_of(flat, members)
                 for p in members:
                     self._bucket_of[id(p)] = len(self._buckets)
                 self._buckets.append(_Bucket(members, views, flat))
@@ -135,10 +133,7 @@ class BucketedGradientSync:
         for bucket, segment in zip(self._buckets, segments):
             flat = segment.inputs[rank]
             flat.zero_()
-            offsets = [view.data_ptr() - bucket.flat.data_ptr() for view in bucket.views]
-            bucket.views = [flat[o // flat.element_size(): o // flat.element_size() + p.numel()].view_as(p)
-                            for p, o in zip(bucket.params, offsets)]
-            bucket.flat, bucket.segment = flat, segment
+            bucket.flat, bucket.views, bucket.segment = flat, views_of(flat, bucket.params), segment
         self._transport = transport
 
     @contextlib.contextmanager
