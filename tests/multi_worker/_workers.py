@@ -120,7 +120,9 @@ def killed_mid_training(rank: int, world: int, timeout: float, implementation: s
     with strategy.scope():
         model = make_mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    shared = all(b.segment is not None for b in strategy.extended.components.gradient_sync._buckets)
+    sync = strategy.extended.components.gradient_sync
+    shared = all(b.segment is not None for b in sync._buckets)
+    signals = sync._transport is not None and sync._transport.signals is not None
     for step, (x, y) in enumerate(global_batches(steps=1000)):
         if rank == 1 and step == 5:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -130,8 +132,8 @@ def killed_mid_training(rank: int, world: int, timeout: float, implementation: s
             nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
             opt.step()
         except unison.errors.PeerLostError as exc:
-            return type(exc).__name__, str(exc), time.monotonic() - started, step, shared
-    return "no error", "", 0.0, -1, shared
+            return type(exc).__name__, str(exc), time.monotonic() - started, step, shared, signals
+    return "no error", "", 0.0, -1, shared, signals
 
 
 def check_worker_1_named(results: list, timeout: float, killed_at: int) -> tuple:

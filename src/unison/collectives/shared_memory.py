@@ -30,7 +30,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from unison.collectives import shm_signals
 from unison.collectives.flat_buffers import BufferPool, dtype_groups, fill, views_of
+from unison.collectives.process_group import WorkerGroup
+from unison.collectives.shm_signals import SharedSignals
 
 __all__ = ["SharedMemoryAllReduce", "SharedSegment", "SHARED_MEMORY_DIR", "MAX_SEGMENTS", "MAX_IDLE_CALLS"]
 
@@ -49,6 +52,7 @@ class SharedSegment:
     """One shared file: ``world_size`` input slots and one result slot of ``numel`` elements."""
 
     def __init__(self, storage: torch.Tensor, world_size: int, numel: int):
+        self.storage = storage
         self.inputs = [storage[r * numel:(r + 1) * numel] for r in range(world_size)]
         self.result = storage[world_size * numel:]
 
@@ -69,12 +73,19 @@ class SharedMemoryAllReduce:
             hierarchical all-reduce: they all share memory, or all fall back, together).
         after_sums: called on every worker once the host's sums are complete, before the
             results are copied out; the hierarchical transport adds the hosts' sums there.
+        signal_group: the host's worker group (its timeout, task names and lost-peer
+            errors). Given, the workers synchronise through counters in shared memory
+            (``shm_signals``) where the platform allows, instead of ``barrier``; None:
+            always ``barrier``.
     """
 
     def __init__(self, rank: int, world_size: int, barrier: Callable[[], None],
                  broadcast_ints: Callable[[list[int]], list[int]], agree_min: Callable[[int], int],
-                 *, after_sums: Callable[[list[SharedSegment]], None] | None = None):
+                 *, after_sums: Callable[[list[SharedSegment]], None] | None = None,
+                 signal_group: Callable[[], WorkerGroup] | None = None):
         self._rank = rank
+        self._signal_group = signal_group
+        self.signals: SharedSignals | None = None  # made with the first shared file
         self._world_size = world_size
         self._after_sums = after_sums
         self._barrier = barrier
@@ -124,7 +135,10 @@ class SharedMemoryAllReduce:
         if all(key in self._segments for key in keys):
             segments = [self._segments[key] for key in keys]
             self._write(groups, segments)
-            (check or self._barrier)()  # every input slot is written once every worker is past it
+            if check is not None:
+                check()  # every input slot is written once every worker is past it
+            else:
+                self.sync("inputs written")
             for key in keys:  # only now: a failed check must leave every worker's cache as it was
                 self._use(key)
         else:
@@ -137,10 +151,10 @@ class SharedMemoryAllReduce:
                     return None
                 segments.append(self._use(key))
             self._write(groups, segments)
-            self._barrier()
+            self.sync("inputs written")
         for segment in segments:
             self.sum_my_slice(segment, divisor)
-        self._barrier()  # every slice of the result is summed
+        self.sync("slices summed")  # every slice of the result is summed
         if self._after_sums is not None:
             self._after_sums(segments)  # the hierarchical step: the hosts' sums, added across hosts
         for slot, ((dtype, members, sources), segment) in enumerate(zip(groups, segments)):
@@ -152,6 +166,22 @@ class SharedMemoryAllReduce:
         for index in divide_after:
             results[index] = results[index] / divisor
         return results
+
+    def sync(self, operation: str) -> None:
+        """A barrier of the host's workers: through the shared counters when there are any, else ``barrier``."""
+        signals = self.signals
+        if signals is None:
+            self._barrier()
+            return
+        try:
+            signals.barrier()
+        except RuntimeError as exc:
+            raise self.lost_peer_error(operation, exc) from exc
+
+    def lost_peer_error(self, operation: str, cause: BaseException) -> Exception:
+        """The host group's error for a failed shared-memory wait (naming the lost task)."""
+        assert self._signal_group is not None
+        return self._signal_group().lost_peer_error(f"shared-memory all-reduce ({operation})", cause)
 
     def _write(self, groups: list, segments: list[SharedSegment]) -> None:
         for (_, _, sources), segment in zip(groups, segments):
@@ -204,6 +234,29 @@ class SharedMemoryAllReduce:
         if segment is not None:
             self._segments[(dtype, numel)] = segment
         return segment
+
+    def _make_signals(self) -> None:
+        """After the first shared file: the counters the workers synchronise on (a collective).
+
+        Every worker of every host takes part in the agreement, so all use the counters or
+        none does (the hierarchical transport's hosts make the same calls in the same order).
+        """
+        if self._signal_group is None or self.signals is not None:
+            return
+        if not self._agree_min(1 if shm_signals.supported() else 0):
+            self._signal_group = None  # not on every host: gloo barriers for good
+            return
+        group, self._signal_group = self._signal_group, None  # no recursion from new_segment
+        try:
+            segment = self.new_segment(torch.int64, shm_signals.SLOTS_PER_WORKER)
+        finally:
+            self._signal_group = group
+        if segment is None:
+            return
+        words = segment.storage[: self._world_size * shm_signals.SLOTS_PER_WORKER]
+        formed = group()
+        self.signals = shm_signals.make_signals(words, self._rank, self._world_size, formed.timeout,
+                                                formed.names, self._barrier)
 
     def new_segment(self, dtype: torch.dtype, numel: int) -> SharedSegment | None:
         """Creates and maps one shared file on every worker (a collective), or finds it cannot.
@@ -275,7 +328,9 @@ class SharedMemoryAllReduce:
                        "collective: %s", reason or "another worker cannot map the shared file (its log says why)")
             return None
         assert storage is not None
-        return SharedSegment(storage, self._world_size, numel)
+        segment = SharedSegment(storage, self._world_size, numel)
+        self._make_signals()
+        return segment if self.available else None  # the counters' file failed: everyone gave up
 
 
 def _create_file(path: str, size: int) -> int:

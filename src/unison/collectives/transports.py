@@ -35,6 +35,7 @@ from unison.collectives.options import CommunicationImplementation, Communicatio
 from unison.collectives.packed_all_reduce import PackedAllReduce
 from unison.collectives.process_group import WorkerGroup
 from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
+from unison.collectives.shm_signals import WRITTEN
 from unison.collectives.worker_control import WorkerControl
 
 __all__ = [
@@ -127,10 +128,13 @@ class SharedMemoryTransport:
         return self
 
     def announce(self, flag: torch.Tensor) -> Any:
-        return self._control.launch(_BUCKETS, dist.all_reduce, flag)
+        return _announce(self.shared_memory, lambda: self._control.launch(_BUCKETS, dist.all_reduce, flag))
 
     def complete(self, segments: list[SharedSegment]) -> None:
-        self._control.call(_BUCKETS, dist.all_reduce, self._summed)
+        if self.shared_memory.signals is not None:
+            self.shared_memory.sync(_BUCKETS)
+        else:
+            self._control.call(_BUCKETS, dist.all_reduce, self._summed)
 
     @property
     def shared_memory(self) -> SharedMemoryAllReduce:
@@ -141,6 +145,7 @@ class SharedMemoryTransport:
                 control.rank, control.world_size, lambda: control.barrier(f"{_OPERATION} (shared memory)"),
                 lambda values: control.broadcast_ints(values, "shared-memory setup"),
                 lambda value: control.agree_min(value, "shared-memory setup"),
+                signal_group=lambda: control.group,
             )
         return self._engine
 
@@ -199,7 +204,7 @@ class HierarchicalTransport:
                 local.rank, local.world_size, lambda: local.barrier(f"{_OPERATION} (host)"),
                 lambda values: local.broadcast_ints(values, "shared-memory setup"),
                 lambda value: control.agree_min(value, "shared-memory setup"),  # all hosts, or none
-                after_sums=self._add_across_hosts,
+                after_sums=self._add_across_hosts, signal_group=lambda: local.group,
             )
         return self._engine
 
@@ -215,13 +220,13 @@ class HierarchicalTransport:
             works = [leaders.launch(_OPERATION, dist.all_reduce, segment.result) for segment in segments]
             for work in works:
                 leaders.wait(work, f"{_OPERATION} (between hosts)")
-        local.barrier(f"{_OPERATION} (host)")
+        self.shared_memory.sync(f"{_OPERATION} (host)")
 
     def announce(self, flag: torch.Tensor) -> Any:
-        return self._host.launch(_BUCKETS, dist.all_reduce, flag)
+        return _announce(self.shared_memory, lambda: self._host.launch(_BUCKETS, dist.all_reduce, flag))
 
     def complete(self, segments: list[SharedSegment]) -> None:
-        self._host.barrier(f"{_BUCKETS} (host)")
+        self.shared_memory.sync(f"{_BUCKETS} (host)")
         self._add_across_hosts(segments)
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
@@ -237,6 +242,27 @@ def _through_shared_memory(engine: SharedMemoryAllReduce, fallback: PackedTransp
             return reduced
         return fallback.all_reduce(tensors, divisor, lambda: None)  # the check has run
     return fallback.all_reduce(tensors, divisor, check)
+
+
+class _Posted:
+    """A work handle for 'every worker of the host posted this bucket': waits on the shared counters."""
+
+    def __init__(self, engine: SharedMemoryAllReduce, count: int):
+        self._engine, self._count = engine, count
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        signals = self._engine.signals
+        assert signals is not None
+        signals.wait(WRITTEN, self._count, timeout.total_seconds() if timeout is not None else None)
+        return True
+
+
+def _announce(engine: SharedMemoryAllReduce, through_group: Callable[[], Any]) -> Any:
+    """Says that this worker's slot of the next bucket is written: a shared counter, else a tiny collective."""
+    signals = engine.signals
+    if signals is None:
+        return through_group()
+    return _Posted(engine, signals.post(WRITTEN))
 
 
 def _subgroup(group: WorkerGroup, handle: Any, ranks: list[int]) -> WorkerGroup:
