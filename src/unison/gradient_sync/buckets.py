@@ -12,11 +12,13 @@ gets a view of the reduced buffer as its gradient, before any code after backwar
 (gradient clipping, AMP unscaling) reads it.
 
 When every worker is on this host (gloo, ``implementation=AUTO``), each bucket's buffer
-is this worker's slot of a shared-memory file instead (``shared_memory.py``): a complete
-bucket launches only a one-element all-reduce that says "written"; when backward ends
-each worker sums its slice of every bucket, and after one more tiny all-reduce copies
-the summed bucket back. Memory speed instead of gloo's
-loopback TCP, and the same sums as gloo's (gradients are divided before they are added).
+is this worker's slot of a shared-memory file instead (``shared_memory.py``). There is
+nothing to overlap then (no transfer runs beside backward), so the hooks only note that
+backward began; when it ends, each worker writes every gradient into its slots (one
+copy per bucket), says so through a counter in the shared file, sums its slice of every
+bucket, and, once every worker has, copies the sums straight into its gradients. Memory
+speed instead of gloo's loopback TCP, no per-gradient Python work, and the same sums as
+gloo's (gradients are divided before they are added).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class _Bucket:
     ready: int = 0
     work: Any = None
     segment: SharedSegment | None = None  # shared memory: `work` then only says every worker wrote its slot
+    results: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per parameter, views of segment.result
     written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
 
 
@@ -139,6 +142,7 @@ class BucketedGradientSync:
             flat = transport.my_slot(segment)
             flat.zero_()
             bucket.flat, bucket.views, bucket.segment = flat, views_of(flat, bucket.params), segment
+            bucket.results = views_of(segment.result, bucket.params)
         self._transport, self._sharing = transport, sharing
 
     @contextlib.contextmanager
@@ -173,6 +177,8 @@ class BucketedGradientSync:
             self._sparse.add(id(param))
             reduced = self._sparse_all_reduce(param.grad)
             param.grad = reduced / self._control.world_size if self._reduce_op() is ReduceOp.MEAN else reduced
+        if self._sharing is not None:
+            return  # shared memory: every bucket is written when backward ends, nothing to start early
         bucket.ready += 1
         while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
             self._launch(self._buckets[self._next])
@@ -226,13 +232,33 @@ class BucketedGradientSync:
                 for _, segment in shared:
                     self._transport.sum_my_slice(segment)
                 self._sharing.complete([segment for _, segment in shared])
-                for bucket, segment in shared:
-                    bucket.flat.copy_(segment.result)
-                    self._hand_out(bucket)
+                for bucket, _ in shared:
+                    self._copy_sums_out(bucket)
         finally:
             for bucket in self._buckets:
                 bucket.work, bucket.ready = None, 0
             self._next, self._fired = 0, False
+
+    def _copy_sums_out(self, bucket: _Bucket) -> None:
+        """Copies a shared bucket's sums into the parameters' own gradients (one foreach copy).
+
+        The shared result cannot become the gradient itself: a worker that zeroes its
+        gradients in place (``zero_grad(set_to_none=False)``) would zero a peer's too.
+        """
+        targets, sources = [], []
+        for param, result in zip(bucket.params, bucket.results):
+            grad = param.grad
+            if id(param) in self._sparse:
+                continue
+            if grad is None:
+                param.grad = result.clone()  # no gradient here this step; the peers' mean still applies
+            elif grad.is_contiguous() and grad.layout == torch.strided:
+                targets.append(grad)
+                sources.append(result)
+            else:
+                param.grad = result.clone()
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def _hand_out(self, bucket: _Bucket) -> None:
         for param, view in zip(bucket.params, bucket.views):
