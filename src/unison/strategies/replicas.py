@@ -40,6 +40,14 @@ def _first_replica_id(strategy: "Strategy", num_local: int) -> int:
 
 
 @typing.final
+def _all_tensors(args: tuple) -> bool:
+    """Whether every argument is a plain tensor (the common step): a loop, cheaper than a generator."""
+    for arg in args:
+        if type(arg) is not torch.Tensor:
+            return False
+    return True
+
+
 class InlineReplicaRunner:
     """Runs the single local replica in the calling thread."""
 
@@ -58,7 +66,7 @@ class InlineReplicaRunner:
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         # The fast path: no pytree walk for plain arguments, no generator-based context
         # manager; one cached entry pushed on this thread's context stack.
-        if (args or kwargs) and may_hold_components((args, kwargs)):
+        if (kwargs or not _all_tensors(args)) and may_hold_components((args, kwargs)):
             args, kwargs = select_replica(0, (args, kwargs))
         entry = self._entry
         if entry is None:

@@ -104,8 +104,8 @@ def may_hold_components(structure: Any) -> bool:
 
     A cheap pre-check for the one-replica fast path (``select_replica`` goes through
     pytree, tens of microseconds per call): plain tuples, lists and dicts of tensors
-    and scalars are walked directly; any other object might be a pytree node, so it
-    answers True and lets pytree look.
+    and scalars are walked directly; other objects are pytree nodes (then it answers
+    True and lets pytree look) or leaves that are no distributed value.
     """
     if isinstance(structure, _ValueContainer):
         return True
@@ -116,7 +116,9 @@ def may_hold_components(structure: Any) -> bool:
         return any(may_hold_components(x) for x in structure)
     if kind is dict:
         return any(may_hold_components(x) for x in structure.values())
-    return True
+    # A module, an optimizer or any other object pytree does not open is a leaf: it holds
+    # no component that select_replica would replace (and is no container itself).
+    return not pytree.tree_is_leaf(structure)
 
 
 def select_replica(replica_id: int, structure: Any) -> Any:
