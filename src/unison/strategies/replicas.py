@@ -92,31 +92,69 @@ _RUNNING, _MERGE, _DONE, _FAILED = "running", "merge", "done", "failed"
 
 
 class _Rendezvous:
-    """Shared state of one ``run`` call: replica statuses and merge hand-offs."""
+    """Shared state of one ``run`` call: replica statuses and merge hand-offs.
 
-    def __init__(self, num_replicas: int):
+    The last replica to reach a ``merge_call`` runs the merge function itself, in
+    cross-replica context, and wakes the others: two thread hand-offs fewer per merge
+    than handing it to the thread that called ``run``. That thread only waits until
+    every replica finished, and sorts out failures.
+    """
+
+    def __init__(self, num_replicas: int, run_merge: Callable[["_Rendezvous"], BaseException | None] | None,
+                 serial: bool):
         self.cv = threading.Condition()
+        # Serial: one replica runs at a time, handing the baton on at merge calls and at its
+        # end (as TensorFlow's MirroredStrategy runs its replica threads). Two CPU replicas
+        # running at once fight for the GIL at every small op; one op at a time uses the
+        # intra-op threads instead.
+        self.baton = threading.Lock() if serial else None
         self.status = [_RUNNING] * num_replicas
         self.requests: list[Any] = [None] * num_replicas
         self.results: list[Any] = [None] * num_replicas
         self.errors: list[BaseException | None] = [None] * num_replicas
         self.merge_results: list[Any] = [None] * num_replicas
+        self.merge_error: BaseException | None = None
         self.generation = 0
         self.aborted = False
+        self.merging = False
+        self._run_merge = run_merge  # None: the caller of run merges (CUDA replicas: its device is current)
 
     def merge_call(self, replica_id: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         with self.cv:
+            if self.aborted:
+                raise _MergeAborted()
             self.status[replica_id] = _MERGE
             self.requests[replica_id] = (merge_fn, args, kwargs)
             generation = self.generation
-            self.cv.notify_all()
+            if self._run_merge is not None and all(s == _MERGE for s in self.status):
+                self.merging = True  # the last to arrive: merge here (the caller of run stays asleep)
+                try:
+                    error = self._run_merge(self)
+                finally:
+                    self.merging = False
+                if error is not None:
+                    self.merge_error = error
+                self.resume(aborted=error is not None)
+            elif self.settled():
+                self.cv.notify_all()  # a replica finished or failed without merging: the caller of run decides
+            if self.baton is not None:
+                self.baton.release()  # the next replica runs while this one waits
             self.cv.wait_for(lambda: self.generation != generation)
-            if self.aborted:
-                raise _MergeAborted()
-            return self.merge_results[replica_id]
+            aborted, result = self.aborted, self.merge_results[replica_id]
+        if self.baton is not None:
+            self.baton.acquire()  # outside the condition's lock: its holder may want that lock
+        if aborted:
+            raise _MergeAborted()
+        return result
+
+    def finish(self, replica_id: int, status: str) -> None:
+        """Marks a replica done or failed (lock held by the caller); wakes the caller of run once all settled."""
+        self.status[replica_id] = status
+        if self.settled():
+            self.cv.notify_all()
 
     def settled(self) -> bool:
-        return all(s != _RUNNING for s in self.status)
+        return not self.merging and all(s != _RUNNING for s in self.status)
 
     def resume(self, aborted: bool = False) -> None:
         """Wakes every replica waiting in merge_call (lock held by the caller)."""
@@ -171,6 +209,11 @@ class ThreadedReplicaRunner:
         self._devices = tuple(devices)
         self._queues: list["queue.SimpleQueue[Any]"] = []
         self._lock = threading.Lock()
+        # Merges run in the last replica to arrive, except on CUDA, where the merge then
+        # would run under that replica's current device instead of the caller's.
+        on_cuda = any(is_cuda(d) for d in self._devices)
+        self._merge_in_replica = None if on_cuda else self._run_merge
+        self._serial = not on_cuda  # CUDA replicas launch kernels asynchronously: they run at once
 
     def _start_threads(self) -> list["queue.SimpleQueue[Any]"]:
         with self._lock:
@@ -186,7 +229,7 @@ class ThreadedReplicaRunner:
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         n = len(self._devices)
-        rendezvous = _Rendezvous(n)
+        rendezvous = _Rendezvous(n, self._merge_in_replica, self._serial)
         grad_enabled = torch.is_grad_enabled()
         queues = self._queues or self._start_threads()
         for i, requests in enumerate(queues):
@@ -203,6 +246,17 @@ class ThreadedReplicaRunner:
         first = _first_replica_id(self._strategy, len(self._devices))
         context = ReplicaContext(self._strategy, replica_id, first + replica_id, rendezvous.merge_call)
         device = self._devices[replica_id]
+        baton = rendezvous.baton
+        if baton is not None:
+            baton.acquire()
+        try:
+            self._run_replica(rendezvous, replica_id, context, device, fn, args, kwargs, grad_enabled)
+        finally:
+            if baton is not None:
+                baton.release()
+
+    def _run_replica(self, rendezvous: _Rendezvous, replica_id: int, context: ReplicaContext, device: str,
+                     fn: Callable[..., Any], args: tuple, kwargs: dict, grad_enabled: bool) -> None:
         try:
             with STATE.push(self._strategy, context), torch.set_grad_enabled(grad_enabled):
                 if is_cuda(device):
@@ -212,26 +266,30 @@ class ThreadedReplicaRunner:
                     result = fn(*args, **kwargs)
         except _MergeAborted:
             with rendezvous.cv:
-                rendezvous.status[replica_id] = _DONE
-                rendezvous.cv.notify_all()
+                rendezvous.finish(replica_id, _DONE)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller of run
             with rendezvous.cv:
                 rendezvous.errors[replica_id] = exc
-                rendezvous.status[replica_id] = _FAILED
-                rendezvous.cv.notify_all()
+                rendezvous.finish(replica_id, _FAILED)
         else:
             with rendezvous.cv:
                 rendezvous.results[replica_id] = result
-                rendezvous.status[replica_id] = _DONE
-                rendezvous.cv.notify_all()
+                rendezvous.finish(replica_id, _DONE)
 
     def _coordinate(self, rv: _Rendezvous) -> BaseException | None:
-        """Drives merge calls until every replica finished; returns the error to raise."""
+        """Waits until every replica finished; returns the error to raise.
+
+        Merges run in the replica that arrives last; here only what a replica cannot
+        decide: a merge that failed, a replica that failed while others wait in a
+        merge, or replicas that disagree on whether to merge.
+        """
         error: BaseException | None = None
         with rv.cv:
             while True:
                 rv.cv.wait_for(rv.settled)
                 failed = [e for e in rv.errors if e is not None]
+                if error is None and rv.merge_error is not None:
+                    error = rv.merge_error
                 if error is None and failed:
                     error = failed[0]
                 waiting = [i for i, s in enumerate(rv.status) if s == _MERGE]
@@ -251,7 +309,7 @@ class ThreadedReplicaRunner:
                     )
                     rv.resume(aborted=True)
                     continue
-                error = self._run_merge(rv)
+                error = self._run_merge(rv)  # CUDA replicas: merges run here
                 rv.resume(aborted=error is not None)
 
     def _run_merge(self, rv: _Rendezvous) -> BaseException | None:

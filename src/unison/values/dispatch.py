@@ -16,7 +16,7 @@ import torch
 
 from unison._state import STATE
 
-__all__ = ["is_grad_access", "is_mutation", "map_variables", "find_variables", "call_plain", "replica_of"]
+__all__ = ["is_plain_read", "is_grad_access", "is_mutation", "map_variables", "find_variables", "call_plain", "replica_of"]
 
 _GRAD_DESCRIPTOR = torch.Tensor.grad
 _INPLACE_DUNDERS = frozenset(
@@ -28,6 +28,27 @@ _INPLACE_DUNDERS = frozenset(
 def is_grad_access(func: Callable[..., Any]) -> bool:
     """Whether ``func`` is the getter or setter of ``Tensor.grad``."""
     return getattr(func, "__self__", None) is _GRAD_DESCRIPTOR
+
+
+_PLAIN_READS: dict[Any, bool] = {}
+
+
+def is_plain_read(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` surely writes none of its inputs and is no ``.grad`` access (cached per function).
+
+    For such a function a variable in replica context is only read: it can be replaced
+    by its replica's component without asking the variable's class.
+    """
+    known = _PLAIN_READS.get(func)
+    if known is None:
+        name = _func_name(func)
+        known = not (is_grad_access(func) or name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
+                     or name in ("__set__", "__setattr__", "__delete__", "set_"))
+        try:
+            _PLAIN_READS[func] = known
+        except TypeError:  # an unhashable callable: decide again next time
+            pass
+    return known
 
 
 def _func_name(func: Callable[..., Any]) -> str:

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from unison.values.aggregation import VariableAggregation
-from unison.values.dispatch import call_plain, find_variables, is_grad_access, is_mutation, map_variables, replica_of
+from unison._state import STATE
+from unison.values.dispatch import (call_plain, find_variables, is_grad_access, is_mutation, is_plain_read,
+                                    map_variables, replica_of)
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import DistributedValues, PerReplica
 
@@ -159,6 +161,10 @@ class DistributedVariable(DistributedValues):
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if is_plain_read(func):
+            handled = _read_in_replica(func, args, kwargs)
+            if handled is not NotImplemented:
+                return handled
         variables = find_variables((args, kwargs), DistributedVariable, [])
         for var in variables:
             context, replica_id = replica_of(var)
@@ -194,6 +200,34 @@ class DistributedVariable(DistributedValues):
 
 
 @typing.final
+def _read_in_replica(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The fast path of most operations in a replica: ``func`` on the replica's components.
+
+    Taken when ``func`` only reads, this thread runs a replica of the variables'
+    strategy, and the variables sit directly in ``args`` (``F.linear(x, weight, bias)``,
+    ``weight.t()``); anything else (containers of variables, ``out=``, variables of
+    another strategy) returns NotImplemented and goes through the general dispatch.
+    Same result as the general path, at a fraction of its Python work per operation.
+    """
+    entry = STATE.top()
+    context = entry.replica_context if entry is not None else None
+    if context is None or "out" in kwargs:
+        return NotImplemented
+    strategy, replica_id = context.strategy, context.local_replica_id
+    plain = list(args)
+    for i, arg in enumerate(plain):
+        if isinstance(arg, DistributedVariable):
+            if arg._strategy is not strategy:
+                return NotImplemented
+            plain[i] = arg._component(replica_id)
+        elif isinstance(arg, (list, tuple, dict)) and find_variables(arg, DistributedVariable, []):
+            return NotImplemented
+    if kwargs and find_variables(kwargs, DistributedVariable, []):
+        return NotImplemented
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*plain, **kwargs)
+
+
 class MirroredVariable(DistributedVariable, nn.Parameter):
     """A variable with one equal copy per replica device (``tf.distribute.MirroredVariable``).
 
