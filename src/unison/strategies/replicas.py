@@ -100,14 +100,8 @@ class _Rendezvous:
     every replica finished, and sorts out failures.
     """
 
-    def __init__(self, num_replicas: int, run_merge: Callable[["_Rendezvous"], BaseException | None] | None,
-                 serial: bool):
+    def __init__(self, num_replicas: int, run_merge: Callable[["_Rendezvous"], BaseException | None] | None):
         self.cv = threading.Condition()
-        # Serial: one replica runs at a time, handing the baton on at merge calls and at its
-        # end (as TensorFlow's MirroredStrategy runs its replica threads). Two CPU replicas
-        # running at once fight for the GIL at every small op; one op at a time uses the
-        # intra-op threads instead.
-        self.baton = threading.Lock() if serial else None
         self.status = [_RUNNING] * num_replicas
         self.requests: list[Any] = [None] * num_replicas
         self.results: list[Any] = [None] * num_replicas
@@ -137,15 +131,10 @@ class _Rendezvous:
                 self.resume(aborted=error is not None)
             elif self.settled():
                 self.cv.notify_all()  # a replica finished or failed without merging: the caller of run decides
-            if self.baton is not None:
-                self.baton.release()  # the next replica runs while this one waits
             self.cv.wait_for(lambda: self.generation != generation)
-            aborted, result = self.aborted, self.merge_results[replica_id]
-        if self.baton is not None:
-            self.baton.acquire()  # outside the condition's lock: its holder may want that lock
-        if aborted:
-            raise _MergeAborted()
-        return result
+            if self.aborted:
+                raise _MergeAborted()
+            return self.merge_results[replica_id]
 
     def finish(self, replica_id: int, status: str) -> None:
         """Marks a replica done or failed (lock held by the caller); wakes the caller of run once all settled."""
@@ -201,7 +190,10 @@ class ThreadedReplicaRunner:
     step (a thread start per replica per step cost more than a small step). They keep
     the process's intra-op thread setting: giving each replica thread only its share
     (``torch.set_num_threads`` in the thread) measured slower on W1 and W2
-    (``benchmarks/in_process.py``: 0.51 and 0.30 of plain against 0.67 and 0.70).
+    (``benchmarks/in_process.py``: 0.51 and 0.30 of plain against 0.67 and 0.70). They
+    run at once: running them one at a time, passing a baton at merge calls (as
+    TensorFlow's eager MirroredStrategy does), measured 0.50 of plain on W2 against 0.69,
+    and no better on W1 or D.
     """
 
     def __init__(self, strategy: "Strategy", devices: Sequence[str]):
@@ -211,9 +203,7 @@ class ThreadedReplicaRunner:
         self._lock = threading.Lock()
         # Merges run in the last replica to arrive, except on CUDA, where the merge then
         # would run under that replica's current device instead of the caller's.
-        on_cuda = any(is_cuda(d) for d in self._devices)
-        self._merge_in_replica = None if on_cuda else self._run_merge
-        self._serial = not on_cuda  # CUDA replicas launch kernels asynchronously: they run at once
+        self._merge_in_replica = None if any(is_cuda(d) for d in self._devices) else self._run_merge
 
     def _start_threads(self) -> list["queue.SimpleQueue[Any]"]:
         with self._lock:
@@ -229,7 +219,7 @@ class ThreadedReplicaRunner:
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         n = len(self._devices)
-        rendezvous = _Rendezvous(n, self._merge_in_replica, self._serial)
+        rendezvous = _Rendezvous(n, self._merge_in_replica)
         grad_enabled = torch.is_grad_enabled()
         queues = self._queues or self._start_threads()
         for i, requests in enumerate(queues):
@@ -246,17 +236,6 @@ class ThreadedReplicaRunner:
         first = _first_replica_id(self._strategy, len(self._devices))
         context = ReplicaContext(self._strategy, replica_id, first + replica_id, rendezvous.merge_call)
         device = self._devices[replica_id]
-        baton = rendezvous.baton
-        if baton is not None:
-            baton.acquire()
-        try:
-            self._run_replica(rendezvous, replica_id, context, device, fn, args, kwargs, grad_enabled)
-        finally:
-            if baton is not None:
-                baton.release()
-
-    def _run_replica(self, rendezvous: _Rendezvous, replica_id: int, context: ReplicaContext, device: str,
-                     fn: Callable[..., Any], args: tuple, kwargs: dict, grad_enabled: bool) -> None:
         try:
             with STATE.push(self._strategy, context), torch.set_grad_enabled(grad_enabled):
                 if is_cuda(device):
