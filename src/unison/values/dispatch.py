@@ -34,16 +34,19 @@ _PLAIN_READS: dict[Any, bool] = {}
 
 
 def is_plain_read(func: Callable[..., Any]) -> bool:
-    """Whether ``func`` surely writes none of its inputs and is no ``.grad`` access (cached per function).
+    """Whether ``func`` in a replica is simply ``func`` on the replica's components (cached per function).
 
-    For such a function a variable in replica context is only read: it can be replaced
-    by its replica's component without asking the variable's class.
+    True for functions that write none of their inputs, and for the ``.grad`` getter and
+    setter (a replica reads and sets its own component's gradient): a variable there is
+    replaced by its replica's component without asking the variable's class. False for
+    in-place functions, which mirrored variables aggregate across replicas.
     """
     known = _PLAIN_READS.get(func)
     if known is None:
         name = _func_name(func)
-        known = not (is_grad_access(func) or name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
-                     or name in ("__set__", "__setattr__", "__delete__", "set_"))
+        known = is_grad_access(func) or not (
+            name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
+            or name in ("__set__", "__setattr__", "__delete__", "set_"))
         try:
             _PLAIN_READS[func] = known
         except TypeError:  # an unhashable callable: decide again next time

@@ -161,7 +161,7 @@ class DistributedVariable(DistributedValues):
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if is_plain_read(func):
+        if is_plain_read(func) or OWN_COMPONENT_WRITES.active:  # an optimizer step writes its own component
             handled = _read_in_replica(func, args, kwargs)
             if handled is not NotImplemented:
                 return handled
@@ -203,7 +203,8 @@ class DistributedVariable(DistributedValues):
 def _read_in_replica(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """The fast path of most operations in a replica: ``func`` on the replica's components.
 
-    Taken when ``func`` only reads, this thread runs a replica of the variables'
+    Taken when ``func`` only reads (or is a ``.grad`` access, or an optimizer step writes
+    this replica's own components), this thread runs a replica of the variables'
     strategy, and the variables sit directly in ``args`` (``F.linear(x, weight, bias)``,
     ``weight.t()``); anything else (containers of variables, ``out=``, variables of
     another strategy) returns NotImplemented and goes through the general dispatch.
