@@ -18,8 +18,11 @@ from tests.multi_worker._workers import global_batches, make_mlp
 HOSTS = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.2:3", "127.0.0.2:4"]  # never bound: run_workers provides the store
 
 
-def strategy_on_hosts(rank: int, implementation: str) -> unison.MultiWorkerMirroredStrategy:
-    spec = unison.ClusterSpec({"worker": HOSTS})
+UNEQUAL_HOSTS = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.2:3"]  # two workers on one host, one on the other
+
+
+def strategy_on_hosts(rank: int, implementation: str, hosts: list[str] = HOSTS) -> unison.MultiWorkerMirroredStrategy:
+    spec = unison.ClusterSpec({"worker": hosts})
     resolver = unison.SimpleClusterResolver(spec, task_type="worker", task_id=rank)
     options = unison.CommunicationOptions(implementation=implementation, timeout_seconds=30)
     return unison.MultiWorkerMirroredStrategy(resolver, options, devices=["cpu:0"])
@@ -31,9 +34,10 @@ def batch_of(rank: int) -> list[torch.Tensor]:
             torch.arange(6, dtype=torch.int64) * (rank + 1)]
 
 
-def reduce_batches(rank: int, world: int, implementation: str):
-    """Sums and means of a mixed batch; the transport used; whether the engine shared memory."""
-    strategy = strategy_on_hosts(rank, implementation)
+def reduce_batches(rank: int, world: int, implementation: str, hosts: list[str] = HOSTS):
+    """Sums and means of a mixed batch; the transport used; whether the engine shared memory;
+    how the hosts' sums were added (each worker's slice with its column, or by the leaders)."""
+    strategy = strategy_on_hosts(rank, implementation, hosts)
     ops = strategy.extended.cross_device_ops
     pairs = [(unison.PerReplica([t]), "cpu:0") for t in batch_of(rank)]
     sums = [t.clone() for t in strategy.extended.batch_reduce_to("sum", pairs)]
@@ -43,6 +47,7 @@ def reduce_batches(rank: int, world: int, implementation: str):
     return {
         "sums": sums, "means": means, "hierarchical": hierarchical,
         "shared": hierarchical and transport.shared_memory.available and bool(transport.shared_memory._segments),
+        "across_hosts": None if not hierarchical else "columns" if transport._column is not None else "leaders",
     }
 
 

@@ -1,4 +1,4 @@
-"""Hierarchical all-reduce: shared memory within each host, gloo between the hosts' leaders (issue 15)."""
+"""Hierarchical all-reduce: shared memory within each host, gloo between the hosts (per slice, or by leaders) (issue 15)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,20 @@ from tests.multi_worker import _workers as w
 
 
 @pytest.mark.timeout(120)
-def test_batches_over_two_hosts_sum_like_a_plain_sum():
-    results = run_workers(h.reduce_batches, 4, args=("AUTO",), timeout=100)
-    inputs = [h.batch_of(rank) for rank in range(4)]
+@pytest.mark.parametrize("hosts, across", [(h.HOSTS, "columns"), (h.UNEQUAL_HOSTS, "leaders")],
+                         ids=["2x2-columns", "2+1-leaders"])
+def test_batches_over_two_hosts_sum_like_a_plain_sum(hosts, across):
+    world = len(hosts)
+    results = run_workers(h.reduce_batches, world, args=("AUTO", hosts), timeout=100)
+    inputs = [h.batch_of(rank) for rank in range(world)]
     for result in results:
         assert result["hierarchical"] and result["shared"]
+        assert result["across_hosts"] == across
         for i, got in enumerate(result["sums"]):
             want = sum(batch[i] for batch in inputs)
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         for i, got in enumerate(result["means"]):
-            want = sum(batch[i] for batch in inputs) / 4
+            want = sum(batch[i] for batch in inputs) / world
             torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=1e-6)
     for result in results[1:]:  # every worker gets the very same numbers
         assert all(torch.equal(a, b) for a, b in zip(result["sums"], results[0]["sums"]))

@@ -71,8 +71,9 @@ class SharedMemoryAllReduce:
         broadcast_ints: worker 0's list of ints, on every worker.
         agree_min: the smallest of every worker's int, on every worker (of every host, in a
             hierarchical all-reduce: they all share memory, or all fall back, together).
-        after_sums: called on every worker once the host's sums are complete, before the
-            results are copied out; the hierarchical transport adds the hosts' sums there.
+        after_sums: called on every worker once it summed its slice of every result,
+            before the host's workers synchronise and copy the results out; the
+            hierarchical transport adds the hosts' sums there.
         signal_group: the host's worker group (its timeout, task names and lost-peer
             errors). Given, the workers synchronise through counters in shared memory
             (``shm_signals``) where the platform allows, instead of ``barrier``; None:
@@ -154,9 +155,9 @@ class SharedMemoryAllReduce:
             self.sync("inputs written")
         for segment in segments:
             self.sum_my_slice(segment, divisor)
-        self.sync("slices summed")  # every slice of the result is summed
         if self._after_sums is not None:
-            self._after_sums(segments)  # the hierarchical step: the hosts' sums, added across hosts
+            self._after_sums(segments)  # the hierarchical step: the sums, added across hosts
+        self.sync("slices summed")  # every slice of the result is final
         for slot, ((dtype, members, sources), segment) in enumerate(zip(groups, segments)):
             private = self._pool.take(segment.result.numel(), dtype, torch.device("cpu"), slot)
             private.copy_(segment.result)
@@ -191,14 +192,17 @@ class SharedMemoryAllReduce:
         """This worker's input slot of ``segment``."""
         return segment.inputs[self._rank]
 
+    def my_slice(self, numel: int) -> tuple[int, int]:
+        """The ``[start, end)`` of a result of ``numel`` elements this worker sums."""
+        return numel * self._rank // self._world_size, numel * (self._rank + 1) // self._world_size
+
     def sum_my_slice(self, segment: SharedSegment, divisor: int = 1) -> None:
         """Sums this worker's slice of every worker's input slot into the result slot (then divides).
 
         Every worker must have written its input slot (a barrier) before, and reads the
         result only after every worker has summed its slice (another barrier).
         """
-        numel = segment.result.numel()
-        start, end = numel * self._rank // self._world_size, numel * (self._rank + 1) // self._world_size
+        start, end = self.my_slice(segment.result.numel())
         if start == end:
             return
         out = segment.result[start:end]

@@ -10,9 +10,13 @@ so a reduction reads straight through:
   and sums a slice of everyone's. If the workers find they cannot share memory
   (another host, no space), all of them fall back to the packed transport for good.
 - ``HierarchicalTransport``: when the workers span several hosts and some share one
-  (gloo, AUTO): each host sums its workers' tensors in shared memory, one leader per
-  host all-reduces the host sums over gloo, and the host's workers copy the total out
-  of the shared file (Horovod's hierarchical all-reduce, TF's hierarchical copy, for
+  (gloo, AUTO): each host's workers sum their tensors in shared memory, each worker
+  summing one slice; when every host has as many workers, each worker then all-reduces
+  its slice with the workers of the same local rank on the other hosts (every worker
+  carries a share of the network traffic, and no one waits for its host first), else
+  one leader per host all-reduces the whole host sum; the host's workers copy the total
+  out of the shared file (Horovod's hierarchical all-reduce: a local reduce-scatter, a
+  cross-host all-reduce per slice, a local all-gather; TF's hierarchical copy, for
   processes). It falls back to the packed transport, on every host together, when a
   host cannot give the memory.
 
@@ -170,13 +174,17 @@ class HierarchicalTransport:
         self._engine: SharedMemoryAllReduce | None = None
         self._local: WorkerControl | None = None
         self._leaders: WorkerControl | None = None  # None on workers that do not lead their host
+        self._column: WorkerControl | None = None  # this local rank on every host (equal hosts only)
 
     def _groups(self) -> None:
-        """Forms every host's group and the leaders' group (collectives: every worker, same order)."""
+        """Forms every host's group, and the groups across hosts (collectives: every worker, same order).
+
+        Hosts with equally many workers get one group per local rank (a "column" across
+        the hosts); otherwise one group of the hosts' leaders.
+        """
         group = self._control.group
         order = list(dict.fromkeys(self._hosts))  # hosts in the order of their first rank
         members = {host: [r for r, h in enumerate(self._hosts) if h == host] for host in order}
-        leaders = [members[host][0] for host in order]
         timeout = datetime.timedelta(seconds=group.timeout)
         mine = self._hosts[group.rank]
         for host in order:
@@ -184,9 +192,17 @@ class HierarchicalTransport:
             handle = dist.new_group(ranks, timeout=timeout, backend=group.backend)
             if host == mine:
                 self._local = WorkerControl(_subgroup(group, handle, ranks), self._control.device)
-        handle = dist.new_group(leaders, timeout=timeout, backend=group.backend)
-        if group.rank in leaders:
-            self._leaders = WorkerControl(_subgroup(group, handle, leaders), self._control.device)
+        sizes = {len(ranks) for ranks in members.values()}
+        columns = ([[members[host][j] for host in order] for j in range(sizes.pop())] if len(sizes) == 1
+                   else [[members[host][0] for host in order]])  # fmt: skip
+        for ranks in columns:
+            handle = dist.new_group(ranks, timeout=timeout, backend=group.backend)
+            if group.rank in ranks:
+                control = WorkerControl(_subgroup(group, handle, ranks), self._control.device)
+                if len(columns) > 1:
+                    self._column = control
+                else:
+                    self._leaders = control
 
     @property
     def _host(self) -> WorkerControl:
@@ -214,20 +230,37 @@ class HierarchicalTransport:
         return self
 
     def _add_across_hosts(self, segments: list[SharedSegment]) -> None:
-        """The leaders add their hosts' sums; then every worker of a host may read the total."""
-        leaders, local = self._leaders, self._host
+        """Adds the hosts' sums (called by every worker once it summed its slices).
+
+        Columns: this worker all-reduces its own slice of every result with the workers
+        of its local rank on the other hosts. Leaders: once the host's sums are complete,
+        its leader all-reduces them whole. The caller then synchronises the host.
+        """
+        engine, column = self.shared_memory, self._column
+        if column is not None:
+            pieces = []
+            for segment in segments:
+                start, end = engine.my_slice(segment.result.numel())
+                if end > start:
+                    pieces.append(segment.result[start:end])
+            works = [column.launch(_OPERATION, dist.all_reduce, piece) for piece in pieces]
+            for work in works:
+                column.wait(work, f"{_OPERATION} (between hosts)")
+            return
+        self._host  # noqa: B018 - the groups exist from here on
+        engine.sync(f"{_OPERATION} (host)")
+        leaders = self._leaders
         if leaders is not None:
             works = [leaders.launch(_OPERATION, dist.all_reduce, segment.result) for segment in segments]
             for work in works:
                 leaders.wait(work, f"{_OPERATION} (between hosts)")
-        self.shared_memory.sync(f"{_OPERATION} (host)")
 
     def announce(self, flag: torch.Tensor) -> Any:
         return _announce(self.shared_memory, lambda: self._host.launch(_BUCKETS, dist.all_reduce, flag))
 
     def complete(self, segments: list[SharedSegment]) -> None:
-        self.shared_memory.sync(f"{_BUCKETS} (host)")
         self._add_across_hosts(segments)
+        self.shared_memory.sync(f"{_BUCKETS} (host)")
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         return _through_shared_memory(self.shared_memory, self._fallback, tensors, divisor, check)

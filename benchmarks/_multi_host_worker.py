@@ -1,0 +1,99 @@
+"""One worker of ``benchmarks/multi_host.py``, started by ``unison launch`` on a simulated host.
+
+``python _multi_host_worker.py OUT CONFIG_JSON``: builds, in this process, the same model
+three times from one seed -- under ``MultiWorkerMirroredStrategy`` with its defaults (on
+two hosts of two workers: the hierarchical transport), under the same with
+``implementation="RING"`` (flat gloo), and as ``DistributedDataParallel`` on the group
+unison formed -- then times interleaved rounds of each (the order rotating) and writes
+``OUT/worker:<i>.json``: every step time, which transport each strategy chose, and the
+largest weight difference to DDP after the same steps on the same data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multi_worker import _make_batches, _make_model, _make_step  # noqa: E402  (the same workloads)
+
+import unison  # noqa: E402
+
+VARIANTS = ("ddp", "hierarchical", "ring")
+
+
+def _strategy(implementation: str, timeout: float) -> unison.MultiWorkerMirroredStrategy:
+    options = unison.CommunicationOptions(implementation=implementation, timeout_seconds=timeout)
+    return unison.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def _transport(strategy: unison.MultiWorkerMirroredStrategy) -> str:
+    return type(strategy.extended.cross_device_ops.transport).__name__
+
+
+def _train(workload: str, cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    hierarchical, ring = _strategy("AUTO", cfg["timeout"]), _strategy("RING", cfg["timeout"])
+    batches, loss_fn = _make_batches(workload, cfg["num_batches"])
+    per = batches[0][0].shape[0] // world
+    local = [(x[rank * per:(rank + 1) * per].clone(), y[rank * per:(rank + 1) * per].clone()) for x, y in batches]
+    models: dict[str, nn.Module] = {}
+    steps: dict[str, Callable] = {}
+    for name, strategy in (("hierarchical", hierarchical), ("ring", ring)):
+        with strategy.scope():
+            models[name] = _make_model(workload)
+            steps[name] = _make_step(models[name], torch.optim.SGD(models[name].parameters(), lr=0.01), loss_fn)
+    ddp = nn.parallel.DistributedDataParallel(_make_model(workload))  # on the group unison formed
+    models["ddp"] = ddp.module
+    steps["ddp"] = _make_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), loss_fn)
+    taken = dict.fromkeys(VARIANTS, 0)
+
+    def run(name: str, n: int) -> list[float]:
+        dist.barrier()
+        times = []
+        for _ in range(n):
+            x, y = local[taken[name] % len(local)]
+            taken[name] += 1
+            start = time.perf_counter()
+            steps[name](x, y)
+            times.append(time.perf_counter() - start)
+        return times
+
+    for name in VARIANTS:
+        run(name, cfg["warmup"])
+    samples: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
+    for r in range(cfg["rounds"]):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        if r % 2:
+            order = tuple(reversed(order))
+        for name in order:
+            samples[name].append(run(name, cfg["steps"]))
+    dist.barrier()
+    with torch.no_grad():
+        diffs = {name: max((a - b).abs().max().item() for a, b in zip(models[name].parameters(), ddp.module.parameters()))
+                 for name in ("hierarchical", "ring")}
+    return {"samples": samples, "weight_diff_vs_ddp": diffs, "steps_taken": taken,
+            "transports": {"hierarchical": _transport(hierarchical), "ring": _transport(ring)}}
+
+
+def main() -> int:
+    out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
+    torch.set_num_threads(1)  # four processes on a 2-core machine
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    rank = int(task["index"])
+    world = sum(len(v) for v in json.loads(os.environ["TF_CONFIG"])["cluster"].values())
+    result = {"task": f"{task['type']}:{rank}", "train": {w: _train(w, cfg, rank, world) for w in cfg["workloads"]}}
+    (out / f"worker:{rank}.json").write_text(json.dumps(result))
+    print(f"worker:{rank} done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
