@@ -5,6 +5,7 @@ one machine (MirroredStrategy, CentralStorageStrategy) and on a cluster
 (MultiWorkerMirroredStrategy). See README.md for a tour.
 """
 
+import sys as _sys
 from unison import checkpoint
 from unison.checkpoint import (
     BackupAndRestore,
@@ -58,6 +59,10 @@ from unison.input import (
     ValueContext,
 )
 from unison.ps import partitioners
+
+# `import unison.partitioners` (tf.distribute.experimental.partitioners' spelling) finds
+# the module that `unison.partitioners` names.
+_sys.modules.setdefault(f"{__name__}.partitioners", partitioners)
 from unison.strategies.cluster_coordinator import ClusterCoordinator
 from unison.ps.server import Server
 from unison.ps.values import PerWorkerValues, RemoteValue

@@ -53,3 +53,15 @@ def test_shard_rows_split(rows, n):
     assert sum(sizes) == rows and len(sizes) == n
     assert sizes == sorted(sizes, reverse=True) and sizes[0] - sizes[-1] <= 1
     assert sizes[: rows % n] == [math.ceil(rows / n)] * (rows % n)
+
+
+def test_partitioners_import_as_a_module_too():
+    """`import unison.partitioners` (as users of tf.distribute.experimental.partitioners write) works."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import unison.partitioners as p; from unison.partitioners import "
+                           "MaxSizePartitioner; print(p.FixedShardsPartitioner(2)([10, 3], 'float32'))"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[2, 1]"
