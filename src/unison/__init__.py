@@ -30,7 +30,7 @@ from unison.cluster import (
 )
 from unison.collectives.base import CrossDeviceOps
 from unison.collectives.collective import CollectiveAllReduce
-from unison.collectives.options import CommunicationImplementation, CommunicationOptions
+from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression
 from unison.collectives.local import (
     AllReduceCrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -117,6 +117,7 @@ __all__ = [
     "CollectiveAllReduce",
     "CollectiveAllReduceStrategy",
     "CommunicationImplementation",
+    "Compression",
     "CommunicationOptions",
     "CoordinatorMode",
     "MultiWorkerMirroredStrategy",

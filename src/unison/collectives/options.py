@@ -6,7 +6,7 @@ import dataclasses
 
 from unison._enums import NamedEnum
 
-__all__ = ["CommunicationImplementation", "CommunicationOptions"]
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "Compression"]
 
 
 class CommunicationImplementation(NamedEnum):
@@ -27,6 +27,32 @@ class CommunicationImplementation(NamedEnum):
         return "implementation"
 
 
+class Compression(NamedEnum):
+    """How gradients and batch reductions travel between workers (DDP's comm hooks, as an option).
+
+    ``NONE``: exact, in the tensors' own dtype.
+    ``BF16``: floating-point tensors are divided (for a mean), cast to bfloat16, summed
+    as bfloat16 and cast back: half the bytes, float32's range, 8 bits of mantissa
+    (DDP's ``bf16_compress_hook``).
+    ``FP16``: the same in float16 (DDP's ``fp16_compress_hook``), with float16's smaller
+    range made safe: a sum that overflows (non-finite where the inputs were finite) is
+    done again exactly, so an overflow never reaches the weights.
+
+    Integer tensors are always exact. Only traffic between workers is compressed
+    (gradient buckets and ``reduce``/``batch_reduce_to`` across workers, over every
+    transport: compressed tensors always travel over the network collectives, since
+    shared memory has no wire to save); replicas in one process exchange nothing.
+    """
+
+    NONE = "NONE"
+    BF16 = "BF16"
+    FP16 = "FP16"
+
+    @classmethod
+    def _argument_name(cls) -> str:
+        return "CommunicationOptions.compression"
+
+
 @dataclasses.dataclass(frozen=True)
 class CommunicationOptions:
     """Options for cross-process collectives.
@@ -41,14 +67,18 @@ class CommunicationOptions:
         timeout_seconds: bound on every collective; a peer that does not answer in time
             raises ``unison.errors.PeerLostError`` naming it. None: 300 s.
         implementation: the backend, see :class:`CommunicationImplementation`.
+        compression: how floating-point traffic between workers is compressed, see
+            :class:`Compression` (a member or its name, e.g. ``"bf16"``; None: exact).
 
     Raises:
-        ValueError: for a negative ``bytes_per_pack`` or a non-positive timeout.
+        ValueError: for a negative ``bytes_per_pack``, a non-positive timeout, or an
+            unknown implementation or compression.
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+    compression: Compression = Compression.NONE
 
     def __post_init__(self) -> None:
         if isinstance(self.bytes_per_pack, bool) or not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -61,6 +91,8 @@ class CommunicationOptions:
                 f"CommunicationOptions.timeout_seconds must be > 0 or None, got {self.timeout_seconds!r}"
             )
         object.__setattr__(self, "implementation", CommunicationImplementation.from_any(self.implementation))
+        compression = Compression.NONE if self.compression is None else self.compression
+        object.__setattr__(self, "compression", Compression.from_any(compression))
 
     @property
     def effective_timeout(self) -> float:

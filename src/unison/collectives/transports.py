@@ -35,7 +35,8 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from unison.collectives.options import CommunicationImplementation, CommunicationOptions
+from unison.collectives.compression import Compressor
+from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression
 from unison.collectives.packed_all_reduce import PackedAllReduce
 from unison.collectives.process_group import WorkerGroup
 from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
@@ -48,6 +49,7 @@ __all__ = [
     "PackedTransport",
     "SharedMemoryTransport",
     "HierarchicalTransport",
+    "CompressedTransport",
     "choose_transport",
 ]
 
@@ -298,6 +300,53 @@ def _announce(engine: SharedMemoryAllReduce, through_group: Callable[[], Any]) -
     return _Posted(engine, signals.post(WRITTEN))
 
 
+@typing.final
+class CompressedTransport:
+    """Packed collectives whose floating-point tensors travel as bfloat16 or float16 (``compression.py``).
+
+    Every byte goes through the group, shared memory or not: the point is fewer bytes on
+    the network. Tensors the compression does not take (integers, half types already)
+    and float16 sums that overflowed go exactly, in a second packed call.
+    """
+
+    def __init__(self, control: WorkerControl, bytes_per_pack: int, compression: Compression):
+        self._packed = PackedTransport(control, bytes_per_pack)
+        self.compressor = Compressor(compression)
+
+    @property
+    def bucket_sharing(self) -> None:
+        """None: buckets travel compressed over the group."""
+        return None
+
+    @property
+    def shared_memory(self) -> None:
+        """None: every byte goes through the group."""
+        return None
+
+    def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
+        check()
+        compressor = self.compressor
+        results = list(tensors)
+        compressed = [i for i, t in enumerate(tensors) if compressor.compresses(t)]
+        exact = [i for i, t in enumerate(tensors) if not compressor.compresses(t)]
+        if compressed:
+            wires = [compressor.to_wire(tensors[i], divisor) for i in compressed]
+            for i, reduced in zip(compressed, self._packed.all_reduce(wires, 1, _checked)):
+                if compressor.overflowed(reduced):
+                    exact.append(i)  # the same on every worker: they all hold this very sum
+                else:
+                    results[i] = reduced.to(tensors[i].dtype)
+        if exact:
+            exact.sort()
+            for i, reduced in zip(exact, self._packed.all_reduce([tensors[i] for i in exact], divisor, _checked)):
+                results[i] = reduced
+        return results
+
+
+def _checked() -> None:
+    """The per-call check already ran."""
+
+
 def _subgroup(group: WorkerGroup, handle: Any, ranks: list[int]) -> WorkerGroup:
     """A WorkerGroup for a subgroup of ``group``: its own rank, names and process group handle."""
     return WorkerGroup(handle, None, ranks.index(group.rank), len(ranks), [group.names[r] for r in ranks],
@@ -311,8 +360,11 @@ def choose_transport(control: WorkerControl, options: CommunicationOptions, back
     With AUTO on gloo: shared memory when every worker is on one host (or the hosts are
     unknown: it falls back by itself when they cannot map each other's files);
     hierarchical when several hosts have several workers; packed collectives when every
-    host has one worker. Packed collectives otherwise (RING, NCCL).
+    host has one worker. Packed collectives otherwise (RING, NCCL). With compression:
+    compressed packed collectives, whatever the hosts.
     """
+    if options.compression is not Compression.NONE:
+        return CompressedTransport(control, options.bytes_per_pack, options.compression)
     if options.implementation is not CommunicationImplementation.AUTO or backend != "gloo":
         return PackedTransport(control, options.bytes_per_pack)
     if not hosts or len(set(hosts)) == 1:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from unison.collectives.compression import Compressor
 from unison.collectives.flat_buffers import views_of
 from unison.collectives.packing import group_by_size
 from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
@@ -55,6 +56,7 @@ class _Bucket:
     work: Any = None
     segment: SharedSegment | None = None  # shared memory: `work` then only says every worker wrote its slot
     results: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per parameter, views of segment.result
+    wire: torch.Tensor | None = None  # with compression: what travels (flat in the half type), reused
     written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
 
 
@@ -80,6 +82,7 @@ class BucketedGradientSync:
         self._cross_worker = transport
         self._transport: SharedMemoryAllReduce | None = None
         self._sharing: BucketSharing | None = None
+        self._compressor: Compressor | None = getattr(transport, "compressor", None)
         self._sparse_all_reduce = sparse_all_reduce
         self._sparse: set[int] = set()
         self._bucket_bytes = bucket_bytes if bucket_bytes > 0 else DEFAULT_BUCKET_BYTES
@@ -209,7 +212,12 @@ class BucketedGradientSync:
             torch._foreach_copy_(targets, sources)
         if divisor != 1 and not fused:
             flat.div_(divisor)
-        if self._sharing is None:
+        compressor = self._compressor
+        if compressor is not None and compressor.compresses(flat):  # divided above: cast, and send the half
+            if bucket.wire is None:
+                bucket.wire = torch.empty(flat.shape, dtype=compressor.wire_dtype, device=flat.device)
+            bucket.work = self._control.launch(_OPERATION, dist.all_reduce, compressor.to_wire(flat, out=bucket.wire))
+        elif self._sharing is None:
             bucket.work = self._control.launch(_OPERATION, dist.all_reduce, flat)
         else:  # shared memory: only say that this worker's slot is written
             bucket.work = self._sharing.announce(bucket.written)
@@ -226,6 +234,8 @@ class BucketedGradientSync:
             for bucket in self._buckets:
                 control.wait(bucket.work, _OPERATION)
                 if bucket.segment is None:
+                    if bucket.wire is not None:
+                        self._from_wire(bucket)
                     self._hand_out(bucket)
             if self._transport is not None and self._sharing is not None:
                 shared = [(bucket, bucket.segment) for bucket in self._buckets if bucket.segment is not None]
@@ -238,6 +248,14 @@ class BucketedGradientSync:
             for bucket in self._buckets:
                 bucket.work, bucket.ready = None, 0
             self._next, self._fired = 0, False
+
+    def _from_wire(self, bucket: _Bucket) -> None:
+        """A compressed bucket's sum back into its flat buffer, or the bucket again exactly if float16 overflowed."""
+        assert self._compressor is not None and bucket.wire is not None
+        if self._compressor.overflowed(bucket.wire):  # every worker holds this very sum: all redo it
+            self._control.call(_OPERATION, dist.all_reduce, bucket.flat)  # flat still holds this worker's share
+        else:
+            bucket.flat.copy_(bucket.wire)
 
     def _copy_sums_out(self, bucket: _Bucket) -> None:
         """Copies a shared bucket's sums into the parameters' own gradients (one foreach copy).

@@ -1,0 +1,76 @@
+"""Gradient compression (CommunicationOptions(compression=...)): bf16 and fp16 on the wire, fp16 overflow made exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unison
+from unison._testing import run_workers
+
+from tests.multi_worker import _compression_workers as c
+
+
+@pytest.mark.parametrize("value, member", [("bf16", unison.Compression.BF16), ("FP16", unison.Compression.FP16),
+                                           (None, unison.Compression.NONE), (unison.Compression.BF16,
+                                                                             unison.Compression.BF16)])
+def test_compression_accepts_names_members_and_none(value, member):
+    assert unison.CommunicationOptions(compression=value).compression is member
+
+
+def test_an_unknown_compression_names_the_field_and_the_choices():
+    with pytest.raises(ValueError, match=r"CommunicationOptions.compression 'int8' .* NONE, BF16, FP16"):
+        unison.CommunicationOptions(compression="int8")
+
+
+def test_merged_options_keep_the_compression():
+    merged = unison.CommunicationOptions(timeout_seconds=5).merge(unison.CommunicationOptions(compression="fp16"))
+    assert merged.compression is unison.Compression.FP16 and merged.timeout_seconds == 5
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("compression, tolerance", [("bf16", 1e-2), ("fp16", 1e-3)])
+def test_batch_reduces_are_close_to_exact_and_integers_exact(compression, tolerance):
+    results = run_workers(c.batch_reduces, 2, args=(compression, 1.0), timeout=60)
+    for result in results:
+        assert result["transport"] == "CompressedTransport"
+        for i, got in enumerate(result["means"]):
+            want = (results[0]["inputs"][i] + results[1]["inputs"][i]) / 2
+            if i == 2:
+                assert torch.equal(got, want)  # integers never travel compressed
+            else:
+                assert got.dtype == want.dtype
+                torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+                assert not torch.equal(got, want)  # it did travel compressed: the rounding shows
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["means"], results[1]["means"]))
+
+
+@pytest.mark.timeout(90)
+def test_fp16_sums_that_overflow_are_done_again_exactly():
+    results = run_workers(c.batch_reduces, 2, args=("fp16", 1e5), timeout=60)  # sums of ~2e5 > 65504
+    for result in results:
+        for i in (0, 1):
+            want = (results[0]["inputs"][i] + results[1]["inputs"][i]) / 2
+            assert torch.equal(result["means"][i], want)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_training_with_compression_stays_close_and_equal_on_every_worker(compression):
+    results = run_workers(c.train, 2, args=(compression,), timeout=100)
+    exact = run_workers(c.train, 2, args=("none",), timeout=100)[0]["weights"]
+    for result in results:
+        assert result["compressed_buckets"] >= 1 and result["shared_buckets"] == 0
+        difference = max((g - e).abs().max().item() for g, e in zip(result["weights"], exact))
+        assert 0 < difference < 1e-2
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["weights"], results[1]["weights"]))
+
+
+@pytest.mark.timeout(120)
+def test_fp16_gradient_buckets_that_overflow_train_exactly():
+    """A loss scaled by 1e8 (lr divided back) overflows float16 sums at every step: the
+    buckets go again in float32, so training equals the uncompressed run."""
+    compressed = run_workers(c.train, 2, args=("fp16", 1e8), timeout=100)
+    exact = run_workers(c.train, 2, args=("none", 1e8), timeout=100)
+    for a, b in zip(compressed[0]["weights"], exact[0]["weights"]):
+        assert torch.equal(a, b)
