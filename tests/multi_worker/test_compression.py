@@ -74,3 +74,16 @@ def test_fp16_gradient_buckets_that_overflow_train_exactly():
     exact = run_workers(c.train, 2, args=("none", 1e8), timeout=100)
     for a, b in zip(compressed[0]["weights"], exact[0]["weights"]):
         assert torch.equal(a, b)
+
+
+def test_the_overflow_check_sees_inf_and_nan_and_passes_empty_tensors():
+    from unison.collectives.compression import Compressor
+
+    fp16, bf16 = Compressor(unison.Compression.FP16), Compressor(unison.Compression.BF16)
+    assert fp16.overflowed(torch.tensor([1.0, float("inf")], dtype=torch.float16))
+    assert fp16.overflowed(torch.tensor([float("nan"), 2.0], dtype=torch.float16))
+    assert not fp16.overflowed(torch.tensor([65504.0, -65504.0], dtype=torch.float16))
+    assert not fp16.overflowed(torch.empty(0, dtype=torch.float16))
+    assert not bf16.overflowed(torch.tensor([float("inf")], dtype=torch.bfloat16))  # bfloat16 has float32's range
+    assert fp16.compresses(torch.zeros(2)) and not fp16.compresses(torch.zeros(2, dtype=torch.float16))
+    assert not fp16.compresses(torch.zeros(2, dtype=torch.int64))
