@@ -42,8 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="BackupAndRestore's directory (deleted when training completes)")
     parser.add_argument("--eval-dir", default="checkpoints/digits-eval",
                         help="per-epoch checkpoints the evaluator task (unison launch --evaluator) evaluates")
-    parser.add_argument("--compression", choices=["none", "bf16", "fp16"], default="none",
-                        help="how gradients travel between workers (multi_worker only; CommunicationOptions.compression)")
+    parser.add_argument("--compression", choices=["none", "bf16", "fp16", "powersgd"], default="none",
+                        help="how gradients travel between workers (multi_worker only; CommunicationOptions.compression; "
+                             "powersgd: unison.PowerSGD(rank=--powersgd-rank))")
+    parser.add_argument("--powersgd-rank", type=int, default=1, help="the rank of --compression powersgd (default 1)")
     parser.add_argument("--fail-at-step", type=int, default=None,
                         help="worker 1 kills itself at this global step on the first attempt (to see a resume)")
     return parser.parse_args(argv)
@@ -56,7 +58,9 @@ def make_strategy(args: argparse.Namespace) -> unison.Strategy:
     if args.strategy == "mirrored":
         return unison.MirroredStrategy(devices)
     return unison.MultiWorkerMirroredStrategy(
-        communication_options=unison.CommunicationOptions(timeout_seconds=60, compression=args.compression),
+        communication_options=unison.CommunicationOptions(
+            timeout_seconds=60,
+            compression=unison.PowerSGD(rank=args.powersgd_rank) if args.compression == "powersgd" else args.compression),
         devices=devices
     )
 

@@ -30,7 +30,7 @@ from unison.cluster import (
 )
 from unison.collectives.base import CrossDeviceOps
 from unison.collectives.collective import CollectiveAllReduce
-from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression
+from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
 from unison.collectives.local import (
     AllReduceCrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -118,6 +118,7 @@ __all__ = [
     "CollectiveAllReduceStrategy",
     "CommunicationImplementation",
     "Compression",
+    "PowerSGD",
     "CommunicationOptions",
     "CoordinatorMode",
     "MultiWorkerMirroredStrategy",

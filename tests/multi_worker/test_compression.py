@@ -87,3 +87,12 @@ def test_the_overflow_check_sees_inf_and_nan_and_passes_empty_tensors():
     assert not bf16.overflowed(torch.tensor([float("inf")], dtype=torch.bfloat16))  # bfloat16 has float32's range
     assert fp16.compresses(torch.zeros(2)) and not fp16.compresses(torch.zeros(2, dtype=torch.float16))
     assert not fp16.compresses(torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.timeout(120)
+def test_powersgd_training_keeps_workers_equal_and_close_to_exact():
+    results = run_workers(c.train, 2, args=(unison.PowerSGD(rank=2, start_iter=3),), timeout=100)
+    exact = run_workers(c.train, 2, args=("none",), timeout=100)[0]["weights"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["weights"], results[1]["weights"]))
+    difference = max((g - e).abs().max().item() for g, e in zip(results[0]["weights"], exact))
+    assert 0 < difference < 0.1

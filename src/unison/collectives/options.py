@@ -6,7 +6,7 @@ import dataclasses
 
 from unison._enums import NamedEnum
 
-__all__ = ["CommunicationImplementation", "CommunicationOptions", "Compression"]
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "Compression", "PowerSGD"]
 
 
 class CommunicationImplementation(NamedEnum):
@@ -54,6 +54,46 @@ class Compression(NamedEnum):
 
 
 @dataclasses.dataclass(frozen=True)
+class PowerSGD:
+    """PowerSGD gradient compression (Vogels et al., 2019; DDP's ``powerSGD_hook``).
+
+    Each gradient matrix ``M`` (a parameter of 2 or more dimensions, viewed as
+    ``[shape[0], -1]``) travels as two thin factors: ``P = M Q`` is all-reduced and
+    orthonormalised, then ``Q = M^T P`` is all-reduced, and every worker applies ``P Q^T``.
+    What the approximation missed is kept per parameter and added to the next step's
+    gradient (error feedback), and ``Q`` is reused as the next step's start (warm start),
+    so over steps the applied updates add up to the true gradients. Vectors (biases),
+    matrices too small to gain, and every gradient during the first ``start_iter``
+    steps are all-reduced exactly. Applies to gradient buckets between workers;
+    ``reduce``/``batch_reduce_to`` stay exact.
+
+    Args:
+        rank: the factors' rank (1 is DDP's default; higher is more precise, more bytes).
+        start_iter: exact steps first (DDP's default 10), while gradients change fast.
+        min_compression_rate: a matrix ``n x m`` is compressed only when
+            ``n * m >= min_compression_rate * rank * (n + m)``.
+        seed: the seed of the initial ``Q`` (the same on every worker).
+
+    Raises:
+        ValueError: naming the argument, for a rank < 1, a negative start_iter, or a
+            min_compression_rate < 1.
+    """
+
+    rank: int = 1
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"PowerSGD.rank must be an int >= 1, got {self.rank!r}; 1 is DDP's default")
+        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 0:
+            raise ValueError(f"PowerSGD.start_iter must be an int >= 0, got {self.start_iter!r}")
+        if not self.min_compression_rate >= 1:
+            raise ValueError(f"PowerSGD.min_compression_rate must be >= 1, got {self.min_compression_rate!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class CommunicationOptions:
     """Options for cross-process collectives.
 
@@ -68,7 +108,8 @@ class CommunicationOptions:
             raises ``unison.errors.PeerLostError`` naming it. None: 300 s.
         implementation: the backend, see :class:`CommunicationImplementation`.
         compression: how floating-point traffic between workers is compressed, see
-            :class:`Compression` (a member or its name, e.g. ``"bf16"``; None: exact).
+            :class:`Compression` (a member or its name, e.g. ``"bf16"``; None: exact),
+            or a :class:`PowerSGD` for low-rank gradient compression.
 
     Raises:
         ValueError: for a negative ``bytes_per_pack``, a non-positive timeout, or an
@@ -78,7 +119,7 @@ class CommunicationOptions:
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
-    compression: Compression = Compression.NONE
+    compression: "Compression | PowerSGD" = Compression.NONE
 
     def __post_init__(self) -> None:
         if isinstance(self.bytes_per_pack, bool) or not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -92,7 +133,8 @@ class CommunicationOptions:
             )
         object.__setattr__(self, "implementation", CommunicationImplementation.from_any(self.implementation))
         compression = Compression.NONE if self.compression is None else self.compression
-        object.__setattr__(self, "compression", Compression.from_any(compression))
+        if not isinstance(compression, PowerSGD):
+            object.__setattr__(self, "compression", Compression.from_any(compression))
 
     @property
     def effective_timeout(self) -> float:

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from unison.collectives.compression import Compressor
-from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression
+from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
+from unison.collectives.powersgd import PowerSGDReducer
 from unison.collectives.packed_all_reduce import PackedAllReduce
 from unison.collectives.process_group import WorkerGroup
 from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
@@ -50,6 +51,7 @@ __all__ = [
     "SharedMemoryTransport",
     "HierarchicalTransport",
     "CompressedTransport",
+    "PowerSGDTransport",
     "choose_transport",
 ]
 
@@ -343,6 +345,28 @@ class CompressedTransport:
         return results
 
 
+@typing.final
+class PowerSGDTransport:
+    """Exact packed collectives for batches; gradient buckets reduced by PowerSGD (``powersgd.py``)."""
+
+    def __init__(self, control: WorkerControl, bytes_per_pack: int, config: PowerSGD):
+        self._packed = PackedTransport(control, bytes_per_pack)
+        self.powersgd = PowerSGDReducer(config, lambda tensors: self._packed.all_reduce(tensors, 1, _checked))
+
+    @property
+    def bucket_sharing(self) -> None:
+        """None: the buckets' factors travel over the group."""
+        return None
+
+    @property
+    def shared_memory(self) -> None:
+        """None: every byte goes through the group."""
+        return None
+
+    def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
+        return self._packed.all_reduce(tensors, divisor, check)
+
+
 def _checked() -> None:
     """The per-call check already ran."""
 
@@ -363,6 +387,8 @@ def choose_transport(control: WorkerControl, options: CommunicationOptions, back
     host has one worker. Packed collectives otherwise (RING, NCCL). With compression:
     compressed packed collectives, whatever the hosts.
     """
+    if isinstance(options.compression, PowerSGD):
+        return PowerSGDTransport(control, options.bytes_per_pack, options.compression)
     if options.compression is not Compression.NONE:
         return CompressedTransport(control, options.bytes_per_pack, options.compression)
     if options.implementation is not CommunicationImplementation.AUTO or backend != "gloo":

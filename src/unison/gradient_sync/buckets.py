@@ -34,6 +34,7 @@ import torch.distributed as dist
 from unison.collectives.compression import Compressor
 from unison.collectives.flat_buffers import views_of
 from unison.collectives.packing import group_by_size
+from unison.collectives.powersgd import PowerSGDReducer
 from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
 from unison.collectives.transports import BucketSharing, CrossWorkerTransport
 from unison.collectives.worker_control import WorkerControl
@@ -83,6 +84,7 @@ class BucketedGradientSync:
         self._transport: SharedMemoryAllReduce | None = None
         self._sharing: BucketSharing | None = None
         self._compressor: Compressor | None = getattr(transport, "compressor", None)
+        self._powersgd: PowerSGDReducer | None = getattr(transport, "powersgd", None)
         self._sparse_all_reduce = sparse_all_reduce
         self._sparse: set[int] = set()
         self._bucket_bytes = bucket_bytes if bucket_bytes > 0 else DEFAULT_BUCKET_BYTES
@@ -180,8 +182,8 @@ class BucketedGradientSync:
             self._sparse.add(id(param))
             reduced = self._sparse_all_reduce(param.grad)
             param.grad = reduced / self._control.world_size if self._reduce_op() is ReduceOp.MEAN else reduced
-        if self._sharing is not None:
-            return  # shared memory: every bucket is written when backward ends, nothing to start early
+        if self._sharing is not None or self._powersgd is not None:
+            return  # shared memory, PowerSGD: every bucket is reduced when backward ends, nothing to start early
         bucket.ready += 1
         while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
             self._launch(self._buckets[self._next])
@@ -226,6 +228,9 @@ class BucketedGradientSync:
         """Launches what is left, waits for every bucket, and hands out the reduced gradients."""
         if not self._fired:
             return
+        if self._powersgd is not None:
+            self._finish_powersgd()
+            return
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
             self._next += 1
@@ -248,6 +253,23 @@ class BucketedGradientSync:
             for bucket in self._buckets:
                 bucket.work, bucket.ready = None, 0
             self._next, self._fired = 0, False
+
+    def _finish_powersgd(self) -> None:
+        """Every dense gradient of the step through PowerSGD (a parameter without one: zeros)."""
+        assert self._powersgd is not None
+        try:
+            grads = []
+            for bucket in self._buckets:
+                for param in bucket.params:
+                    if id(param) in self._sparse:
+                        continue
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    grads.append(param.grad)
+            divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
+            self._powersgd.reduce(grads, divisor)  # its collectives name a lost task themselves
+        finally:
+            self._fired = False
 
     def _from_wire(self, bucket: _Bucket) -> None:
         """A compressed bucket's sum back into its flat buffer, or the bucket again exactly if float16 overflowed."""
