@@ -11,7 +11,9 @@ rounds (the order rotating):
   required CUDA 11+ and NCCL 2.10+", so on CPU float16 is the compression DDP has);
 - ``unison_ring``: MultiWorkerMirroredStrategy exact over gloo (``implementation="RING"``),
   the uncompressed network baseline;
-- ``unison_bf16`` / ``unison_fp16``: the same with ``compression="bf16"`` / ``"fp16"``.
+- ``unison_bf16`` / ``unison_fp16``: the same with ``compression="bf16"`` / ``"fp16"``;
+- ``ddp_powersgd`` / ``unison_powersgd``: DDP's ``powerSGD_hook`` and unison's
+  ``PowerSGD``, both rank 2, exact for the first 2 steps, error feedback and warm start.
 
 samples/s = 256 / median step time of worker 0; ratios are medians of per-round ratios.
 After timing, unison fp16's weights are compared with DDP fp16's (both divide, round to
@@ -43,12 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import describe, machine_info  # noqa: E402
 from multi_worker import GLOBAL_BATCH, _make_batches, _make_model, _make_step  # noqa: E402
 
-VARIANTS = ("ddp", "ddp_fp16", "unison_ring", "unison_bf16", "unison_fp16")
+VARIANTS = ("ddp", "ddp_fp16", "ddp_powersgd", "unison_ring", "unison_bf16", "unison_fp16", "unison_powersgd")
 LABELS = {"ddp": "DDP", "ddp_fp16": "DDP\nfp16 hook", "unison_ring": "unison\nexact (gloo)",
-          "unison_bf16": "unison\nbf16", "unison_fp16": "unison\nfp16"}
+          "unison_bf16": "unison\nbf16", "unison_fp16": "unison\nfp16", "ddp_powersgd": "DDP\nPowerSGD r2",
+          "unison_powersgd": "unison\nPowerSGD r2"}
+POWERSGD_RANK, POWERSGD_START = 2, 2
 
 
-def _strategy(rank: int, compression: str) -> Any:
+def _strategy(rank: int, compression: Any) -> Any:
     import unison
 
     spec = unison.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})
@@ -66,15 +70,24 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     local = [(x[rank * per:(rank + 1) * per].clone(), y[rank * per:(rank + 1) * per].clone()) for x, y in batches]
     models: dict[str, nn.Module] = {}
     steps = {}
-    for name, compression in (("unison_ring", "none"), ("unison_bf16", "bf16"), ("unison_fp16", "fp16")):
+    import unison
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    unison_powersgd = unison.PowerSGD(rank=POWERSGD_RANK, start_iter=POWERSGD_START)
+    for name, compression in (("unison_ring", "none"), ("unison_bf16", "bf16"), ("unison_fp16", "fp16"),
+                              ("unison_powersgd", unison_powersgd)):
         strategy = _strategy(rank, compression)
         with strategy.scope():
             models[name] = _make_model("W1")
             steps[name] = _make_step(models[name], torch.optim.SGD(models[name].parameters(), lr=0.01), loss_fn)
-    for name in ("ddp", "ddp_fp16"):
+    for name in ("ddp", "ddp_fp16", "ddp_powersgd"):
         ddp = nn.parallel.DistributedDataParallel(_make_model("W1"))
         if name == "ddp_fp16":
             ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+        if name == "ddp_powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                                start_powerSGD_iter=POWERSGD_START)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         models[name] = ddp.module
         steps[name] = _make_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), loss_fn)
     taken = dict.fromkeys(VARIANTS, 0)
@@ -123,6 +136,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "unison_fp16_vs_ddp_fp16": ratio("unison_fp16", "ddp_fp16"),
         "unison_bf16_vs_ddp_fp16": ratio("unison_bf16", "ddp_fp16"),
         "unison_bf16_vs_ddp": ratio("unison_bf16", "ddp"),
+        "unison_powersgd_vs_ddp_powersgd": ratio("unison_powersgd", "ddp_powersgd"),
         "unison_ring_vs_ddp": ratio("unison_ring", "ddp"),
         "max_abs_weight_diff_unison_fp16_vs_ddp_fp16": diff("unison_fp16", "ddp_fp16", weights[0]),
         "max_abs_weight_diff_unison_ring_vs_ddp": diff("unison_ring", "ddp", weights[0]),
@@ -141,9 +155,9 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
     except ImportError:  # pragma: no cover - the bench extra
         return False
     values = [summary["variants"][n]["samples_per_s"] for n in VARIANTS]
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
     bars = ax.bar([LABELS[n] for n in VARIANTS], values,
-                  color=["#ee7733", "#ee9955", "#66ccee", "#4477aa", "#225588"])
+                  color=["#ee7733", "#ee9955", "#ffbb88", "#66ccee", "#4477aa", "#225588", "#113355"])
     for bar, value in zip(bars, values):
         ax.annotate(f"{value:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax.set_ylim(0, max(values) * 1.2)
@@ -182,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"unison fp16 / DDP fp16 hook: {summary['unison_fp16_vs_ddp_fp16']:.3f}   "
           f"unison bf16 / DDP fp16 hook: {summary['unison_bf16_vs_ddp_fp16']:.3f}   "
           f"unison bf16 / DDP exact: {summary['unison_bf16_vs_ddp']:.3f}   "
-          f"unison exact (gloo) / DDP: {summary['unison_ring_vs_ddp']:.3f}")
+          f"unison exact (gloo) / DDP: {summary['unison_ring_vs_ddp']:.3f}   "
+          f"unison PowerSGD / DDP PowerSGD: {summary['unison_powersgd_vs_ddp_powersgd']:.3f}")
     print(f"weights: unison fp16 vs DDP fp16 max |diff| {summary['max_abs_weight_diff_unison_fp16_vs_ddp_fp16']:.2e}; "
           f"unison exact vs DDP {summary['max_abs_weight_diff_unison_ring_vs_ddp']:.2e}; "
           f"workers equal: {'yes' if summary['workers_equal'] else 'NO'}")
