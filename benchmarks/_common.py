@@ -58,3 +58,47 @@ def describe(values: Sequence[float]) -> dict[str, float]:
         "max": max(values),
         "n": len(values),
     }
+
+
+def interleaved_rounds(steps: dict, batches: list, cfg: dict[str, Any]) -> tuple[dict[str, list[list[float]]], dict]:
+    """Times training step functions in interleaved rounds, in every worker process alike.
+
+    ``steps[name](x, y)`` trains one step; each variant walks ``batches`` in order from
+    its own position, so all take the same steps on the same data. After
+    ``cfg["warmup"]`` untimed steps each, ``cfg["rounds"]`` rounds time ``cfg["steps"]``
+    steps of every variant, the order rotating every round and reversed every other
+    one, so drift and outside load hit every variant alike. A barrier of the default
+    process group precedes each block, so the workers time the same variant together.
+
+    Returns:
+        Per variant, the step times of every round; and how many steps each took.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    names = tuple(steps)
+    taken = dict.fromkeys(names, 0)
+
+    def run(name: str, n: int) -> list[float]:
+        dist.barrier()
+        times = []
+        for _ in range(n):
+            x, y = batches[taken[name] % len(batches)]
+            taken[name] += 1
+            start = time.perf_counter()
+            steps[name](x, y)
+            times.append(time.perf_counter() - start)
+        return times
+
+    for name in names:
+        run(name, cfg["warmup"])
+    samples: dict[str, list[list[float]]] = {name: [] for name in names}
+    for r in range(cfg["rounds"]):
+        order = names[r % len(names):] + names[:r % len(names)]
+        if r % 2:
+            order = tuple(reversed(order))
+        for name in order:
+            samples[name].append(run(name, cfg["steps"]))
+    dist.barrier()
+    return samples, taken

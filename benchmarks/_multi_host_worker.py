@@ -14,15 +14,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import interleaved_rounds  # noqa: E402
 from multi_worker import _make_batches, _make_model, _make_step  # noqa: E402  (the same workloads)
 
 import unison  # noqa: E402
@@ -53,29 +52,7 @@ def _train(workload: str, cfg: dict[str, Any], rank: int, world: int) -> dict[st
     ddp = nn.parallel.DistributedDataParallel(_make_model(workload))  # on the group unison formed
     models["ddp"] = ddp.module
     steps["ddp"] = _make_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), loss_fn)
-    taken = dict.fromkeys(VARIANTS, 0)
-
-    def run(name: str, n: int) -> list[float]:
-        dist.barrier()
-        times = []
-        for _ in range(n):
-            x, y = local[taken[name] % len(local)]
-            taken[name] += 1
-            start = time.perf_counter()
-            steps[name](x, y)
-            times.append(time.perf_counter() - start)
-        return times
-
-    for name in VARIANTS:
-        run(name, cfg["warmup"])
-    samples: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
-    for r in range(cfg["rounds"]):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
-        if r % 2:
-            order = tuple(reversed(order))
-        for name in order:
-            samples[name].append(run(name, cfg["steps"]))
-    dist.barrier()
+    samples, taken = interleaved_rounds({name: steps[name] for name in VARIANTS}, local, cfg)
     with torch.no_grad():
         diffs = {name: max((a - b).abs().max().item() for a, b in zip(models[name].parameters(), ddp.module.parameters()))
                  for name in ("hierarchical", "ring")}

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import describe, machine_info  # noqa: E402
+from _common import describe, interleaved_rounds, machine_info  # noqa: E402
 from multi_worker import GLOBAL_BATCH, _make_batches, _make_model, _make_step  # noqa: E402
 
 VARIANTS = ("ddp", "ddp_fp16", "ddp_powersgd", "unison_ring", "unison_bf16", "unison_fp16", "unison_powersgd")
@@ -90,27 +90,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         models[name] = ddp.module
         steps[name] = _make_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), loss_fn)
-    taken = dict.fromkeys(VARIANTS, 0)
-
-    def run(name: str, n: int) -> list[float]:
-        dist.barrier()
-        times = []
-        for _ in range(n):
-            x, y = local[taken[name] % len(local)]
-            taken[name] += 1
-            start = time.perf_counter()
-            steps[name](x, y)
-            times.append(time.perf_counter() - start)
-        return times
-
-    for name in VARIANTS:
-        run(name, cfg["warmup"])
-    samples: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
-    for r in range(cfg["rounds"]):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
-        for name in order:
-            samples[name].append(run(name, cfg["steps"]))
-    dist.barrier()
+    samples, taken = interleaved_rounds({name: steps[name] for name in VARIANTS}, local, cfg)
     with torch.no_grad():
         weights = {name: [p.detach().clone() for p in model.parameters()] for name, model in models.items()}
     return {"samples": samples, "weights": weights, "steps_taken": taken}

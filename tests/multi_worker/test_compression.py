@@ -54,11 +54,17 @@ def test_fp16_sums_that_overflow_are_done_again_exactly():
             assert torch.equal(result["means"][i], want)
 
 
+@pytest.fixture(scope="module")
+def exact_weights():
+    """The uncompressed training's weights (worker 0), once for the module."""
+    return run_workers(c.train, 2, args=("none",), timeout=100)[0]["weights"]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
-def test_training_with_compression_stays_close_and_equal_on_every_worker(compression):
+def test_training_with_compression_stays_close_and_equal_on_every_worker(compression, exact_weights):
     results = run_workers(c.train, 2, args=(compression,), timeout=100)
-    exact = run_workers(c.train, 2, args=("none",), timeout=100)[0]["weights"]
+    exact = exact_weights
     for result in results:
         assert result["compressed_buckets"] >= 1 and result["shared_buckets"] == 0
         difference = max((g - e).abs().max().item() for g, e in zip(result["weights"], exact))
@@ -90,9 +96,9 @@ def test_the_overflow_check_sees_inf_and_nan_and_passes_empty_tensors():
 
 
 @pytest.mark.timeout(120)
-def test_powersgd_training_keeps_workers_equal_and_close_to_exact():
+def test_powersgd_training_keeps_workers_equal_and_close_to_exact(exact_weights):
     results = run_workers(c.train, 2, args=(unison.PowerSGD(rank=2, start_iter=3),), timeout=100)
-    exact = run_workers(c.train, 2, args=("none",), timeout=100)[0]["weights"]
+    exact = exact_weights
     assert all(torch.equal(a, b) for a, b in zip(results[0]["weights"], results[1]["weights"]))
     difference = max((g - e).abs().max().item() for g, e in zip(results[0]["weights"], exact))
     assert 0 < difference < 0.1

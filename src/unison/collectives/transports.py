@@ -28,6 +28,7 @@ transport completes the sums.
 
 from __future__ import annotations
 
+import abc
 import datetime
 import typing
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
@@ -91,23 +92,31 @@ class CrossWorkerTransport(Protocol):
         ...
 
 
-@typing.final
-class PackedTransport:
-    """Packed ``all_reduce`` collectives over the group."""
-
-    def __init__(self, control: WorkerControl, bytes_per_pack: int):
-        self._control = control
-        self._packed = PackedAllReduce(bytes_per_pack)
+class _OverTheGroup(abc.ABC):
+    """A transport whose every byte goes through the group's collectives: no shared memory."""
 
     @property
     def bucket_sharing(self) -> None:
-        """None: every byte goes through the group."""
+        """None: gradient buckets travel over the group."""
         return None
 
     @property
     def shared_memory(self) -> None:
         """None: every byte goes through the group."""
         return None
+
+    @abc.abstractmethod
+    def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
+        """The sums (divided by ``divisor``) in input order; runs ``check`` before any data moves."""
+
+
+@typing.final
+class PackedTransport(_OverTheGroup):
+    """Packed ``all_reduce`` collectives over the group."""
+
+    def __init__(self, control: WorkerControl, bytes_per_pack: int):
+        self._control = control
+        self._packed = PackedAllReduce(bytes_per_pack)
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         check()
@@ -303,7 +312,7 @@ def _announce(engine: SharedMemoryAllReduce, through_group: Callable[[], Any]) -
 
 
 @typing.final
-class CompressedTransport:
+class CompressedTransport(_OverTheGroup):
     """Packed collectives whose floating-point tensors travel as bfloat16 or float16 (``compression.py``).
 
     Every byte goes through the group, shared memory or not: the point is fewer bytes on
@@ -314,16 +323,6 @@ class CompressedTransport:
     def __init__(self, control: WorkerControl, bytes_per_pack: int, compression: Compression):
         self._packed = PackedTransport(control, bytes_per_pack)
         self.compressor = Compressor(compression)
-
-    @property
-    def bucket_sharing(self) -> None:
-        """None: buckets travel compressed over the group."""
-        return None
-
-    @property
-    def shared_memory(self) -> None:
-        """None: every byte goes through the group."""
-        return None
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         check()
@@ -346,22 +345,12 @@ class CompressedTransport:
 
 
 @typing.final
-class PowerSGDTransport:
+class PowerSGDTransport(_OverTheGroup):
     """Exact packed collectives for batches; gradient buckets reduced by PowerSGD (``powersgd.py``)."""
 
     def __init__(self, control: WorkerControl, bytes_per_pack: int, config: PowerSGD):
         self._packed = PackedTransport(control, bytes_per_pack)
         self.powersgd = PowerSGDReducer(config, lambda tensors: self._packed.all_reduce(tensors, 1, _checked))
-
-    @property
-    def bucket_sharing(self) -> None:
-        """None: the buckets' factors travel over the group."""
-        return None
-
-    @property
-    def shared_memory(self) -> None:
-        """None: every byte goes through the group."""
-        return None
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         return self._packed.all_reduce(tensors, divisor, check)
