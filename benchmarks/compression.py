@@ -12,8 +12,11 @@ rounds (the order rotating):
 - ``unison_ring``: MultiWorkerMirroredStrategy exact over gloo (``implementation="RING"``),
   the uncompressed network baseline;
 - ``unison_bf16`` / ``unison_fp16``: the same with ``compression="bf16"`` / ``"fp16"``;
-- ``ddp_powersgd`` / ``unison_powersgd``: DDP's ``powerSGD_hook`` and unison's
-  ``PowerSGD``, both rank 2, exact for the first 2 steps, error feedback and warm start.
+- ``unison_powersgd``: unison's ``PowerSGD`` (rank 2, exact for the first 2 steps,
+  error feedback and warm start). DDP's ``powerSGD_hook`` is not beside it: with the
+  same settings on gloo it aborted the process here ("Received data size doesn't match
+  expected size": its chained collectives, launched from future callbacks, met the
+  next collective of the other worker in another order).
 
 samples/s = 256 / median step time of worker 0; ratios are medians of per-round ratios.
 After timing, unison fp16's weights are compared with DDP fp16's (both divide, round to
@@ -45,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import describe, interleaved_rounds, machine_info  # noqa: E402
 from multi_worker import GLOBAL_BATCH, _make_batches, _make_model, _make_step  # noqa: E402
 
-VARIANTS = ("ddp", "ddp_fp16", "ddp_powersgd", "unison_ring", "unison_bf16", "unison_fp16", "unison_powersgd")
+VARIANTS = ("ddp", "ddp_fp16", "unison_ring", "unison_bf16", "unison_fp16", "unison_powersgd")
 LABELS = {"ddp": "DDP", "ddp_fp16": "DDP\nfp16 hook", "unison_ring": "unison\nexact (gloo)",
-          "unison_bf16": "unison\nbf16", "unison_fp16": "unison\nfp16", "ddp_powersgd": "DDP\nPowerSGD r2",
+          "unison_bf16": "unison\nbf16", "unison_fp16": "unison\nfp16",
           "unison_powersgd": "unison\nPowerSGD r2"}
 POWERSGD_RANK, POWERSGD_START = 2, 2
 
@@ -71,7 +74,6 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     models: dict[str, nn.Module] = {}
     steps = {}
     import unison
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     unison_powersgd = unison.PowerSGD(rank=POWERSGD_RANK, start_iter=POWERSGD_START)
     for name, compression in (("unison_ring", "none"), ("unison_bf16", "bf16"), ("unison_fp16", "fp16"),
@@ -80,14 +82,10 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         with strategy.scope():
             models[name] = _make_model("W1")
             steps[name] = _make_step(models[name], torch.optim.SGD(models[name].parameters(), lr=0.01), loss_fn)
-    for name in ("ddp", "ddp_fp16", "ddp_powersgd"):
+    for name in ("ddp", "ddp_fp16"):
         ddp = nn.parallel.DistributedDataParallel(_make_model("W1"))
         if name == "ddp_fp16":
             ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
-        if name == "ddp_powersgd":
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
-                                                start_powerSGD_iter=POWERSGD_START)
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         models[name] = ddp.module
         steps[name] = _make_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), loss_fn)
     samples, taken = interleaved_rounds({name: steps[name] for name in VARIANTS}, local, cfg)
@@ -116,7 +114,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "unison_fp16_vs_ddp_fp16": ratio("unison_fp16", "ddp_fp16"),
         "unison_bf16_vs_ddp_fp16": ratio("unison_bf16", "ddp_fp16"),
         "unison_bf16_vs_ddp": ratio("unison_bf16", "ddp"),
-        "unison_powersgd_vs_ddp_powersgd": ratio("unison_powersgd", "ddp_powersgd"),
+        "unison_powersgd_vs_ddp": ratio("unison_powersgd", "ddp"),
         "unison_ring_vs_ddp": ratio("unison_ring", "ddp"),
         "max_abs_weight_diff_unison_fp16_vs_ddp_fp16": diff("unison_fp16", "ddp_fp16", weights[0]),
         "max_abs_weight_diff_unison_ring_vs_ddp": diff("unison_ring", "ddp", weights[0]),
@@ -137,7 +135,7 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
     values = [summary["variants"][n]["samples_per_s"] for n in VARIANTS]
     fig, ax = plt.subplots(figsize=(10, 4.2))
     bars = ax.bar([LABELS[n] for n in VARIANTS], values,
-                  color=["#ee7733", "#ee9955", "#ffbb88", "#66ccee", "#4477aa", "#225588", "#113355"])
+                  color=["#ee7733", "#ee9955", "#66ccee", "#4477aa", "#225588", "#113355"])
     for bar, value in zip(bars, values):
         ax.annotate(f"{value:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax.set_ylim(0, max(values) * 1.2)
@@ -177,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
           f"unison bf16 / DDP fp16 hook: {summary['unison_bf16_vs_ddp_fp16']:.3f}   "
           f"unison bf16 / DDP exact: {summary['unison_bf16_vs_ddp']:.3f}   "
           f"unison exact (gloo) / DDP: {summary['unison_ring_vs_ddp']:.3f}   "
-          f"unison PowerSGD / DDP PowerSGD: {summary['unison_powersgd_vs_ddp_powersgd']:.3f}")
+          f"unison PowerSGD r2 / DDP exact: {summary['unison_powersgd_vs_ddp']:.3f}")
     print(f"weights: unison fp16 vs DDP fp16 max |diff| {summary['max_abs_weight_diff_unison_fp16_vs_ddp_fp16']:.2e}; "
           f"unison exact vs DDP {summary['max_abs_weight_diff_unison_ring_vs_ddp']:.2e}; "
           f"workers equal: {'yes' if summary['workers_equal'] else 'NO'}")
