@@ -1,6 +1,9 @@
-"""PowerSGD's algorithm in one process (the all-reduce of one worker is the identity)."""
+"""PowerSGD's algorithm in one process: one worker (its all-reduce is the identity), and
+several workers as threads whose all-reduce sums their lists."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -10,7 +13,27 @@ from unison.collectives.powersgd import PowerSGDReducer
 
 
 def _one_worker(config: unison.PowerSGD) -> PowerSGDReducer:
-    return PowerSGDReducer(config, lambda tensors: [t.clone() for t in tensors])
+    return PowerSGDReducer(config, lambda tensors: [t.clone() for t in tensors], 1)
+
+
+class _ThreadAllReduce:
+    """A sum across ``workers`` threads: each calls with its list, each gets the sums."""
+
+    def __init__(self, workers: int):
+        self._barrier = threading.Barrier(workers, timeout=10)
+        self._inputs: dict[int, list[torch.Tensor]] = {}
+        self._sums: list[torch.Tensor] = []
+
+    def for_worker(self, rank: int):
+        def all_reduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            self._inputs[rank] = [t.clone() for t in tensors]
+            if self._barrier.wait() == 0:
+                self._sums = [sum(parts) for parts in zip(*self._inputs.values())]
+            self._barrier.wait()
+            sums = [t.clone() for t in self._sums]
+            self._barrier.wait()  # nobody overwrites the sums before everyone has them
+            return sums
+        return all_reduce
 
 
 def test_error_feedback_makes_the_applied_updates_add_up_to_the_true_gradients():
@@ -27,6 +50,48 @@ def test_error_feedback_makes_the_applied_updates_add_up_to_the_true_gradients()
         owed = reducer._errors[0]
         torch.testing.assert_close(applied + owed, truth, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(applied, truth, atol=1e-2)  # rank 1 of a random 32 x 24: it did compress
+
+
+@pytest.mark.parametrize("mean", [True, False])
+def test_with_several_workers_the_errors_add_up_to_what_the_updates_missed(mean):
+    """Over 3 workers: applied updates + every worker's owed error == the true mean (or sum), every step.
+
+    The approximation stands for the workers' total, so each worker owes its own part
+    less a third of it; owing the whole approximation (as a one-worker view would) makes
+    the errors push against the gradients.
+    """
+    workers, steps = 3, 25
+    fabric = _ThreadAllReduce(workers)
+    reducers = [PowerSGDReducer(unison.PowerSGD(rank=1, start_iter=0), fabric.for_worker(r), workers)
+                for r in range(workers)]
+    g = torch.Generator().manual_seed(2)
+    grads = [[torch.randn(24, 16, generator=g) for _ in range(workers)] for _ in range(steps)]
+    divisor = workers if mean else 1
+    applied: list[list[torch.Tensor]] = [[] for _ in range(workers)]
+    owed: list[list[torch.Tensor]] = [[] for _ in range(workers)]
+
+    def work(rank: int) -> None:
+        for step in range(steps):
+            sent = grads[step][rank].clone()
+            reducers[rank].reduce([sent], divisor)
+            applied[rank].append(sent)
+            owed[rank].append(reducers[rank]._errors[0].clone())
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    truth = torch.zeros(24, 16)
+    total_applied = torch.zeros(24, 16)
+    for step in range(steps):
+        truth += sum(grads[step]) / divisor
+        total_applied += applied[0][step]
+        for rank in range(1, workers):
+            assert torch.equal(applied[rank][step], applied[0][step])  # every worker applies the same update
+        total_owed = sum(owed[rank][step] for rank in range(workers))
+        torch.testing.assert_close(total_applied + total_owed, truth, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(total_applied, truth, atol=1e-2)  # it did compress
 
 
 def test_a_low_rank_gradient_is_recovered_once_q_is_warm():

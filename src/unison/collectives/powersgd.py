@@ -8,10 +8,13 @@ every compressed matrix's ``P`` factor, one of every ``Q`` factor. For a gradien
     M += error                       # what earlier steps' approximations missed
     P = M Q;   all-reduce P;   P = orthonormal basis of P
     Q = M^T P; all-reduce Q          # Q, warm-started, is reused next step
-    M' = P Q^T;  error = M - M';  gradient = M'
+    M' = P Q^T;  error = M - M' / workers;  gradient = M'
 
 ``n * m`` numbers become ``rank * (n + m)``. Every worker applies the same ``P Q^T``
-(both factors are all-reduced); the error stays with each worker.
+(both factors are all-reduced); the error stays with each worker. ``M'`` approximates
+the *sum* of the workers' ``M``, so each keeps its own ``M`` less its share of ``M'``:
+the workers' errors then add up to exactly what the step's update missed, and the next
+step's all-reduce pays it back (DDP keeps ``M - M'`` on an undivided ``M``: the same).
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ class PowerSGDReducer:
     Args:
         config: the user's :class:`PowerSGD` options.
         all_reduce: the packed sum across workers (the same calls on every worker).
+        world_size: how many workers take part in ``all_reduce``.
     """
 
-    def __init__(self, config: PowerSGD, all_reduce: AllReduce):
+    def __init__(self, config: PowerSGD, all_reduce: AllReduce, world_size: int):
         self.config = config
         self._all_reduce = all_reduce
+        self._world_size = world_size
         self._steps = 0
         self._errors: dict[int, torch.Tensor] = {}
         self._qs: dict[int, torch.Tensor] = {}
@@ -81,7 +86,7 @@ class PowerSGDReducer:
         qs = self._all_reduce([matrices[i].t() @ p for i, p in zip(compressed, ps)])
         for i, p, q in zip(compressed, ps, qs):
             approximation = p @ q.t()
-            self._errors[i] = matrices[i] - approximation
+            self._errors[i] = matrices[i] - approximation / self._world_size
             self._qs[i] = q
             grads[i].copy_(approximation.view_as(grads[i]))
 

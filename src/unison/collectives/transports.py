@@ -350,7 +350,8 @@ class PowerSGDTransport(_OverTheGroup):
 
     def __init__(self, control: WorkerControl, bytes_per_pack: int, config: PowerSGD):
         self._packed = PackedTransport(control, bytes_per_pack)
-        self.powersgd = PowerSGDReducer(config, lambda tensors: self._packed.all_reduce(tensors, 1, _checked))
+        self.powersgd = PowerSGDReducer(config, lambda tensors: self._packed.all_reduce(tensors, 1, _checked),
+                                        control.world_size)
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         return self._packed.all_reduce(tensors, divisor, check)
