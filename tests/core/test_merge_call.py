@@ -159,15 +159,18 @@ def test_waiting_replica_is_unwound_with_finally(mirrored2, thread_baseline):
 
 def test_replica_threads_serve_every_step_and_stop_with_their_strategy(thread_baseline):
     """Replica threads are started once and kept between steps (a thread start per step cost more
-    than a small step); they end when their strategy is gone."""
-    strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"])
+    than a small step); they end when their strategy is gone. CPU replica 0 runs in the caller's
+    thread (one thread hand-off fewer per step)."""
+    strategy = unison.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
     first = strategy.experimental_local_results(strategy.run(threading.current_thread))
     second = strategy.experimental_local_results(strategy.run(threading.current_thread))
-    assert [t.name for t in first] == ["unison-replica-0", "unison-replica-1"]
+    assert first[0] is threading.current_thread()
+    assert [t.name for t in first[1:]] == ["unison-replica-1", "unison-replica-2"]
     assert first == second and all(t.is_alive() for t in first)
-    del strategy, second
+    threads = first[1:]
+    del strategy, first, second
     gc.collect()
-    for thread in first:
+    for thread in threads:
         thread.join(timeout=5)
         assert not thread.is_alive()
 

@@ -108,6 +108,7 @@ class _Rendezvous:
         self.errors: list[BaseException | None] = [None] * num_replicas
         self.merge_results: list[Any] = [None] * num_replicas
         self.merge_error: BaseException | None = None
+        self.error: BaseException | None = None  # what run raises, once decided
         self.generation = 0
         self.aborted = False
         self.merging = False
@@ -130,8 +131,14 @@ class _Rendezvous:
                     self.merge_error = error
                 self.resume(aborted=error is not None)
             elif self.settled():
-                self.cv.notify_all()  # a replica finished or failed without merging: the caller of run decides
-            self.cv.wait_for(lambda: self.generation != generation)
+                self.cv.notify_all()  # a replica finished or failed without merging: someone decides
+            while self.generation == generation:
+                self.cv.wait()
+                if self._run_merge is not None and self.generation == generation and self.settled():
+                    # Every other replica returned or failed: this merge never completes. Any
+                    # thread holding the lock may decide; a waiting replica, because with CPU
+                    # replicas the caller of run may be this very thread (it hosts replica 0).
+                    self.decide(None)
             if self.aborted:
                 raise _MergeAborted()
             return self.merge_results[replica_id]
@@ -144,6 +151,40 @@ class _Rendezvous:
 
     def settled(self) -> bool:
         return not self.merging and all(s != _RUNNING for s in self.status)
+
+    def decide(self, run_merge: Callable[["_Rendezvous"], BaseException | None] | None) -> bool:
+        """With every replica settled (lock held): records the error to raise and unwinds
+        replicas waiting in a merge that cannot complete; True once no replica waits.
+
+        What a replica cannot decide alone: a merge that failed, a replica that failed
+        while others wait in a merge, or replicas that disagree on whether to merge.
+        When every replica waits in a merge, ``run_merge`` runs it (CUDA replicas: the
+        caller of run merges); without one nothing is decided (False).
+        """
+        failed = [e for e in self.errors if e is not None]
+        if self.error is None and self.merge_error is not None:
+            self.error = self.merge_error
+        if self.error is None and failed:
+            self.error = failed[0]
+        waiting = [i for i, s in enumerate(self.status) if s == _MERGE]
+        if not waiting:
+            return True
+        if self.error is not None:
+            self.resume(aborted=True)
+            return False
+        if len(waiting) != len(self.status):
+            done = [i for i, s in enumerate(self.status) if s == _DONE]
+            self.error = MergeCallError(
+                f"replicas {waiting} called merge_call but replicas {done} returned without "
+                f"calling it: every replica must make the same merge_call/all_reduce calls "
+                f"(check for replica-dependent control flow around them)"
+            )
+            self.resume(aborted=True)
+            return False
+        if run_merge is not None:
+            self.error = run_merge(self)
+            self.resume(aborted=self.error is not None)
+        return False
 
     def resume(self, aborted: bool = False) -> None:
         """Wakes every replica waiting in merge_call (lock held by the caller)."""
@@ -204,12 +245,17 @@ class ThreadedReplicaRunner:
         # Merges run in the last replica to arrive, except on CUDA, where the merge then
         # would run under that replica's current device instead of the caller's.
         self._merge_in_replica = None if any(is_cuda(d) for d in self._devices) else self._run_merge
+        # CPU replicas: the caller of run runs replica 0 itself, so a step wakes one thread
+        # fewer (see the class docstring); CUDA replicas each get a thread, which keeps its
+        # device current, and the caller merges.
+        self._first_threaded = 0 if self._merge_in_replica is None else 1
 
     def _start_threads(self) -> list["queue.SimpleQueue[Any]"]:
         with self._lock:
             if not self._queues:
-                queues: list["queue.SimpleQueue[Any]"] = [queue.SimpleQueue() for _ in self._devices]
-                for i, requests in enumerate(queues):
+                first = self._first_threaded
+                queues: list["queue.SimpleQueue[Any]"] = [queue.SimpleQueue() for _ in self._devices[first:]]
+                for i, requests in enumerate(queues, start=first):
                     threading.Thread(target=_serve_replica, args=(requests,),
                                      name=f"unison-replica-{i}", daemon=True).start()
                 # the threads wait on their queues; when the runner goes, they are told to stop
@@ -222,8 +268,11 @@ class ThreadedReplicaRunner:
         rendezvous = _Rendezvous(n, self._merge_in_replica)
         grad_enabled = torch.is_grad_enabled()
         queues = self._queues or self._start_threads()
-        for i, requests in enumerate(queues):
+        first = self._first_threaded
+        for i, requests in enumerate(queues, start=first):
             requests.put((self._replica_main, (rendezvous, i, fn, *select_replica(i, (args, kwargs)), grad_enabled)))
+        if first:  # CPU replicas: replica 0 runs here, while the threads run the others
+            self._replica_main(rendezvous, 0, fn, *select_replica(0, (args, kwargs)), grad_enabled)
         error = self._coordinate(rendezvous)
         if error is not None:
             raise error
@@ -256,40 +305,12 @@ class ThreadedReplicaRunner:
                 rendezvous.finish(replica_id, _DONE)
 
     def _coordinate(self, rv: _Rendezvous) -> BaseException | None:
-        """Waits until every replica finished; returns the error to raise.
-
-        Merges run in the replica that arrives last; here only what a replica cannot
-        decide: a merge that failed, a replica that failed while others wait in a
-        merge, or replicas that disagree on whether to merge.
-        """
-        error: BaseException | None = None
+        """Waits until every replica finished; returns the error to raise (see ``_Rendezvous.decide``)."""
         with rv.cv:
             while True:
                 rv.cv.wait_for(rv.settled)
-                failed = [e for e in rv.errors if e is not None]
-                if error is None and rv.merge_error is not None:
-                    error = rv.merge_error
-                if error is None and failed:
-                    error = failed[0]
-                waiting = [i for i, s in enumerate(rv.status) if s == _MERGE]
-                if error is not None:
-                    if not waiting:
-                        return error
-                    rv.resume(aborted=True)
-                    continue
-                if not waiting:
-                    return None
-                if len(waiting) != len(rv.status):
-                    done = [i for i, s in enumerate(rv.status) if s == _DONE]
-                    error = MergeCallError(
-                        f"replicas {waiting} called merge_call but replicas {done} returned without "
-                        f"calling it: every replica must make the same merge_call/all_reduce calls "
-                        f"(check for replica-dependent control flow around them)"
-                    )
-                    rv.resume(aborted=True)
-                    continue
-                error = self._run_merge(rv)  # CUDA replicas: merges run here
-                rv.resume(aborted=error is not None)
+                if rv.decide(self._run_merge):
+                    return rv.error
 
     def _run_merge(self, rv: _Rendezvous) -> BaseException | None:
         merge_fn = rv.requests[0][0]
