@@ -208,3 +208,16 @@ def test_merge_call_on_one_device_is_inline(one_device):
     with pytest.raises(ZeroDivisionError):
         one_device.run(lambda: get_replica_context().merge_call(lambda s: 1 / 0))
     assert not unison.has_strategy()  # the context stack unwound
+
+
+def test_replicas_run_with_callers_autocast(mirrored2):
+    """Replica 0 runs in the caller's thread, so it sees the caller's autocast; the other
+    replica threads enter the same, and every replica computes alike."""
+    def modes():
+        return _rid(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mirrored2.run(modes)
+    assert out[1:] == (True, torch.bfloat16)
+    assert mirrored2.experimental_local_results(out[0]) == (0, 1)
+    assert mirrored2.run(modes)[1] is False

@@ -10,6 +10,7 @@ the last to arrive running the merge function in cross-replica context.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import typing
@@ -195,6 +196,27 @@ class _Rendezvous:
         self.cv.notify_all()
 
 
+def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The caller's enabled autocast regions, as (device type, dtype) pairs.
+
+    Autocast is per thread: replica 0 of CPU replicas runs in the caller's thread and
+    sees the caller's; the other replica threads enter the same, so that every replica
+    computes alike (as they get the caller's grad mode).
+    """
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
+
+
+def _autocast(state: tuple[tuple[str, torch.dtype], ...]) -> contextlib.AbstractContextManager:
+    """Enters the autocast regions of ``state`` (none: a no-op context)."""
+    if not state:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack
+
+
 _BUSY: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
@@ -273,13 +295,13 @@ class ThreadedReplicaRunner:
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         n = len(self._devices)
         rendezvous = _Rendezvous(n, self._merge_in_replica)
-        grad_enabled = torch.is_grad_enabled()
+        modes = (torch.is_grad_enabled(), _autocast_state())  # the caller's, for every replica
         queues = self._queues or self._start_threads()
         first = self._first_threaded
         for i, requests in enumerate(queues, start=first):
-            requests.put((self._replica_main, (rendezvous, i, fn, *select_replica(i, (args, kwargs)), grad_enabled)))
+            requests.put((self._replica_main, (rendezvous, i, fn, *select_replica(i, (args, kwargs)), modes)))
         if first:  # CPU replicas: replica 0 runs here, while the threads run the others
-            self._replica_main(rendezvous, 0, fn, *select_replica(0, (args, kwargs)), grad_enabled)
+            self._replica_main(rendezvous, 0, fn, *select_replica(0, (args, kwargs)), modes)
         error = self._coordinate(rendezvous)
         if error is not None:
             raise error
@@ -287,13 +309,14 @@ class ThreadedReplicaRunner:
 
     def _replica_main(
         self, rendezvous: _Rendezvous, replica_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
-        grad_enabled: bool,
+        modes: tuple[bool, tuple[tuple[str, torch.dtype], ...]],
     ) -> None:
         first = _first_replica_id(self._strategy, len(self._devices))
         context = ReplicaContext(self._strategy, replica_id, first + replica_id, rendezvous.merge_call)
         device = self._devices[replica_id]
         try:
-            with STATE.push(self._strategy, context), torch.set_grad_enabled(grad_enabled):
+            grad_enabled, autocast = modes
+            with STATE.push(self._strategy, context), torch.set_grad_enabled(grad_enabled), _autocast(autocast):
                 if is_cuda(device):
                     with torch.cuda.device(torch_device(device)):
                         result = fn(*args, **kwargs)
