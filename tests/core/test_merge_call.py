@@ -159,15 +159,18 @@ def test_waiting_replica_is_unwound_with_finally(mirrored2, thread_baseline):
 
 def test_replica_threads_serve_every_step_and_stop_with_their_strategy(thread_baseline):
     """Replica threads are started once and kept between steps (a thread start per step cost more
-    than a small step); they end when their strategy is gone."""
-    strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"])
+    than a small step); they end when their strategy is gone. CPU replica 0 runs in the caller's
+    thread (one thread hand-off fewer per step)."""
+    strategy = unison.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
     first = strategy.experimental_local_results(strategy.run(threading.current_thread))
     second = strategy.experimental_local_results(strategy.run(threading.current_thread))
-    assert [t.name for t in first] == ["unison-replica-0", "unison-replica-1"]
+    assert first[0] is threading.current_thread()
+    assert [t.name for t in first[1:]] == ["unison-replica-1", "unison-replica-2"]
     assert first == second and all(t.is_alive() for t in first)
-    del strategy, second
+    threads = first[1:]
+    del strategy, first, second
     gc.collect()
-    for thread in first:
+    for thread in threads:
         thread.join(timeout=5)
         assert not thread.is_alive()
 
@@ -205,3 +208,16 @@ def test_merge_call_on_one_device_is_inline(one_device):
     with pytest.raises(ZeroDivisionError):
         one_device.run(lambda: get_replica_context().merge_call(lambda s: 1 / 0))
     assert not unison.has_strategy()  # the context stack unwound
+
+
+def test_replicas_run_with_callers_autocast(mirrored2):
+    """Replica 0 runs in the caller's thread, so it sees the caller's autocast; the other
+    replica threads enter the same, and every replica computes alike."""
+    def modes():
+        return _rid(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mirrored2.run(modes)
+    assert out[1:] == (True, torch.bfloat16)
+    assert mirrored2.experimental_local_results(out[0]) == (0, 1)
+    assert mirrored2.run(modes)[1] is False

@@ -36,6 +36,7 @@ from unison.collectives.local import ReductionToOneDevice
 from unison.devices import is_cuda
 from unison.context import ReplicaContext
 from unison.errors import GradientSyncError
+from unison.gradient_sync.primary_shadow import PrimaryShadow
 from unison.reduce import ReduceOp
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import Mirrored, PerReplica
@@ -75,6 +76,8 @@ class ReplicaGradientSync:
         self._reduce_op = reduce_op
         self._storage = storage
         self._shadows: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+        # replica 0 steps plain aliases of the variables with the user's state (primary_shadow.py)
+        self._primaries: "weakref.WeakKeyDictionary[torch.optim.Optimizer, PrimaryShadow]" = weakref.WeakKeyDictionary()
         self._variables: list["weakref.ref[DistributedVariable]"] = []
         self._no_sync_outside_run = 0
         self._states: "weakref.WeakKeyDictionary[ReplicaContext, _ReplicaStepState]" = weakref.WeakKeyDictionary()
@@ -168,36 +171,49 @@ class ReplicaGradientSync:
         OWN_COMPONENT_WRITES.begin()
         replica_id = context.local_replica_id
         if replica_id == 0:
-            return None
+            primary = self._primaries.get(optimizer)
+            if primary is None:
+                primary = self._primaries[optimizer] = PrimaryShadow(optimizer)
+            return (primary.for_step(optimizer), *args[1:]), kwargs
         return (self._shadow(optimizer, replica_id), *args[1:]), kwargs
 
     def post_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Ends the step's writes to this replica's own components."""
         OWN_COMPONENT_WRITES.end()
+        primary = self._primaries.get(optimizer)
+        if primary is not None:
+            context = self._current_context()
+            if context is not None and context.local_replica_id == 0:
+                primary.after_step()
 
     def _aggregate(self, strategy: Any, params: list) -> None:
         devices = self._devices
-        targets, pairs = [], []
-        for param in params:
-            if not isinstance(param, DistributedVariable):
-                continue
-            grads = [param._component_grad(i) for i in range(self._num_replicas)]
-            if all(g is None for g in grads):
-                continue
-            grads = [
-                g if g is not None else torch.zeros_like(param._component(i).detach())
-                for i, g in enumerate(grads)
-            ]
-            targets.append(param)
-            pairs.append((PerReplica(grads), devices))
-        if not pairs:
+        n = self._num_replicas
+        targets, per_param, made = [], [], []
+        # One subclass-dispatch switch for the whole walk (not one per component): this
+        # runs every step, on every variable.
+        with torch._C.DisableTorchFunctionSubclass():
+            for param in params:
+                if not isinstance(param, DistributedVariable):
+                    continue
+                components = [param._component(i) for i in range(n)]
+                grads = [c.grad for c in components]
+                if all(g is None for g in grads):
+                    continue
+                if any(g is None for g in grads):
+                    grads = [g if g is not None else torch.zeros_like(c.detach()) for c, g in zip(components, grads)]
+                    made.append(len(targets))
+                targets.append(param)
+                per_param.append(tuple(grads))
+        if not targets:
             return
-        if self._in_place and self._aggregate_in_place([pair[0].values for pair in pairs]):
-            for param, (value, _) in zip(targets, pairs):  # gradients made as zeros above become the components'
-                for i, grad in enumerate(value.values):
-                    if param._component_grad(i) is not grad:
-                        param._set_component_grad(i, grad)
+        if self._in_place and self._aggregate_in_place(per_param):
+            for k in made:  # gradients made as zeros above become the components'
+                for i, grad in enumerate(per_param[k]):
+                    if targets[k]._component_grad(i) is not grad:
+                        targets[k]._set_component_grad(i, grad)
             return
+        pairs = [(PerReplica(grads), devices) for grads in per_param]
         reduced = self._cross_device_ops.batch_reduce(self._reduce_op(), pairs)
         for param, result in zip(targets, reduced):
             components = result.values if isinstance(result, Mirrored) else (result,)
@@ -235,6 +251,11 @@ class ReplicaGradientSync:
             shadows = [self._make_shadow(optimizer, i) for i in range(1, self._num_replicas)]
             self._shadows[optimizer] = shadows
         shadow = shadows[replica_id - 1]
+        if self._storage.replicas_step and len(shadow.param_groups) != len(optimizer.param_groups):
+            # add_param_group: a new shadow over every group, keeping the state so far
+            state = shadow.state
+            shadow = shadows[replica_id - 1] = self._make_shadow(optimizer, replica_id)
+            shadow.state = state
         for shadow_group, group in zip(shadow.param_groups, optimizer.param_groups):
             for key, value in group.items():
                 if key != "params":

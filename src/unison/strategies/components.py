@@ -6,7 +6,8 @@ to the shared :class:`~unison.strategies.base.StrategyExtended`, which implement
 tf.distribute semantics (scope, run, reduce, update, ...) once on top of them:
 
 - a **replica runner** runs ``strategy.run``'s function once per local replica (inline
-  for one device; one thread per device otherwise) and implements ``merge_call``;
+  for one device; otherwise CPU replica 0 in the caller's thread and one thread per other
+  device) and implements ``merge_call``;
 - a **variable policy** decides what a parameter, buffer or ``unison.Variable`` created
   in ``scope()`` becomes (a plain tensor moved to the device, a MirroredVariable with
   mirrored or central storage, a SyncOnReadVariable) and makes new variables equal on

@@ -2,13 +2,15 @@
 
 ``InlineReplicaRunner`` runs the only replica in the caller's thread: no thread, no
 hand-off, so a one-device step costs what plain PyTorch costs. ``ThreadedReplicaRunner``
-runs one thread per local device, like TensorFlow's MirroredStrategy, and implements
-``merge_call`` as a rendezvous of those threads with the caller's thread, which runs
-the merge function in cross-replica context.
+runs the replicas at once, like TensorFlow's MirroredStrategy: CPU replica 0 in the
+caller's thread and one thread per other device (CUDA: one thread per device, the
+caller coordinating), and implements ``merge_call`` as a rendezvous of the replicas,
+the last to arrive running the merge function in cross-replica context.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import typing
@@ -108,6 +110,7 @@ class _Rendezvous:
         self.errors: list[BaseException | None] = [None] * num_replicas
         self.merge_results: list[Any] = [None] * num_replicas
         self.merge_error: BaseException | None = None
+        self.error: BaseException | None = None  # what run raises, once decided
         self.generation = 0
         self.aborted = False
         self.merging = False
@@ -130,8 +133,14 @@ class _Rendezvous:
                     self.merge_error = error
                 self.resume(aborted=error is not None)
             elif self.settled():
-                self.cv.notify_all()  # a replica finished or failed without merging: the caller of run decides
-            self.cv.wait_for(lambda: self.generation != generation)
+                self.cv.notify_all()  # a replica finished or failed without merging: someone decides
+            while self.generation == generation:
+                self.cv.wait()
+                if self._run_merge is not None and self.generation == generation and self.settled():
+                    # Every other replica returned or failed: this merge never completes. Any
+                    # thread holding the lock may decide; a waiting replica, because with CPU
+                    # replicas the caller of run may be this very thread (it hosts replica 0).
+                    self.decide(None)
             if self.aborted:
                 raise _MergeAborted()
             return self.merge_results[replica_id]
@@ -145,12 +154,67 @@ class _Rendezvous:
     def settled(self) -> bool:
         return not self.merging and all(s != _RUNNING for s in self.status)
 
+    def decide(self, run_merge: Callable[["_Rendezvous"], BaseException | None] | None) -> bool:
+        """With every replica settled (lock held): records the error to raise and unwinds
+        replicas waiting in a merge that cannot complete; True once no replica waits.
+
+        What a replica cannot decide alone: a merge that failed, a replica that failed
+        while others wait in a merge, or replicas that disagree on whether to merge.
+        When every replica waits in a merge, ``run_merge`` runs it (CUDA replicas: the
+        caller of run merges); without one nothing is decided (False).
+        """
+        failed = [e for e in self.errors if e is not None]
+        if self.error is None and self.merge_error is not None:
+            self.error = self.merge_error
+        if self.error is None and failed:
+            self.error = failed[0]
+        waiting = [i for i, s in enumerate(self.status) if s == _MERGE]
+        if not waiting:
+            return True
+        if self.error is not None:
+            self.resume(aborted=True)
+            return False
+        if len(waiting) != len(self.status):
+            done = [i for i, s in enumerate(self.status) if s == _DONE]
+            self.error = MergeCallError(
+                f"replicas {waiting} called merge_call but replicas {done} returned without "
+                f"calling it: every replica must make the same merge_call/all_reduce calls "
+                f"(check for replica-dependent control flow around them)"
+            )
+            self.resume(aborted=True)
+            return False
+        if run_merge is not None:
+            self.error = run_merge(self)
+            self.resume(aborted=self.error is not None)
+        return False
+
     def resume(self, aborted: bool = False) -> None:
         """Wakes every replica waiting in merge_call (lock held by the caller)."""
         self.aborted = self.aborted or aborted
         self.status = [_RUNNING if s == _MERGE else s for s in self.status]
         self.generation += 1
         self.cv.notify_all()
+
+
+def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The caller's enabled autocast regions, as (device type, dtype) pairs.
+
+    Autocast is per thread: replica 0 of CPU replicas runs in the caller's thread and
+    sees the caller's; the other replica threads enter the same, so that every replica
+    computes alike (as they get the caller's grad mode).
+    """
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
+
+
+def _autocast(state: tuple[tuple[str, torch.dtype], ...]) -> contextlib.AbstractContextManager:
+    """Enters the autocast regions of ``state`` (none: a no-op context)."""
+    if not state:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack
 
 
 _BUSY: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
@@ -184,7 +248,12 @@ def _stop_replicas(queues: list["queue.SimpleQueue[Any]"]) -> None:
 
 @typing.final
 class ThreadedReplicaRunner:
-    """Runs one thread per local replica device and coordinates their merge calls.
+    """Runs the local replicas at once and coordinates their merge calls.
+
+    With CPU devices, replica 0 runs in the thread that calls ``run`` and replicas 1..
+    in threads of their own: one thread wake per step fewer than a thread for every
+    replica (the caller would only wait). CUDA replicas each get a thread, which keeps
+    its device current, and the caller runs their merges under its own device.
 
     The replica threads are started on the first ``run`` and kept, waiting for the next
     step (a thread start per replica per step cost more than a small step). They keep
@@ -193,7 +262,8 @@ class ThreadedReplicaRunner:
     (``benchmarks/in_process.py``: 0.51 and 0.30 of plain against 0.67 and 0.70). They
     run at once: running them one at a time, passing a baton at merge calls (as
     TensorFlow's eager MirroredStrategy does), measured 0.50 of plain on W2 against 0.69,
-    and no better on W1 or D.
+    and no better on W1 or D; measured again with replica 0 in the caller's thread, it
+    tied (D 0.20 both ways, W2 0.47 against 0.46 on a loaded machine).
     """
 
     def __init__(self, strategy: "Strategy", devices: Sequence[str]):
@@ -204,12 +274,17 @@ class ThreadedReplicaRunner:
         # Merges run in the last replica to arrive, except on CUDA, where the merge then
         # would run under that replica's current device instead of the caller's.
         self._merge_in_replica = None if any(is_cuda(d) for d in self._devices) else self._run_merge
+        # CPU replicas: the caller of run runs replica 0 itself, so a step wakes one thread
+        # fewer (see the class docstring); CUDA replicas each get a thread, which keeps its
+        # device current, and the caller merges.
+        self._first_threaded = 0 if self._merge_in_replica is None else 1
 
     def _start_threads(self) -> list["queue.SimpleQueue[Any]"]:
         with self._lock:
             if not self._queues:
-                queues: list["queue.SimpleQueue[Any]"] = [queue.SimpleQueue() for _ in self._devices]
-                for i, requests in enumerate(queues):
+                first = self._first_threaded
+                queues: list["queue.SimpleQueue[Any]"] = [queue.SimpleQueue() for _ in self._devices[first:]]
+                for i, requests in enumerate(queues, start=first):
                     threading.Thread(target=_serve_replica, args=(requests,),
                                      name=f"unison-replica-{i}", daemon=True).start()
                 # the threads wait on their queues; when the runner goes, they are told to stop
@@ -220,10 +295,13 @@ class ThreadedReplicaRunner:
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         n = len(self._devices)
         rendezvous = _Rendezvous(n, self._merge_in_replica)
-        grad_enabled = torch.is_grad_enabled()
+        modes = (torch.is_grad_enabled(), _autocast_state())  # the caller's, for every replica
         queues = self._queues or self._start_threads()
-        for i, requests in enumerate(queues):
-            requests.put((self._replica_main, (rendezvous, i, fn, *select_replica(i, (args, kwargs)), grad_enabled)))
+        first = self._first_threaded
+        for i, requests in enumerate(queues, start=first):
+            requests.put((self._replica_main, (rendezvous, i, fn, *select_replica(i, (args, kwargs)), modes)))
+        if first:  # CPU replicas: replica 0 runs here, while the threads run the others
+            self._replica_main(rendezvous, 0, fn, *select_replica(0, (args, kwargs)), modes)
         error = self._coordinate(rendezvous)
         if error is not None:
             raise error
@@ -231,13 +309,14 @@ class ThreadedReplicaRunner:
 
     def _replica_main(
         self, rendezvous: _Rendezvous, replica_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
-        grad_enabled: bool,
+        modes: tuple[bool, tuple[tuple[str, torch.dtype], ...]],
     ) -> None:
         first = _first_replica_id(self._strategy, len(self._devices))
         context = ReplicaContext(self._strategy, replica_id, first + replica_id, rendezvous.merge_call)
         device = self._devices[replica_id]
         try:
-            with STATE.push(self._strategy, context), torch.set_grad_enabled(grad_enabled):
+            grad_enabled, autocast = modes
+            with STATE.push(self._strategy, context), torch.set_grad_enabled(grad_enabled), _autocast(autocast):
                 if is_cuda(device):
                     with torch.cuda.device(torch_device(device)):
                         result = fn(*args, **kwargs)
@@ -256,40 +335,12 @@ class ThreadedReplicaRunner:
                 rendezvous.finish(replica_id, _DONE)
 
     def _coordinate(self, rv: _Rendezvous) -> BaseException | None:
-        """Waits until every replica finished; returns the error to raise.
-
-        Merges run in the replica that arrives last; here only what a replica cannot
-        decide: a merge that failed, a replica that failed while others wait in a
-        merge, or replicas that disagree on whether to merge.
-        """
-        error: BaseException | None = None
+        """Waits until every replica finished; returns the error to raise (see ``_Rendezvous.decide``)."""
         with rv.cv:
             while True:
                 rv.cv.wait_for(rv.settled)
-                failed = [e for e in rv.errors if e is not None]
-                if error is None and rv.merge_error is not None:
-                    error = rv.merge_error
-                if error is None and failed:
-                    error = failed[0]
-                waiting = [i for i, s in enumerate(rv.status) if s == _MERGE]
-                if error is not None:
-                    if not waiting:
-                        return error
-                    rv.resume(aborted=True)
-                    continue
-                if not waiting:
-                    return None
-                if len(waiting) != len(rv.status):
-                    done = [i for i, s in enumerate(rv.status) if s == _DONE]
-                    error = MergeCallError(
-                        f"replicas {waiting} called merge_call but replicas {done} returned without "
-                        f"calling it: every replica must make the same merge_call/all_reduce calls "
-                        f"(check for replica-dependent control flow around them)"
-                    )
-                    rv.resume(aborted=True)
-                    continue
-                error = self._run_merge(rv)  # CUDA replicas: merges run here
-                rv.resume(aborted=error is not None)
+                if rv.decide(self._run_merge):
+                    return rv.error
 
     def _run_merge(self, rv: _Rendezvous) -> BaseException | None:
         merge_fn = rv.requests[0][0]
