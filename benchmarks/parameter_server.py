@@ -236,20 +236,26 @@ def main(argv: "list[str] | None" = None) -> int:
                         help=f"timed steps per variant (default 60; x{EMBEDDING_STEPS_FACTOR} for the embedding workload)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--tf-path", default=None, help="a directory to add to TensorFlow's sys.path")
+    parser.add_argument("--workloads", nargs="+", choices=("dense", "embedding"), default=["dense", "embedding"],
+                        help="which workloads to run (default both)")
+    parser.add_argument("--ps", nargs="+", type=int, choices=(1, 2), default=[1, 2],
+                        help="numbers of ps tasks to run (default 1 and 2)")
+    parser.add_argument("--skip-mwms", action="store_true", help="skip the MultiWorkerMirrored baseline")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"dense": {}, "embedding": {}}
-    for workload in ("dense", "embedding"):
+    for workload in args.workloads:
         steps = args.steps * (EMBEDDING_STEPS_FACTOR if workload == "embedding" else 1)  # its steps are short
-        for ps in (1, 2):
+        for ps in args.ps:
             results[workload][f"unison_ps_2w_{ps}ps"] = run_unison(workload, 2, ps, steps, args.warmup)
             print(workload, ps, results[workload][f"unison_ps_2w_{ps}ps"], flush=True)
             tf = run_tensorflow(workload, ps, steps, args.warmup, args.tf_path)
             if tf is not None:
                 results[workload][f"tf_pss_2w_{ps}ps"] = tf
                 print(workload, ps, "tf", tf, flush=True)
-    results["dense"]["mwms_2w"] = run_mwms(args.steps // 2, args.warmup)
-    print("mwms", results["dense"]["mwms_2w"], flush=True)
+    if not args.skip_mwms:
+        results["dense"]["mwms_2w"] = run_mwms(args.steps // 2, args.warmup)
+        print("mwms", results["dense"]["mwms_2w"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"machine": machine_info(), "batch_per_worker_step": BATCH, "results": results}
     (args.out / "parameter_server.json").write_text(json.dumps(record, indent=1) + "\n")
