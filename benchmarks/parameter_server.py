@@ -70,7 +70,17 @@ def _start_cluster(workers: int, ps: int) -> tuple[unison.SimpleClusterResolver,
     spec = unison.ClusterSpec({"chief": ["127.0.0.1:1"],
                                "worker": [addresses[f"worker:{i}"] for i in range(workers)],
                                "ps": [addresses[f"ps:{i}"] for i in range(ps)]})
-    return unison.SimpleClusterResolver(spec, task_type="chief", task_id=0), [p for p, _, _ in procs]
+    return unison.SimpleClusterResolver(spec, task_type="chief", task_id=0), [(p, name) for p, _, name in procs]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _warm_memory_kb() -> dict[str, int]:
@@ -140,10 +150,14 @@ def run_unison(workload: str, workers: int, ps: int, steps: int, warmup: int) ->
         for _ in range(warmup):
             coordinator.schedule(step, args=(iterator,))
         coordinator.join()
+        cpu_before = {name: _cpu_seconds(proc.pid) for proc, name in procs}
         start = time.perf_counter()
         losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
         coordinator.join()
         elapsed = time.perf_counter() - start
+        # CPU milliseconds per step by role: less noisy than throughput on a shared machine
+        cpu_ms = {role: sum(_cpu_seconds(proc.pid) - cpu_before[name] for proc, name in procs if name.startswith(role))
+                  * 1000 / steps for role in ("ps", "worker")}
         after = [coordinator.schedule(_memory_kb) for _ in range(4 * workers)]
         coordinator.join()
         # per worker: its peak after training minus its own baseline; the larger of the workers
@@ -152,13 +166,14 @@ def run_unison(workload: str, workers: int, ps: int, steps: int, warmup: int) ->
 
         peak, warm, start = by_worker(after, "VmHWM"), by_worker(baseline, "VmRSS"), by_worker(fresh, "VmRSS")
         result = {"samples_per_s": steps * BATCH / elapsed, "steps": steps, "seconds": elapsed,
+                  "cpu_ms_per_step": {role: round(v, 2) for role, v in cpu_ms.items()},
                   "last_loss": losses[-1].fetch().item(), "worker_peak_rss_mb": max(peak.values()),
                   "worker_peak_rss_growth_mb": max(peak[w] - warm[w] for w in peak if w in warm),
                   "worker_peak_rss_growth_from_fresh_mb": max(peak[w] - start[w] for w in peak if w in start)}
         coordinator.shutdown()
         return result
     finally:
-        for proc in procs:
+        for proc, _ in procs:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
