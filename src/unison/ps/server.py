@@ -148,7 +148,7 @@ class Server:
         self._track(channel)
         with self._session_lock:  # one coordinator at a time
             config = message[1]
-            client = PSClient(config["ps"], self._authkey, timeout=config["timeout"])
+            client = PSClient(config["ps"], self._authkey, timeout=config["timeout"], shared=True)
             runtime = RUNTIME.current = WorkerRuntime(client, config["worker_index"])
             try:
                 while True:
