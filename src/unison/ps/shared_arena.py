@@ -186,10 +186,10 @@ class MappedSegments:
 
     def close(self) -> None:
         """Unmaps every segment (no tensor of this object may be in use)."""
-        maps, self._maps = self._maps, {}
-        for mapped, data in maps.values():
-            del data
+        while self._maps:
+            _, (mapped, data) = self._maps.popitem()
+            del data  # the last view of the mapping: close() may unmap it now
             try:
                 mapped.close()
-            except BufferError:
+            except BufferError:  # a tensor of it is still referenced: unmapped when that goes
                 pass
