@@ -25,6 +25,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import stat
 import threading
 from typing import final
 
@@ -150,8 +151,12 @@ class MappedSegments:
         for token, pid, fd, size in infos:
             if token in self._maps:
                 continue
-            try:
-                handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            path = f"/proc/{pid}/fd/{fd}"
+            try:  # only a regular file of the announced size: never open another process's tty or pipe
+                found = os.stat(path)
+                if not stat.S_ISREG(found.st_mode) or found.st_size != size:
+                    return False
+                handle = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
             except OSError:
                 return False
             try:
