@@ -151,6 +151,7 @@ def run_unison(workload: str, workers: int, ps: int, steps: int, warmup: int) ->
             coordinator.schedule(step, args=(iterator,))
         coordinator.join()
         cpu_before = {name: _cpu_seconds(proc.pid) for proc, name in procs}
+        chief_before = time.process_time()
         start = time.perf_counter()
         losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
         coordinator.join()
@@ -158,6 +159,7 @@ def run_unison(workload: str, workers: int, ps: int, steps: int, warmup: int) ->
         # CPU milliseconds per step by role: less noisy than throughput on a shared machine
         cpu_ms = {role: sum(_cpu_seconds(proc.pid) - cpu_before[name] for proc, name in procs if name.startswith(role))
                   * 1000 / steps for role in ("ps", "worker")}
+        cpu_ms["chief"] = (time.process_time() - chief_before) * 1000 / steps
         after = [coordinator.schedule(_memory_kb) for _ in range(4 * workers)]
         coordinator.join()
         # per worker: its peak after training minus its own baseline; the larger of the workers
