@@ -70,7 +70,17 @@ def _start_cluster(workers: int, ps: int) -> tuple[unison.SimpleClusterResolver,
     spec = unison.ClusterSpec({"chief": ["127.0.0.1:1"],
                                "worker": [addresses[f"worker:{i}"] for i in range(workers)],
                                "ps": [addresses[f"ps:{i}"] for i in range(ps)]})
-    return unison.SimpleClusterResolver(spec, task_type="chief", task_id=0), [p for p, _, _ in procs]
+    return unison.SimpleClusterResolver(spec, task_type="chief", task_id=0), [(p, name) for p, _, name in procs]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _warm_memory_kb() -> dict[str, int]:
@@ -140,10 +150,16 @@ def run_unison(workload: str, workers: int, ps: int, steps: int, warmup: int) ->
         for _ in range(warmup):
             coordinator.schedule(step, args=(iterator,))
         coordinator.join()
+        cpu_before = {name: _cpu_seconds(proc.pid) for proc, name in procs}
+        chief_before = time.process_time()
         start = time.perf_counter()
         losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
         coordinator.join()
         elapsed = time.perf_counter() - start
+        # CPU milliseconds per step by role: less noisy than throughput on a shared machine
+        cpu_ms = {role: sum(_cpu_seconds(proc.pid) - cpu_before[name] for proc, name in procs if name.startswith(role))
+                  * 1000 / steps for role in ("ps", "worker")}
+        cpu_ms["chief"] = (time.process_time() - chief_before) * 1000 / steps
         after = [coordinator.schedule(_memory_kb) for _ in range(4 * workers)]
         coordinator.join()
         # per worker: its peak after training minus its own baseline; the larger of the workers
@@ -152,13 +168,14 @@ def run_unison(workload: str, workers: int, ps: int, steps: int, warmup: int) ->
 
         peak, warm, start = by_worker(after, "VmHWM"), by_worker(baseline, "VmRSS"), by_worker(fresh, "VmRSS")
         result = {"samples_per_s": steps * BATCH / elapsed, "steps": steps, "seconds": elapsed,
+                  "cpu_ms_per_step": {role: round(v, 2) for role, v in cpu_ms.items()},
                   "last_loss": losses[-1].fetch().item(), "worker_peak_rss_mb": max(peak.values()),
                   "worker_peak_rss_growth_mb": max(peak[w] - warm[w] for w in peak if w in warm),
                   "worker_peak_rss_growth_from_fresh_mb": max(peak[w] - start[w] for w in peak if w in start)}
         coordinator.shutdown()
         return result
     finally:
-        for proc in procs:
+        for proc, _ in procs:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
@@ -236,20 +253,26 @@ def main(argv: "list[str] | None" = None) -> int:
                         help=f"timed steps per variant (default 60; x{EMBEDDING_STEPS_FACTOR} for the embedding workload)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--tf-path", default=None, help="a directory to add to TensorFlow's sys.path")
+    parser.add_argument("--workloads", nargs="+", choices=("dense", "embedding"), default=["dense", "embedding"],
+                        help="which workloads to run (default both)")
+    parser.add_argument("--ps", nargs="+", type=int, choices=(1, 2), default=[1, 2],
+                        help="numbers of ps tasks to run (default 1 and 2)")
+    parser.add_argument("--skip-mwms", action="store_true", help="skip the MultiWorkerMirrored baseline")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"dense": {}, "embedding": {}}
-    for workload in ("dense", "embedding"):
+    for workload in args.workloads:
         steps = args.steps * (EMBEDDING_STEPS_FACTOR if workload == "embedding" else 1)  # its steps are short
-        for ps in (1, 2):
+        for ps in args.ps:
             results[workload][f"unison_ps_2w_{ps}ps"] = run_unison(workload, 2, ps, steps, args.warmup)
             print(workload, ps, results[workload][f"unison_ps_2w_{ps}ps"], flush=True)
             tf = run_tensorflow(workload, ps, steps, args.warmup, args.tf_path)
             if tf is not None:
                 results[workload][f"tf_pss_2w_{ps}ps"] = tf
                 print(workload, ps, "tf", tf, flush=True)
-    results["dense"]["mwms_2w"] = run_mwms(args.steps // 2, args.warmup)
-    print("mwms", results["dense"]["mwms_2w"], flush=True)
+    if not args.skip_mwms:
+        results["dense"]["mwms_2w"] = run_mwms(args.steps // 2, args.warmup)
+        print("mwms", results["dense"]["mwms_2w"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"machine": machine_info(), "batch_per_worker_step": BATCH, "results": results}
     (args.out / "parameter_server.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -22,6 +22,20 @@ def test_dense_sgd_momentum_matches_local_optimizer():
     torch.testing.assert_close(store.read("w"), local.detach())
 
 
+def test_plain_sgd_shortcut_matches_the_optimizer():
+    store = ParameterStore()
+    w0 = torch.randn(4, 3)
+    store.create("w", w0)
+    local = w0.clone().requires_grad_(True)
+    opt = torch.optim.SGD([local], lr=0.3)
+    for _ in range(2):
+        g = torch.randn(4, 3)
+        local.grad = g.clone()
+        opt.step()
+        store.apply("w", g.reshape(-1), None, torch.optim.SGD, {"lr": 0.3, "momentum": 0, "weight_decay": 0})
+    torch.testing.assert_close(store.read("w"), local.detach())
+
+
 @pytest.mark.parametrize("cls, hyper", [(torch.optim.SGD, {"lr": 0.5}), (torch.optim.Adam, {"lr": 0.01})])
 def test_row_updates_equal_dense_updates_with_zero_rows(cls, hyper):
     store = ParameterStore()

@@ -15,6 +15,11 @@ def _worker_index():
     return RUNTIME.current.worker_index
 
 
+def _shared_ps_tasks():
+    """The ps tasks that have mapped this worker's shared-memory arena."""
+    return sorted(i for i, segments in RUNTIME.current.client._attached.items() if segments)
+
+
 def _rows_pulled():
     return sum(rows.shape[0] for _, _, rows in RUNTIME.current._rows)
 
@@ -46,13 +51,14 @@ def test_regression_trains_on_two_workers_and_two_ps():
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            return loss.detach(), _worker_index()
+            return loss.detach(), _worker_index(), _shared_ps_tasks()
 
         results = [coordinator.schedule(step, args=(iterator,)) for _ in range(100)]
         coordinator.join()
         assert coordinator.done()
         losses = [coordinator.fetch(r)[0].item() for r in results]
         assert {coordinator.fetch(r)[1] for r in results} == {0, 1}  # both workers took functions
+        assert coordinator.fetch(results[-1])[2] == [0, 1]  # one host: values moved through shared memory
         assert sum(losses[-10:]) / 10 < 0.3 < 3 < losses[0]
         # reads on the coordinator come from the ps tasks and match a local evaluation
         state = model.state_dict()

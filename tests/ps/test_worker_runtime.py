@@ -13,16 +13,26 @@ from unison.ps.specs import Placement, VariableSpec
 from unison.ps.worker_runtime import LAZY_BYTES, WorkerRuntime, WorkerShardedParameter
 
 
-@pytest.fixture
-def client():
+def _client(shared):
     key = secrets.token_bytes(32)
     servers = [unison.Server({"ps": ["127.0.0.1:1", "127.0.0.1:2"]}, "ps", i, authkey=key, bind_address="127.0.0.1:0")
                for i in range(2)]
-    client = PSClient([s.address for s in servers], key)
+    client = PSClient([s.address for s in servers], key, shared=shared)
     yield client
     client.close()
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(params=[False, True], ids=["sockets", "shared"])
+def client(request):
+    """A client over sockets only, and a worker's client with a shared-memory arena."""
+    yield from _client(request.param)
+
+
+@pytest.fixture
+def shared_client():
+    yield from _client(True)
 
 
 def _spec(name, shape, parts):
@@ -76,3 +86,66 @@ def test_dense_pull_into_parameters_and_momentum_state_on_ps(client):
         reference.step()
         reference.zero_grad()
     torch.testing.assert_close(client.read([(0, "w")])[0], local.detach())
+
+
+def _train_dense(client, steps=3):
+    """Three SGD-momentum steps of a worker on ``w`` (ps:0); returns the local reference result."""
+    w0 = torch.randn(3, 2)
+    client.write("create", [(0, "w")], [w0])
+    runtime = WorkerRuntime(client, 0)
+    spec = _spec("w", (3, 2), [Placement(0, "w", 3)])
+    local = w0.clone().requires_grad_(True)
+    reference = torch.optim.SGD([local], lr=0.1)
+    for _ in range(steps):
+        runtime.begin()
+        w = runtime.variable(spec)
+        runtime.pull_touched()
+        torch.testing.assert_close(w.detach(), local.detach())
+        (w * w).sum().backward()
+        torch.optim.SGD([w], lr=0.1).step()
+        (local * local).sum().backward()
+        reference.step()
+        reference.zero_grad()
+    return runtime, local
+
+
+@pytest.mark.timeout(30)
+def test_same_host_worker_moves_dense_values_through_shared_memory(shared_client):
+    client = shared_client
+    runtime, local = _train_dense(client)
+    w = runtime._cache["w"]
+    assert client.arena.place(w.detach()) is not None  # the cached parameter lives in the arena
+    assert client._attached[0]  # ps:0 mapped the arena: pulls and pushes named places in it
+    torch.testing.assert_close(client.read([(0, "w")])[0], local.detach())
+
+
+@pytest.mark.timeout(30)
+def test_worker_falls_back_to_sockets_when_the_ps_cannot_map_its_memory(shared_client, monkeypatch):
+    client = shared_client
+    from unison.ps.shared_arena import MappedSegments
+
+    monkeypatch.setattr(MappedSegments, "attach", lambda self, infos: False)  # as a ps on another host
+    runtime, local = _train_dense(client)
+    assert client._attached[0] is None
+    torch.testing.assert_close(client.read([(0, "w")])[0], local.detach())
+
+
+def test_mapping_checks_the_segment_token():
+    from unison.ps.shared_arena import MappedSegments, SharedArena
+
+    arena = SharedArena()
+    t = arena.tensor((4,), torch.float32)
+    t.copy_(torch.arange(4.0))
+    token, pid, fd, size = arena.segments()[0]
+    mapped = MappedSegments()
+    try:
+        assert not mapped.attach([("00" * 16, pid, fd, size)])  # another process behind the same pid and fd
+        assert not mapped.attach([(token, pid, 10**6, size)])  # no such descriptor
+        assert mapped.attach([(token, pid, fd, size)])
+        torch.testing.assert_close(mapped.tensor(arena.place(t)), torch.arange(4.0))
+        with pytest.raises(ValueError):
+            mapped.tensor((token, size, (4,), torch.float32))
+    finally:
+        mapped.close()
+        del t
+        arena.close()

@@ -3,6 +3,11 @@
 Workers and the coordinator each hold one :class:`PSClient`, with one connection per
 ps task opened on first use. A call that touches several ps tasks sends every request
 first and then collects the replies, so the ps tasks work in parallel.
+
+A worker's client has a :class:`~unison.ps.shared_arena.SharedArena`: its cached
+parameters live there, and with a ps task on the same host (found out by the first
+request that could use it) dense pulls and pushes name places in it instead of
+carrying the bytes over the socket.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from unison.errors import ParameterServerError
+from unison.ps.shared_arena import Place, SharedArena
 from unison.ps.transport import TensorLink, open_link
 
 __all__ = ["PSClient", "Request"]
@@ -29,16 +35,53 @@ class PSClient:
         authkey: the cluster's key.
         timeout: seconds to wait for a ps task to accept a connection, and (when
             ``reply_timeout`` is set) for a reply.
+        shared: keep an arena of shared memory for same-host ps tasks (a worker's client).
     """
 
     def __init__(self, addresses: Sequence[str], authkey: bytes, timeout: float = 30.0,
-                 reply_timeout: "float | None" = None):
+                 reply_timeout: "float | None" = None, shared: bool = False):
         self.addresses = list(addresses)
         self._authkey = authkey
         self._timeout = timeout
         self._reply_timeout = reply_timeout
         self._links: dict[int, TensorLink] = {}
         self._lock = threading.Lock()
+        self.arena: "SharedArena | None" = SharedArena() if shared and SharedArena.available() else None
+        #: per ps task: the arena segments it has mapped, or None once it could not (another host)
+        self._attached: dict[int, "set[str] | None"] = {}
+        self._grad_slots: dict[tuple[int, str], torch.Tensor] = {}
+
+    def new_tensor(self, shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor for a worker's cached parameter: in the arena when there is one."""
+        if self.arena is None:
+            return torch.empty(shape, dtype=dtype)
+        return self.arena.tensor(shape, dtype)
+
+    def _shares(self, index: int) -> bool:
+        """Whether ps task ``index`` has mapped every arena segment (asking it to, first)."""
+        if self.arena is None:
+            return False
+        attached = self._attached.get(index, set())
+        if attached is None:
+            return False
+        infos = [info for info in self.arena.segments() if info[0] not in attached]
+        if infos:
+            ok = bool(self.exchange({index: (("attach", infos), (), None)})[index][0])
+            if not ok:
+                self._attached[index] = None
+                return False
+            attached = attached | {info[0] for info in infos}
+            self._attached[index] = attached
+        return True
+
+    def _grad_place(self, index: int, key: str, grad: torch.Tensor) -> "Place | None":
+        """Copies a dense gradient for ``key`` on ps ``index`` into its slot in the arena; the slot's place."""
+        assert self.arena is not None
+        slot = self._grad_slots.get((index, key))
+        if slot is None or slot.shape != grad.shape or slot.dtype != grad.dtype:
+            slot = self._grad_slots[(index, key)] = self.arena.tensor(grad.shape, grad.dtype)
+        slot.copy_(grad)
+        return self.arena.place(slot)
 
     def _lost(self, index: int, cause: BaseException) -> ParameterServerError:
         return ParameterServerError(
@@ -99,6 +142,7 @@ class PSClient:
     def _drop(self, index: int) -> None:
         with self._lock:
             link = self._links.pop(index, None)
+            self._attached.pop(index, None)
         if link is not None:
             link.close()
 
@@ -116,8 +160,17 @@ class PSClient:
         return out
 
     def pull_into(self, by_ps: "dict[int, list[tuple[str, torch.Tensor]]]") -> None:
-        """Reads each key straight into its destination tensor (a worker's parameter)."""
-        self.exchange({i: (("pull", [k for k, _ in items]), (), [d for _, d in items]) for i, items in by_ps.items()})
+        """Reads each key straight into its destination tensor (a worker's parameter).
+
+        A ps task on this host copies into destinations in the arena itself."""
+        requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
+        for i, items in by_ps.items():
+            places = [self.arena.place(d) for _, d in items] if self.arena is not None else []
+            if places and all(p is not None for p in places) and self._shares(i):
+                requests[i] = (("pull_shared", [k for k, _ in items], places), (), None)
+            else:
+                requests[i] = (("pull", [k for k, _ in items]), (), [d for _, d in items])
+        self.exchange(requests)
 
     def write(self, kind: str, placed: Sequence[tuple[int, str]], values: Sequence[torch.Tensor]) -> None:
         """``create`` or ``assign`` values at ``(ps index, key)`` pairs."""
@@ -137,12 +190,20 @@ class PSClient:
         """Applies gradients: ``(key, row ids or None, grad, optimizer class, hyper-parameters)`` per ps task."""
         requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
         for i, items in by_ps.items():
+            may_share = self.arena is not None and self._attached.get(i, set()) is not None
+            # slots first: a slot in a new segment is attached by _shares below
+            places: list[Any] = [self._grad_place(i, key, grad) if may_share and ids is None and grad.layout == torch.strided
+                                 else None for key, ids, grad, _, _ in items]
+            if not (may_share and self._shares(i)):
+                places = [None] * len(items)
             tensors: list[torch.Tensor] = []
-            for _, ids, grad, _, _ in items:
+            for (_, ids, grad, _, _), place in zip(items, places):
                 if ids is not None:
                     tensors.append(ids)
-                tensors.append(grad)
-            header = ("push", [(k, ids is not None) for k, ids, _, _, _ in items], [(c, h) for _, _, _, c, h in items])
+                if place is None:
+                    tensors.append(grad)
+            header = ("push", [(k, ids is not None) for k, ids, _, _, _ in items], [(c, h) for _, _, _, c, h in items],
+                      places)
             requests[i] = (header, list(tensors), None)
         self.exchange(requests)
 
@@ -154,5 +215,9 @@ class PSClient:
         """Closes every connection."""
         with self._lock:
             links, self._links = list(self._links.values()), {}
+            self._attached.clear()
         for link in links:
             link.close()
+        self._grad_slots.clear()
+        if self.arena is not None:
+            self.arena.close()

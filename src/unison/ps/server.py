@@ -148,7 +148,9 @@ class Server:
         self._track(channel)
         with self._session_lock:  # one coordinator at a time
             config = message[1]
-            client = PSClient(config["ps"], self._authkey, timeout=config["timeout"])
+            # UNISON_PS_SHARED_MEMORY=0 keeps every ps byte on the sockets (comparisons, restricted /proc)
+            shared = os.environ.get("UNISON_PS_SHARED_MEMORY", "1") != "0"
+            client = PSClient(config["ps"], self._authkey, timeout=config["timeout"], shared=shared)
             runtime = RUNTIME.current = WorkerRuntime(client, config["worker_index"])
             try:
                 while True:

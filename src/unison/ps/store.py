@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from unison.ps.shared_arena import MappedSegments
 from unison.ps.transport import TensorLink
 
 __all__ = ["ParameterStore", "serve_ps_session"]
@@ -76,6 +77,20 @@ class ParameterStore:
                 return tensor.clone()
             return out.copy_(tensor)
 
+    def read_to(self, key: str, out: torch.Tensor) -> None:
+        """Copies the tensor into ``out`` (a worker's parameter in shared memory) under its lock.
+
+        Raises:
+            ValueError: if ``out`` has another shape or dtype.
+        """
+        slot = self._slot(key)
+        with slot.lock:
+            tensor = slot.tensor
+            if out.shape != tensor.shape or out.dtype != tensor.dtype:
+                raise ValueError(f"{key!r} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"the worker's copy {tuple(out.shape)} {out.dtype}")
+            out.copy_(tensor)
+
     def read_rows(self, key: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` (int64, local to this shard) of the tensor."""
         slot = self._slot(key)
@@ -93,8 +108,11 @@ class ParameterStore:
         slot = self._slot(key)
         with slot.lock, torch.no_grad():
             tensor = slot.tensor
-            if ids is not None and _plain_sgd(cls, hyper):
-                tensor.index_add_(0, ids, grad.to(tensor.dtype), alpha=-float(hyper["lr"]))
+            if _plain_sgd(cls, hyper):  # what SGD.step does, without its per-step machinery
+                if ids is None:
+                    tensor.add_(grad.to(tensor.dtype).view_as(tensor), alpha=-float(hyper["lr"]))
+                else:
+                    tensor.index_add_(0, ids, grad.to(tensor.dtype), alpha=-float(hyper["lr"]))
                 return
             optimizer = slot.optimizers.get(cls)
             if optimizer is None:
@@ -120,12 +138,24 @@ def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
         ("create", keys) + values -> ("ok",)
         ("pull", keys) -> ("ok",) + values
         ("pull_rows", keys) + ids per key -> ("ok",) + rows per key
-        ("push", [(key, has_ids)], [(cls, hyper)]) + per entry [ids] grad -> ("ok",)
+        ("push", [(key, has_ids)], [(cls, hyper)], [place or None]) + per entry [ids] [grad] -> ("ok",)
+            (a dense gradient with a place is read from the worker's shared memory, not sent)
+        ("attach", [segment info]) -> ("ok",) + a bool tensor: whether the worker's shared
+            segments could be mapped (same host); see :mod:`unison.ps.shared_arena`
+        ("pull_shared", keys, places) -> ("ok",), each value copied into the worker's place
         ("assign", keys) + values -> ("ok",)
         ("ping",) -> ("ok",)
     Errors come back as ("error", exception, traceback text).
     """
     replies: dict[int, torch.Tensor] = {}  # pull buffers, reused: each is sent before the next request
+    shared = MappedSegments()
+    try:
+        _serve(store, link, replies, shared)
+    finally:
+        shared.close()
+
+
+def _serve(store: ParameterStore, link: TensorLink, replies: dict[int, torch.Tensor], shared: MappedSegments) -> None:
     while True:
         try:
             header, tensors = link.recv(reuse=True)  # every request is done with them before the next
@@ -137,13 +167,22 @@ def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
             if kind == "pull":
                 reply = [store.read_into(k, replies.get(i)) for i, k in enumerate(header[1])]
                 replies.update(enumerate(reply))
+            elif kind == "pull_shared":
+                for key, place in zip(header[1], header[2]):
+                    store.read_to(key, shared.tensor(place))
+            elif kind == "attach":
+                reply = [torch.tensor([shared.attach(header[1])])]
             elif kind == "pull_rows":
                 reply = [store.read_rows(k, ids) for k, ids in zip(header[1], tensors)]
             elif kind == "push":
                 position = 0
-                for (key, has_ids), (cls, hyper) in zip(header[1], header[2]):
+                places = header[3] if len(header) > 3 else [None] * len(header[1])
+                for (key, has_ids), (cls, hyper), place in zip(header[1], header[2], places):
                     ids = tensors[position] if has_ids else None
                     position += 1 if has_ids else 0
+                    if place is not None:
+                        store.apply(key, shared.tensor(place), ids, cls, hyper)
+                        continue
                     store.apply(key, tensors[position], ids, cls, hyper)
                     position += 1
             elif kind == "create":

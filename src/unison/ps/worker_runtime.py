@@ -165,7 +165,7 @@ class WorkerRuntime:
                 param = WorkerShardedParameter(torch.zeros((), dtype=spec.dtype).expand(spec.shape), spec.requires_grad)
                 param._ps_runtime = self
             else:
-                param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=spec.requires_grad)
+                param = nn.Parameter(self.client.new_tensor(spec.shape, spec.dtype), requires_grad=spec.requires_grad)
             param._ps_spec = spec
             attach(param, self._sync)
             self._cache[spec.key] = param
