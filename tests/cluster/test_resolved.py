@@ -83,3 +83,10 @@ def test_nothing_outside_cluster_reads_cluster_variables():
     offenders = [str(path.relative_to(root)) for path in root.rglob("*.py")
                  if "cluster" not in path.relative_to(root).parts and reads.search(path.read_text())]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("value, shared", [(None, True), ("1", True), ("0", False), (" 0 ", False)])
+def test_ps_shared_memory_is_on_unless_the_variable_says_0(value, shared):
+    from unison.cluster.env import ps_shared_memory
+
+    assert ps_shared_memory({} if value is None else {"UNISON_PS_SHARED_MEMORY": value}) is shared

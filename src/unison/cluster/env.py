@@ -21,6 +21,7 @@ __all__ = [
     "UNISON_COORDINATOR_PORT",
     "UNISON_RESTART_COUNT",
     "UNISON_RENDEZVOUS",
+    "UNISON_PS_SHARED_MEMORY",
     "MIN_KEY_BYTES",
     "read_authkey",
     "rendezvous_address",
@@ -30,6 +31,7 @@ __all__ = [
     "rendezvous_token",
     "thread_setting",
     "slurm_cpus_per_task",
+    "ps_shared_memory",
 ]
 
 #: JSON cluster description, in TensorFlow's format: ``{"cluster": {...}, "task": {...}}``.
@@ -53,6 +55,10 @@ UNISON_RESTART_COUNT = "UNISON_RESTART_COUNT"
 #: hosting one at the collective leader's address (set by test harnesses and by the
 #: coordinator's standalone client, whose leader port is taken by its standard server).
 UNISON_RENDEZVOUS = "UNISON_RENDEZVOUS"
+
+#: "0" on a worker keeps all its parameter-server traffic on the sockets, even with a ps
+#: task on its host (comparisons; hosts whose ``/proc`` hides a worker's memory files).
+UNISON_PS_SHARED_MEMORY = "UNISON_PS_SHARED_MEMORY"
 
 
 #: The shortest control-channel key accepted, in bytes.
@@ -164,3 +170,8 @@ def slurm_cpus_per_task(environ: "Mapping[str, str] | None" = None) -> "int | No
     """``SLURM_CPUS_PER_TASK`` (``srun -c``), or None when unset or not a positive integer."""
     text = _environ(environ).get("SLURM_CPUS_PER_TASK", "").strip()
     return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def ps_shared_memory(environ: "Mapping[str, str] | None" = None) -> bool:
+    """Whether a worker may exchange ps values through shared memory (``UNISON_PS_SHARED_MEMORY`` is not "0")."""
+    return _environ(environ).get(UNISON_PS_SHARED_MEMORY, "1").strip() != "0"

@@ -19,6 +19,7 @@ import threading
 import traceback
 from typing import Any
 
+from unison.cluster.env import ps_shared_memory
 from unison.cluster.spec import ClusterSpec
 from unison.coordinator.channel import Channel, require_authkey
 from unison.coordinator.server import StandardServer
@@ -148,9 +149,7 @@ class Server:
         self._track(channel)
         with self._session_lock:  # one coordinator at a time
             config = message[1]
-            # UNISON_PS_SHARED_MEMORY=0 keeps every ps byte on the sockets (comparisons, restricted /proc)
-            shared = os.environ.get("UNISON_PS_SHARED_MEMORY", "1") != "0"
-            client = PSClient(config["ps"], self._authkey, timeout=config["timeout"], shared=shared)
+            client = PSClient(config["ps"], self._authkey, timeout=config["timeout"], shared=ps_shared_memory())
             runtime = RUNTIME.current = WorkerRuntime(client, config["worker_index"])
             try:
                 while True:
