@@ -64,7 +64,9 @@ class PrimaryShadow:
         self._shadow = self._build(optimizer)
 
     def _build(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        variables, aliases, variable_of = [], [], {}
+        variables: list[torch.Tensor] = []
+        aliases: list[torch.Tensor] = []
+        variable_of: dict[torch.Tensor, torch.Tensor] = {}
         groups = []
         with torch._C.DisableTorchFunctionSubclass():
             for group in optimizer.param_groups:
@@ -72,14 +74,15 @@ class PrimaryShadow:
                 for param in group["params"]:
                     alias = param
                     if isinstance(param, DistributedVariable):
-                        alias = param.detach().requires_grad_(param.requires_grad)
-                        variable_of[alias] = param
+                        tensor = typing.cast(torch.Tensor, param)  # a tensor subclass, not typed as one
+                        alias = tensor.detach().requires_grad_(tensor.requires_grad)
+                        variable_of[alias] = tensor
                     variables.append(param)
                     aliases.append(alias)
                     params.append(alias)
                 groups.append({**group, "params": params})
         shadow = copy.copy(optimizer)
-        shadow.state = _StateOfVariables(optimizer.state, variable_of)
+        shadow.state = typing.cast(Any, _StateOfVariables(optimizer.state, variable_of))  # a mapping, not a defaultdict
         shadow._optimizer_step_pre_hooks = OrderedDict()
         shadow._optimizer_step_post_hooks = OrderedDict()
         shadow.param_groups = groups

@@ -189,7 +189,9 @@ class ReplicaGradientSync:
     def _aggregate(self, strategy: Any, params: list) -> None:
         devices = self._devices
         n = self._num_replicas
-        targets, per_param, made = [], [], []
+        targets: list[DistributedVariable] = []
+        per_param: list[tuple[torch.Tensor, ...]] = []
+        made: list[int] = []
         # One subclass-dispatch switch for the whole walk (not one per component): this
         # runs every step, on every variable.
         with torch._C.DisableTorchFunctionSubclass():
@@ -197,14 +199,15 @@ class ReplicaGradientSync:
                 if not isinstance(param, DistributedVariable):
                     continue
                 components = [param._component(i) for i in range(n)]
-                grads = [c.grad for c in components]
-                if all(g is None for g in grads):
+                maybe_grads = [c.grad for c in components]
+                if all(g is None for g in maybe_grads):
                     continue
-                if any(g is None for g in grads):
-                    grads = [g if g is not None else torch.zeros_like(c.detach()) for c, g in zip(components, grads)]
+                if any(g is None for g in maybe_grads):
                     made.append(len(targets))
+                grads = tuple(g if g is not None else torch.zeros_like(c.detach())
+                              for c, g in zip(components, maybe_grads))
                 targets.append(param)
-                per_param.append(tuple(grads))
+                per_param.append(grads)
         if not targets:
             return
         if self._in_place and self._aggregate_in_place(per_param):
@@ -216,9 +219,9 @@ class ReplicaGradientSync:
         pairs = [(PerReplica(grads), devices) for grads in per_param]
         reduced = self._cross_device_ops.batch_reduce(self._reduce_op(), pairs)
         for param, result in zip(targets, reduced):
-            components = result.values if isinstance(result, Mirrored) else (result,)
+            reduced_grads = result.values if isinstance(result, Mirrored) else (result,)
             for i in range(self._num_replicas):
-                param._set_component_grad(i, components[i])
+                param._set_component_grad(i, reduced_grads[i])
 
     def _aggregate_in_place(self, per_param: list[tuple[torch.Tensor, ...]]) -> bool:
         """Reduces CPU replicas' gradients into the gradients themselves; False if it cannot.

@@ -41,7 +41,6 @@ def _first_replica_id(strategy: "Strategy", num_local: int) -> int:
     return strategy.extended.components.worker_index * num_local
 
 
-@typing.final
 def _all_tensors(args: tuple) -> bool:
     """Whether every argument is a plain tensor (the common step): a loop, cheaper than a generator."""
     for arg in args:
@@ -50,6 +49,7 @@ def _all_tensors(args: tuple) -> bool:
     return True
 
 
+@typing.final
 class InlineReplicaRunner:
     """Runs the single local replica in the calling thread."""
 
@@ -301,7 +301,8 @@ class ThreadedReplicaRunner:
         for i, requests in enumerate(queues, start=first):
             requests.put((self._replica_main, (rendezvous, i, fn, *select_replica(i, (args, kwargs)), modes)))
         if first:  # CPU replicas: replica 0 runs here, while the threads run the others
-            self._replica_main(rendezvous, 0, fn, *select_replica(0, (args, kwargs)), modes)
+            first_args, first_kwargs = select_replica(0, (args, kwargs))
+            self._replica_main(rendezvous, 0, fn, first_args, first_kwargs, modes)
         error = self._coordinate(rendezvous)
         if error is not None:
             raise error
