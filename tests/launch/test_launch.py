@@ -332,3 +332,26 @@ def test_a_task_whose_launcher_died_before_it_started_kills_itself(tmp_path):
     marker.unlink()
     command[command.index(str(os.getpid()))] = "1"  # as if the launcher were gone already
     assert subprocess.run(command, timeout=20).returncode == -signal.SIGKILL and not marker.exists()
+
+
+def test_a_signal_before_a_tasks_output_pumps_start_still_stops_every_task(monkeypatch):
+    """SIGTERM can raise in ``LocalCluster.start`` after a task is recorded but before its
+    pumps start; the stop that follows must end the task, not fail joining an unstarted pump."""
+    import io
+
+    from unison.launch import procs
+
+    def interrupted(self):  # the launcher's SIGTERM handler raising at this very point
+        raise procs.Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(procs._Pump, "start", interrupted)
+    task = Task("worker", 0)
+    cluster = procs.LocalCluster([sys.executable, "-c", "import time; time.sleep(60)"], {task: dict(os.environ)},
+                                 grace_period=5.0, stdout=io.StringIO(), stderr=io.StringIO())
+    with pytest.raises(procs.Interrupted):
+        cluster.start()
+    started = time.monotonic()
+    cluster.stop()
+    assert time.monotonic() - started < 5.0  # ended by SIGTERM, not by the grace period's SIGKILL
+    (running,) = cluster._running
+    assert running.process.returncode == -signal.SIGTERM

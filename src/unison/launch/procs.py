@@ -366,8 +366,7 @@ class LocalCluster:
                 break
 
     def _drain(self, running: _Running) -> None:
-        for pump in running.pumps:
-            pump.join(timeout=1.0)
+        _join_pumps(running)
 
     def stop(self) -> None:
         """SIGTERM to every task's process group, SIGKILL to what remains after the grace period."""
@@ -387,8 +386,19 @@ class LocalCluster:
                 _signal_group(pgid, signal.SIGKILL)
         for r in self._running:
             r.process.wait()
-            for pump in r.pumps:
-                pump.join(timeout=1.0)
+            _join_pumps(r)
+
+
+def _join_pumps(running: _Running) -> None:
+    """Waits (briefly) for a task's output pumps to pass on what is left.
+
+    A pump not started yet is skipped: a SIGTERM to the launcher raises in ``start()``
+    between recording a task and starting its pumps, and the stop that follows must
+    still end every task instead of failing on ``join``.
+    """
+    for pump in running.pumps:
+        if pump.ident is not None:
+            pump.join(timeout=1.0)
 
 
 def _signal_group(pgid: int, signum: int) -> None:
