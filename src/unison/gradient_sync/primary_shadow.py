@@ -14,14 +14,13 @@ or a variable's storage was replaced (``param.data = ...``).
 
 from __future__ import annotations
 
-import copy
 import typing
-from collections import OrderedDict
 from collections.abc import MutableMapping
 from typing import Any, Iterator
 
 import torch
 
+from unison.gradient_sync.shadow_optimizers import follow_hyperparameters, shadow_optimizer
 from unison.values.variables import DistributedVariable
 
 __all__ = ["PrimaryShadow"]
@@ -81,13 +80,8 @@ class PrimaryShadow:
                     aliases.append(alias)
                     params.append(alias)
                 groups.append({**group, "params": params})
-        shadow = copy.copy(optimizer)
-        shadow.state = typing.cast(Any, _StateOfVariables(optimizer.state, variable_of))  # a mapping, not a defaultdict
-        shadow._optimizer_step_pre_hooks = OrderedDict()
-        shadow._optimizer_step_post_hooks = OrderedDict()
-        shadow.param_groups = groups
         self._variables, self._aliases = variables, aliases
-        return shadow
+        return shadow_optimizer(optimizer, groups, _StateOfVariables(optimizer.state, variable_of))
 
     def _current(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the aliases still stand for the optimizer's parameters and their storage."""
@@ -111,10 +105,7 @@ class PrimaryShadow:
             for variable, alias in zip(self._variables, self._aliases):
                 if alias is not variable:
                     alias.grad = variable.grad
-        for shadow_group, group in zip(self._shadow.param_groups, optimizer.param_groups):
-            for key, value in group.items():
-                if key != "params":
-                    shadow_group[key] = value
+        follow_hyperparameters(self._shadow, optimizer)
         return self._shadow
 
     def after_step(self) -> None:

@@ -21,11 +21,10 @@ writes each replica's own component from ``OWN_COMPONENT_WRITES``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import typing
 import weakref
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -37,6 +36,7 @@ from unison.devices import is_cuda
 from unison.context import ReplicaContext
 from unison.errors import GradientSyncError
 from unison.gradient_sync.primary_shadow import PrimaryShadow
+from unison.gradient_sync.shadow_optimizers import follow_hyperparameters, shadow_optimizer
 from unison.reduce import ReduceOp
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import Mirrored, PerReplica
@@ -259,19 +259,12 @@ class ReplicaGradientSync:
             state = shadow.state
             shadow = shadows[replica_id - 1] = self._make_shadow(optimizer, replica_id)
             shadow.state = state
-        for shadow_group, group in zip(shadow.param_groups, optimizer.param_groups):
-            for key, value in group.items():
-                if key != "params":
-                    shadow_group[key] = value
+        follow_hyperparameters(shadow, optimizer)
         return shadow
 
     def _make_shadow(self, optimizer: torch.optim.Optimizer, replica_id: int) -> torch.optim.Optimizer:
-        shadow = copy.copy(optimizer)
-        shadow.state = defaultdict(dict)
-        shadow._optimizer_step_pre_hooks = OrderedDict()
-        shadow._optimizer_step_post_hooks = OrderedDict()
-        shadow.param_groups = [] if not self._storage.replicas_step else [
+        groups = [] if not self._storage.replicas_step else [
             {**group, "params": [p._component(replica_id) for p in group["params"] if isinstance(p, DistributedVariable)]}
             for group in optimizer.param_groups
         ]
-        return shadow
+        return shadow_optimizer(optimizer, groups, defaultdict(dict))

@@ -22,6 +22,7 @@ tf.distribute has no equivalent (its gRPC runtime copies on one host too).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -92,9 +93,7 @@ class SharedArena:
 
     def tensor(self, shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
         """A new tensor (zeros) in shared memory."""
-        numel = 1
-        for dim in shape:
-            numel *= dim
+        numel = math.prod(shape)
         nbytes = max(numel * dtype.itemsize, 1)
         with self._lock:
             segment, offset = None, None
@@ -181,10 +180,7 @@ class MappedSegments:
         """
         token, offset, shape, dtype = place
         mapped, data = self._maps[token]
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        end = offset + numel * dtype.itemsize
+        end = offset + math.prod(shape) * dtype.itemsize
         if offset < _TOKEN_BYTES or end > len(mapped):
             raise ValueError(f"place {offset}..{end} is outside the worker's segment of {len(mapped)} bytes")
         return data[offset:end].view(dtype).view(shape)

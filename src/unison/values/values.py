@@ -188,14 +188,7 @@ def select_replica(replica_id: int, structure: Any) -> Any:
         return picked
 
     def pick(leaf: Any) -> Any:
-        if isinstance(leaf, _ValueContainer):
-            if replica_id >= len(leaf.values):
-                raise ValueError(
-                    f"{type(leaf).__name__} has {len(leaf.values)} components but replica "
-                    f"{replica_id} asked for one: pass one component per replica"
-                )
-            return leaf.values[replica_id]
-        return leaf
+        return _pick_component(replica_id, leaf) if isinstance(leaf, _ValueContainer) else leaf
 
     return pytree.tree_map(pick, structure, is_leaf=is_distributed)
 
