@@ -22,7 +22,7 @@ def test_round_robin_ensemble_trains_on_a_cluster_as_the_placement_says(tmp_path
     env.pop("TF_CONFIG", None)
     done = subprocess.run(
         [sys.executable, "-m", "unison.launch", "--chief", "--workers", "4", "--ps", "2",
-         str(ROOT / "examples" / "ensemble.py"), "--placement", "round_robin", "--steps", "120",
+         str(ROOT / "examples" / "ensemble.py"), "--placement", "round_robin", "--steps", "200",
          "--checkpoint", str(tmp_path / "ensemble.pt"), "--report", str(report)],
         env=env, capture_output=True, text=True, timeout=230, cwd=tmp_path,
     )
