@@ -225,9 +225,11 @@ def replica_thread_is_idle(thread: threading.Thread) -> bool:
     return thread not in _BUSY
 
 
-def _serve_replica(requests: "queue.SimpleQueue[Any]") -> None:
+def _serve_replica(requests: "queue.SimpleQueue[Any]", threads: int) -> None:
     """A replica thread: runs each step it is handed until it is handed None."""
     me = threading.current_thread()
+    torch.get_num_threads()  # torch's lazy per-thread set-up first: it would take the process-wide count
+    torch.set_num_threads(threads)
     while True:
         item = requests.get()
         if item is None:
@@ -256,14 +258,21 @@ class ThreadedReplicaRunner:
     its device current, and the caller runs their merges under its own device.
 
     The replica threads are started on the first ``run`` and kept, waiting for the next
-    step (a thread start per replica per step cost more than a small step). They keep
-    the process's intra-op thread setting: giving each replica thread only its share
-    (``torch.set_num_threads`` in the thread) measured slower on W1 and W2
-    (``benchmarks/in_process.py``: 0.51 and 0.30 of plain against 0.67 and 0.70). They
-    run at once: running them one at a time, passing a baton at merge calls (as
-    TensorFlow's eager MirroredStrategy does), measured 0.50 of plain on W2 against 0.69,
-    and no better on W1 or D; measured again with replica 0 in the caller's thread, it
-    tied (D 0.20 both ways, W2 0.47 against 0.46 on a loaded machine).
+    step (a thread start per replica per step cost more than a small step).
+
+    Each of the ``n`` replicas computes with ``threads // n`` intra-op threads (at least
+    one): the replica threads from their start, replica 0 in the caller's thread only
+    for the step (the caller's count is set back after it). With every replica thread
+    owning a full OpenMP team, libgomp counts more busy threads than CPUs and stops
+    spinning at its barriers: every parallel region then sleeps and wakes its team, which
+    made the 2-replica W2 step ~2x slower and even plain PyTorch in the same process
+    3.5x slower while an idle replica thread existed (the same 3.5x as
+    ``OMP_WAIT_POLICY=PASSIVE``, and none with ``ACTIVE``; ``benchmarks/in_process.py``; an
+    earlier measurement of per-thread shares, slower on W1 and W2, predates replica 0
+    running in the caller's thread, whose full team kept the count above the CPUs).
+    The replicas run at once: running them one at a time, passing a baton at merge
+    calls (as TensorFlow's eager MirroredStrategy does), measured 0.50 of plain on W2
+    against 0.69, and no better on W1 or D.
     """
 
     def __init__(self, strategy: "Strategy", devices: Sequence[str]):
@@ -279,13 +288,16 @@ class ThreadedReplicaRunner:
         # device current, and the caller merges.
         self._first_threaded = 0 if self._merge_in_replica is None else 1
 
+    def _share(self) -> int:
+        return max(1, torch.get_num_threads() // len(self._devices))
+
     def _start_threads(self) -> list["queue.SimpleQueue[Any]"]:
         with self._lock:
             if not self._queues:
                 first = self._first_threaded
                 queues: list["queue.SimpleQueue[Any]"] = [queue.SimpleQueue() for _ in self._devices[first:]]
                 for i, requests in enumerate(queues, start=first):
-                    threading.Thread(target=_serve_replica, args=(requests,),
+                    threading.Thread(target=_serve_replica, args=(requests, self._share()),
                                      name=f"unison-replica-{i}", daemon=True).start()
                 # the threads wait on their queues; when the runner goes, they are told to stop
                 weakref.finalize(self, _stop_replicas, queues)
@@ -302,7 +314,15 @@ class ThreadedReplicaRunner:
             requests.put((self._replica_main, (rendezvous, i, fn, *select_replica(i, (args, kwargs)), modes)))
         if first:  # CPU replicas: replica 0 runs here, while the threads run the others
             first_args, first_kwargs = select_replica(0, (args, kwargs))
-            self._replica_main(rendezvous, 0, fn, first_args, first_kwargs, modes)
+            own = torch.get_num_threads()
+            share = self._share()
+            if own != share:
+                torch.set_num_threads(share)
+            try:
+                self._replica_main(rendezvous, 0, fn, first_args, first_kwargs, modes)
+            finally:
+                if own != share:
+                    torch.set_num_threads(own)
         error = self._coordinate(rendezvous)
         if error is not None:
             raise error
