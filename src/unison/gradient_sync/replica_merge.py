@@ -36,6 +36,7 @@ from unison.devices import is_cuda
 from unison.context import ReplicaContext
 from unison.errors import GradientSyncError
 from unison.gradient_sync.primary_shadow import PrimaryShadow
+from unison.gradient_sync.replica_zero_grad import install_replica_zero_grad
 from unison.gradient_sync.shadow_optimizers import follow_hyperparameters, shadow_optimizer
 from unison.reduce import ReduceOp
 from unison.values.storage import MIRRORED, VariableStorage
@@ -145,6 +146,10 @@ class ReplicaGradientSync:
         context.merge_call(self._aggregate, args=(params,))
         state.grads_reduced = True
 
+    def _replica_id(self) -> "int | None":
+        context = self._current_context()
+        return None if context is None else context.local_replica_id
+
     def _context(self) -> ReplicaContext:
         context = self._current_context()
         if context is None:
@@ -168,6 +173,7 @@ class ReplicaGradientSync:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             context.merge_call(self._aggregate, args=(params,))
         state.grads_reduced = False
+        install_replica_zero_grad(optimizer, self._replica_id)
         OWN_COMPONENT_WRITES.begin()
         replica_id = context.local_replica_id
         if replica_id == 0:
@@ -195,19 +201,21 @@ class ReplicaGradientSync:
         # One subclass-dispatch switch for the whole walk (not one per component): this
         # runs every step, on every variable.
         with torch._C.DisableTorchFunctionSubclass():
-            for param in params:
-                if not isinstance(param, DistributedVariable):
-                    continue
-                components = [param._component(i) for i in range(n)]
-                maybe_grads = [c.grad for c in components]
-                if all(g is None for g in maybe_grads):
-                    continue
-                if any(g is None for g in maybe_grads):
+            variables = [p for p in params if isinstance(p, DistributedVariable)]
+            # the gradients replica by replica, then variable by variable (list comprehensions:
+            # a third of the Python time of a loop per variable, on 400 variables)
+            by_replica = [[v._component(i).grad for v in variables] for i in range(n)]
+            missing = {k for grads in by_replica for k, g in enumerate(grads) if g is None}
+            for k, maybe_grads in enumerate(zip(*by_replica)):
+                if k in missing:
+                    if all(g is None for g in maybe_grads):
+                        continue
                     made.append(len(targets))
-                grads = tuple(g if g is not None else torch.zeros_like(c.detach())
-                              for c, g in zip(components, maybe_grads))
-                targets.append(param)
-                per_param.append(grads)
+                    param = variables[k]
+                    maybe_grads = tuple(g if g is not None else torch.zeros_like(param._component(i).detach())
+                                        for i, g in enumerate(maybe_grads))
+                targets.append(variables[k])
+                per_param.append(maybe_grads)
         if not targets:
             return
         if self._in_place and self._aggregate_in_place(per_param):
@@ -243,7 +251,11 @@ class ReplicaGradientSync:
         for k in range(1, self._num_replicas):
             torch._foreach_add_(firsts, [values[k] for values in per_param])
         if self._reduce_op() is ReduceOp.MEAN:
-            torch._foreach_div_(firsts, float(self._num_replicas))
+            n = self._num_replicas
+            if n & (n - 1) == 0:  # x * (1 / 2**k) is x / 2**k exactly, and multiplies faster
+                torch._foreach_mul_(firsts, 1.0 / n)
+            else:
+                torch._foreach_div_(firsts, float(n))
         for k in range(1, self._num_replicas):
             torch._foreach_copy_([values[k] for values in per_param], firsts)
         return True

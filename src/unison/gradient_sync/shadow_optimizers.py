@@ -25,6 +25,7 @@ def shadow_optimizer(optimizer: torch.optim.Optimizer, param_groups: list[dict[s
     shadow._optimizer_step_pre_hooks = OrderedDict()
     shadow._optimizer_step_post_hooks = OrderedDict()
     shadow.param_groups = param_groups
+    shadow.__dict__.pop("zero_grad", None)  # the user's instance's replica zero_grad (replica_zero_grad.py)
     return shadow
 
 
