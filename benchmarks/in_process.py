@@ -46,9 +46,9 @@ import unison
 WORKLOADS: dict[str, dict[str, Any]] = {
     "W1": {"make": lambda: nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                                          nn.Linear(1024, 10)),
-           "batch": 256, "inputs": 784, "outputs": 10, "steps": 4},
+           "batch": 256, "inputs": 784, "outputs": 10, "steps": 6},
     "W2": {"make": lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(200)]),
-           "batch": 256, "inputs": 64, "outputs": 64, "steps": 2},
+           "batch": 256, "inputs": 64, "outputs": 64, "steps": 8},
     "D": {"make": lambda: nn.Linear(10, 10), "batch": 8, "inputs": 10, "outputs": 10, "steps": 200},
 }
 VARIANTS = ("plain", "one_device", "mirrored")

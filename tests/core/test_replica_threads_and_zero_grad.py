@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import threading
 import weakref
 
 import pytest
@@ -50,6 +51,16 @@ def test_each_replica_computes_with_its_share_of_the_threads(four_threads):
     assert torch.get_num_threads() == 4  # the caller's own count, back after the step
     assert counts(unison.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])) == [1, 1, 1]
     assert torch.get_num_threads() == 4
+
+
+def test_threads_started_after_the_replicas_keep_the_callers_count(four_threads):
+    strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"])
+    strategy.run(lambda: None)
+    seen = []
+    later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    later.start()
+    later.join(10)
+    assert seen == [4]
 
 
 def test_the_caller_gets_its_thread_count_back_when_a_replica_raises(four_threads):

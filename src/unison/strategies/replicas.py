@@ -225,11 +225,12 @@ def replica_thread_is_idle(thread: threading.Thread) -> bool:
     return thread not in _BUSY
 
 
-def _serve_replica(requests: "queue.SimpleQueue[Any]", threads: int) -> None:
+def _serve_replica(requests: "queue.SimpleQueue[Any]", threads: int, ready: threading.Event) -> None:
     """A replica thread: runs each step it is handed until it is handed None."""
     me = threading.current_thread()
     torch.get_num_threads()  # torch's lazy per-thread set-up first: it would take the process-wide count
     torch.set_num_threads(threads)
+    ready.set()
     while True:
         item = requests.get()
         if item is None:
@@ -296,9 +297,18 @@ class ThreadedReplicaRunner:
             if not self._queues:
                 first = self._first_threaded
                 queues: list["queue.SimpleQueue[Any]"] = [queue.SimpleQueue() for _ in self._devices[first:]]
+                own, share = torch.get_num_threads(), self._share()
+                started = []
                 for i, requests in enumerate(queues, start=first):
-                    threading.Thread(target=_serve_replica, args=(requests, self._share()),
+                    ready = threading.Event()
+                    threading.Thread(target=_serve_replica, args=(requests, share, ready),
                                      name=f"unison-replica-{i}", daemon=True).start()
+                    started.append(ready)
+                for ready in started:
+                    ready.wait(10.0)
+                # torch.set_num_threads also sets the count threads started later take: the
+                # caller's again, not a replica's share
+                torch.set_num_threads(own)
                 # the threads wait on their queues; when the runner goes, they are told to stop
                 weakref.finalize(self, _stop_replicas, queues)
                 self._queues = queues
