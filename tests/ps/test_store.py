@@ -72,3 +72,22 @@ def test_concurrent_pushes_are_each_applied_whole():
 def test_unknown_key_names_it():
     with pytest.raises(KeyError, match="'nope'"):
         ParameterStore().read("nope")
+
+
+def test_added_differences_from_concurrent_sessions_all_count():
+    store = ParameterStore()
+    store.create("n", torch.tensor(0))
+    store.create("m", torch.zeros(2, 2))
+
+    def worker():
+        for _ in range(200):
+            store.add("n", torch.tensor(1))
+            store.add("m", torch.full((4,), 0.5))  # any shape of as many elements
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert store.read("n").item() == 800 and store.read("n").dtype == torch.int64
+    torch.testing.assert_close(store.read("m"), torch.full((2, 2), 400.0))

@@ -149,3 +149,40 @@ def test_mapping_checks_the_segment_token():
         mapped.close()
         del t
         arena.close()
+
+
+@pytest.mark.timeout(30)
+def test_changes_to_non_trainable_variables_reach_the_ps_as_added_differences(client, monkeypatch):
+    # Two workers pull the same BatchNorm-like statistics and a batch counter, each changes
+    # them in place; both changes add up on the ps. A bool is assigned; unchanged ones move nothing.
+    mean0, count0 = torch.tensor([1.0, 2.0]), torch.tensor(5)
+    client.write("create", [(0, "mean"), (1, "count"), (0, "flag"), (1, "same")],
+                 [mean0, count0, torch.tensor([False, False]), torch.ones(3)])
+    specs = [VariableSpec("mean", (2,), torch.float32, False, (Placement(0, "mean", 2),), False),
+             VariableSpec("count", (), torch.int64, False, (Placement(1, "count", 1),), False),
+             VariableSpec("flag", (2,), torch.bool, False, (Placement(0, "flag", 2),), False),
+             VariableSpec("same", (3,), torch.float32, False, (Placement(1, "same", 3),), False)]
+    writes = []
+    original = client.write
+    monkeypatch.setattr(client, "write", lambda kind, placed, values: writes.append((kind, placed)) or
+                        original(kind, placed, values))
+    workers = [WorkerRuntime(client, i) for i in range(2)]
+    pulled = []
+    for runtime in workers:
+        runtime.begin()
+        pulled.append([runtime.variable(spec) for spec in specs])
+        runtime.pull_touched()
+    for (mean, count, flag, _), shift in zip(pulled, (0.5, 0.25)):
+        with torch.no_grad():
+            mean.mul_(0.9).add_(shift)  # what batch_norm does to running_mean
+            count.add_(1)
+            flag[0] = True
+    for runtime in workers:
+        runtime.push_changes()
+        runtime.end()
+    mean, count, flag, same = client.read([(0, "mean"), (1, "count"), (0, "flag"), (1, "same")])
+    torch.testing.assert_close(mean, mean0 + (mean0 * 0.9 + 0.5 - mean0) + (mean0 * 0.9 + 0.25 - mean0))
+    assert count.item() == 7 and count.dtype == torch.int64
+    assert flag.tolist() == [True, False]
+    torch.testing.assert_close(same, torch.ones(3))
+    assert writes == [("add", [(0, "mean"), (1, "count")]), ("assign", [(0, "flag")])] * 2

@@ -173,7 +173,7 @@ class PSClient:
         self.exchange(requests)
 
     def write(self, kind: str, placed: Sequence[tuple[int, str]], values: Sequence[torch.Tensor]) -> None:
-        """``create`` or ``assign`` values at ``(ps index, key)`` pairs."""
+        """``create``, ``assign`` or ``add`` values at ``(ps index, key)`` pairs, one request per ps task."""
         by_ps: dict[int, tuple[list[str], list[torch.Tensor]]] = {}
         for (index, key), value in zip(placed, values):
             keys, tensors = by_ps.setdefault(index, ([], []))

@@ -93,10 +93,10 @@ class PSVariablePolicy:
                              f"0..{len(self._ps_addresses) - 1}")
         return task
 
-    def _spec(self, value: torch.Tensor, name: str, requires_grad: bool) -> VariableSpec:
+    def _spec(self, value: torch.Tensor, name: str, requires_grad: bool, partition: bool = True) -> VariableSpec:
         shape, uid = tuple(value.shape), next(self._ids)
         shards = 1
-        if self._partitioner is not None and value.dim() > 0 and shape[0] > 1:
+        if partition and self._partitioner is not None and value.dim() > 0 and shape[0] > 1:
             shards = int(self._partitioner(shape, value.dtype)[0])
         row_numel = math.prod(shape[1:]) if shape else 1
         rows = shard_rows(shape[0], shards) if shape else [1]
@@ -104,8 +104,8 @@ class PSVariablePolicy:
                       for i, r in enumerate(rows))
         return VariableSpec(name, shape, value.dtype, requires_grad, parts, shards > 1)
 
-    def _make(self, value: torch.Tensor, name: str, requires_grad: bool) -> _RemoteParameter:
-        spec = self._spec(value, name, requires_grad)
+    def _make(self, value: torch.Tensor, name: str, requires_grad: bool, partition: bool = True) -> _RemoteParameter:
+        spec = self._spec(value, name, requires_grad, partition)
         cls = ShardedVariable if spec.sharded else PSVariable
         variable = cls._create(value.detach(), requires_grad, spec, self)
         for _, created in self._override:
@@ -119,9 +119,16 @@ class PSVariablePolicy:
             return param
         return self._make(param, name, param.requires_grad)
 
-    def wrap_buffer(self, buffer: torch.Tensor, name: str) -> None:
-        """Buffers stay plain tensors of the module (they travel with it, by value)."""
-        return None
+    def wrap_buffer(self, buffer: torch.Tensor, name: str) -> _RemoteParameter:
+        """A whole (never partitioned) non-trainable ps variable in place of ``buffer``.
+
+        Workers pull it with the parameters; what a scheduled function changes in it
+        (BatchNorm's running statistics, its batch count) is added on the ps task when
+        the function ends (see ``WorkerRuntime.push_changes``).
+        """
+        if isinstance(buffer, _RemoteParameter):
+            return buffer
+        return self._make(buffer, name, False, partition=False)
 
     def create(self, value: torch.Tensor, *, trainable: bool, name: "str | None",
                synchronization: VariableSynchronization, aggregation: VariableAggregation) -> _RemoteParameter:
@@ -169,7 +176,7 @@ class PSVariablePolicy:
 
     @contextlib.contextmanager
     def place_parameters_in(self, assign: Callable[[str], int]) -> Iterator[None]:
-        """Parameters created inside go to ps task ``assign(name)`` (see the strategy's extended)."""
+        """Parameters (and buffers) created inside go to ps task ``assign(name)`` (see the strategy's extended)."""
         created: list[_RemoteParameter] = []
         modules: list[nn.Module] = []
         children: set[int] = set()
@@ -183,7 +190,8 @@ class PSVariablePolicy:
             modules.append(module)
 
         handles = [nn.modules.module.register_module_module_registration_hook(on_module),
-                   nn.modules.module.register_module_parameter_registration_hook(on_parameter)]
+                   nn.modules.module.register_module_parameter_registration_hook(on_parameter),
+                   nn.modules.module.register_module_buffer_registration_hook(on_parameter)]
         self._override.append((assign, created))
         try:
             yield
@@ -197,7 +205,7 @@ class PSVariablePolicy:
             if id(module) in children or id(module) in seen:
                 continue
             seen.add(id(module))
-            for name, param in module.named_parameters():
+            for name, param in itertools.chain(module.named_parameters(), module.named_buffers()):
                 if id(param) in pending:
                     variable = pending[id(param)]
                     task = assign(name)

@@ -186,7 +186,9 @@ class Server:
                 fn, args, kwargs = pickle.loads(request[1])
                 runtime.pull_touched()
                 try:
-                    return ("result", fn(*args, **kwargs))
+                    result = fn(*args, **kwargs)
+                    runtime.push_changes()  # only a function that returned changes the ps variables
+                    return ("result", result)
                 finally:
                     runtime.end()
             raise ValueError(f"unknown worker request {kind!r}")

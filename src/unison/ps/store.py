@@ -103,6 +103,16 @@ class ParameterStore:
         with slot.lock:
             slot.tensor.copy_(value)
 
+    def add(self, key: str, delta: torch.Tensor) -> None:
+        """Adds ``delta`` to the tensor (a worker's change to a buffer or other non-trainable variable).
+
+        Changes from several workers add up, whatever their order: TensorFlow's
+        ``assign_add``/``assign_sub`` on a ps variable (BatchNorm's moving averages).
+        """
+        slot = self._slot(key)
+        with slot.lock:
+            slot.tensor.add_(delta.to(slot.tensor.dtype).view_as(slot.tensor))
+
     def apply(self, key: str, grad: torch.Tensor, ids: "torch.Tensor | None", cls: type, hyper: dict) -> None:
         """Applies optimizer ``cls`` with ``hyper`` to ``key`` for ``grad`` (of rows ``ids`` when given)."""
         slot = self._slot(key)
@@ -144,6 +154,7 @@ def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
             segments could be mapped (same host); see :mod:`unison.ps.shared_arena`
         ("pull_shared", keys, places) -> ("ok",), each value copied into the worker's place
         ("assign", keys) + values -> ("ok",)
+        ("add", keys) + deltas -> ("ok",)
         ("ping",) -> ("ok",)
     Errors come back as ("error", exception, traceback text).
     """
@@ -191,6 +202,9 @@ def _serve(store: ParameterStore, link: TensorLink, replies: dict[int, torch.Ten
             elif kind == "assign":
                 for key, value in zip(header[1], tensors):
                     store.assign(key, value)
+            elif kind == "add":
+                for key, delta in zip(header[1], tensors):
+                    store.add(key, delta)
             elif kind != "ping":
                 raise ValueError(f"unknown ps request {kind!r}")
             message: Any = ("ok",)

@@ -8,6 +8,12 @@ task, straight into the cached parameters, so the forward pass runs on plain
 ``LAZY_BYTES`` or more) is a :class:`WorkerShardedParameter`: an embedding lookup pulls
 only the rows of its batch; any other use pulls the whole tensor.
 
+A function's changes to non-trainable whole variables (module buffers such as
+BatchNorm's running statistics, counters made with ``unison.Variable(trainable=False)``)
+go to the ps tasks when it returns, as the difference to what was pulled, added there
+(one request per ps task): concurrent workers' changes add up, as TensorFlow's
+``assign_add``/``assign_sub`` on ps variables do; a bool variable is assigned.
+
 ``optimizer.step()`` on the worker does not update locally: the optimizer step
 pre-hook (:mod:`unison.gradient_sync.step_hooks`) finds this worker's gradient sync on the
 parameters and pushes every gradient (whole, or only the touched rows) with the
@@ -145,6 +151,7 @@ class WorkerRuntime:
         self._cache: dict[str, nn.Parameter] = {}
         self._touched: dict[str, nn.Parameter] = {}
         self._rows: list[tuple[WorkerShardedParameter, "torch.Tensor | None", torch.Tensor]] = []
+        self._pulled: dict[str, torch.Tensor] = {}  # non-trainable values as pulled, to find the changes
         self._sync = _GradientSync(self)
         self.datasets: dict[int, Any] = {}
         self.iterators: dict[int, Any] = {}
@@ -156,6 +163,7 @@ class WorkerRuntime:
             param.grad = None
         self._touched.clear()
         self._rows.clear()
+        self._pulled.clear()
 
     def variable(self, spec: VariableSpec) -> nn.Parameter:
         """This worker's parameter for ``spec`` (created on first use), noted as touched."""
@@ -181,10 +189,30 @@ class WorkerRuntime:
             by_ps.setdefault(part.task, []).append((part.key, param.detach()))
         if by_ps:
             self.client.pull_into(by_ps)
+        self._pulled = {key: param.detach().clone() for key, param in self._touched.items()
+                        if not getattr(param, "_ps_spec").requires_grad}
+
+    def push_changes(self) -> None:
+        """Sends what the function changed in non-trainable whole variables: differences to
+        add (a bool variable: its value to assign), one request per ps task each."""
+        adds: tuple[list[tuple[int, str]], list[torch.Tensor]] = ([], [])
+        assigns: tuple[list[tuple[int, str]], list[torch.Tensor]] = ([], [])
+        for key, before in self._pulled.items():
+            now = self._touched[key].detach()
+            if torch.equal(now, before):
+                continue
+            part = getattr(self._touched[key], "_ps_spec").parts[0]
+            placed, values = assigns if now.dtype == torch.bool else adds
+            placed.append((part.task, part.key))
+            values.append(now.clone() if now.dtype == torch.bool else now - before)
+        for kind, (placed, values) in (("add", adds), ("assign", assigns)):
+            if placed:
+                self.client.write(kind, placed, values)
 
     def end(self) -> None:
         """Drops the rows pulled for the function that just ran."""
         self._rows.clear()
+        self._pulled.clear()
 
     # -- sharded variables ----------------------------------------------------------------
     def lookup_rows(self, param: WorkerShardedParameter, ids: torch.Tensor) -> torch.Tensor:
