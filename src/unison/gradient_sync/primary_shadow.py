@@ -60,6 +60,7 @@ class PrimaryShadow:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self._variables: list[torch.Tensor] = []
         self._aliases: list[torch.Tensor] = []
+        self._state: Any = None
         self._shadow = self._build(optimizer)
 
     def _build(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -81,10 +82,14 @@ class PrimaryShadow:
                     params.append(alias)
                 groups.append({**group, "params": params})
         self._variables, self._aliases = variables, aliases
+        self._state = optimizer.state
         return shadow_optimizer(optimizer, groups, _StateOfVariables(optimizer.state, variable_of))
 
     def _current(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the aliases still stand for the optimizer's parameters and their storage."""
+        """Whether the aliases still stand for the optimizer's parameters and their storage,
+        and the shadow's state is still the optimizer's (``load_state_dict`` replaces it)."""
+        if self._state is not optimizer.state:
+            return False
         k = 0
         variables, aliases = self._variables, self._aliases
         for group in optimizer.param_groups:

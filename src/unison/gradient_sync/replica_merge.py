@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import typing
 import weakref
 from collections import defaultdict
@@ -77,6 +78,8 @@ class ReplicaGradientSync:
         self._reduce_op = reduce_op
         self._storage = storage
         self._shadows: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+        self._shadows_lock = threading.Lock()
+        self._watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # load_state_dict hooked
         # replica 0 steps plain aliases of the variables with the user's state (primary_shadow.py)
         self._primaries: "weakref.WeakKeyDictionary[torch.optim.Optimizer, PrimaryShadow]" = weakref.WeakKeyDictionary()
         self._variables: list["weakref.ref[DistributedVariable]"] = []
@@ -177,6 +180,9 @@ class ReplicaGradientSync:
         OWN_COMPONENT_WRITES.begin()
         replica_id = context.local_replica_id
         if replica_id == 0:
+            # the other replicas' shadows copy the user's state when made: make them before
+            # replica 0's step changes it (they are made once, and again after a load_state_dict)
+            self._shadows_of(optimizer)
             primary = self._primaries.get(optimizer)
             if primary is None:
                 primary = self._primaries[optimizer] = PrimaryShadow(optimizer)
@@ -260,11 +266,31 @@ class ReplicaGradientSync:
             torch._foreach_copy_([values[k] for values in per_param], firsts)
         return True
 
-    def _shadow(self, optimizer: torch.optim.Optimizer, replica_id: int) -> torch.optim.Optimizer:
+    def _shadows_of(self, optimizer: torch.optim.Optimizer) -> list:
+        """Replicas 1..'s shadows of ``optimizer``, made (once) with copies of its state.
+
+        Every replica applies the same reduced gradients, so every replica's optimizer
+        state equals replica 0's, which is the user's: a state the user loaded
+        (``optimizer.load_state_dict``, a checkpoint's resume) is every replica's. Loading
+        one drops the shadows, and the next step makes them again from it.
+        """
         shadows = self._shadows.get(optimizer)
         if shadows is None:
-            shadows = [self._make_shadow(optimizer, i) for i in range(1, self._num_replicas)]
-            self._shadows[optimizer] = shadows
+            with self._shadows_lock:
+                shadows = self._shadows.get(optimizer)
+                if shadows is None:
+                    shadows = [self._make_shadow(optimizer, i) for i in range(1, self._num_replicas)]
+                    self._shadows[optimizer] = shadows
+                    if optimizer not in self._watched:
+                        self._watched.add(optimizer)
+                        optimizer.register_load_state_dict_post_hook(_ForgetShadows(self))
+        return shadows
+
+    def _forget_shadows(self, optimizer: torch.optim.Optimizer) -> None:
+        self._shadows.pop(optimizer, None)
+
+    def _shadow(self, optimizer: torch.optim.Optimizer, replica_id: int) -> torch.optim.Optimizer:
+        shadows = self._shadows_of(optimizer)
         shadow = shadows[replica_id - 1]
         if self._storage.replicas_step and len(shadow.param_groups) != len(optimizer.param_groups):
             # add_param_group: a new shadow over every group, keeping the state so far
@@ -275,8 +301,45 @@ class ReplicaGradientSync:
         return shadow
 
     def _make_shadow(self, optimizer: torch.optim.Optimizer, replica_id: int) -> torch.optim.Optimizer:
-        groups = [] if not self._storage.replicas_step else [
-            {**group, "params": [p._component(replica_id) for p in group["params"] if isinstance(p, DistributedVariable)]}
-            for group in optimizer.param_groups
-        ]
-        return shadow_optimizer(optimizer, groups, defaultdict(dict))
+        state: defaultdict = defaultdict(dict)
+        if not self._storage.replicas_step:
+            return shadow_optimizer(optimizer, [], state)
+        groups = []
+        with torch._C.DisableTorchFunctionSubclass():
+            for group in optimizer.param_groups:
+                params = []
+                for param in group["params"]:
+                    if not isinstance(param, DistributedVariable):
+                        continue
+                    component = param._component(replica_id)
+                    params.append(component)
+                    variable = typing.cast(torch.Tensor, param)  # a tensor subclass, not typed as one
+                    if optimizer.state.get(variable):
+                        state[component] = _state_copy(optimizer.state[variable], variable.device, component.device)
+                groups.append({**group, "params": params})
+        return shadow_optimizer(optimizer, groups, state)
+
+
+@typing.final
+class _ForgetShadows:
+    """An optimizer's ``load_state_dict`` post-hook: its replica shadows are made again from the loaded state."""
+
+    def __init__(self, sync: ReplicaGradientSync):
+        self._sync = weakref.ref(sync)  # the hook must not keep the strategy's synchroniser alive
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        sync = self._sync()
+        if sync is not None:
+            sync._forget_shadows(optimizer)
+
+
+def _state_copy(state: dict, device: torch.device, to: torch.device) -> dict:
+    """A copy of one parameter's optimizer state for a replica's component on ``to``.
+
+    Tensors on the variable's own device (momentum buffers, Adam moments) are copied to
+    ``to``; others (Adam's CPU ``step`` count) are copied where they are.
+    """
+    return {key: (value.detach().to(to if value.device == device else value.device, copy=True)
+                  if isinstance(value, torch.Tensor) else value)
+            for key, value in state.items()}
+
