@@ -342,4 +342,3 @@ def _state_copy(state: dict, device: torch.device, to: torch.device) -> dict:
     return {key: (value.detach().to(to if value.device == device else value.device, copy=True)
                   if isinstance(value, torch.Tensor) else value)
             for key, value in state.items()}
-

@@ -56,4 +56,3 @@ def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
     zero_grad.__doc__ = original.__doc__
     setattr(zero_grad, _MARK, True)
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-
