@@ -112,12 +112,14 @@ def test_place_parameters_in_uses_names_of_the_outermost_module(ps_servers):
     policy = strategy.extended.components.variable_policy  # the placement hook lives on the variable policy
     with strategy.scope():
         with policy.place_parameters_in(lambda name: 2 if name.startswith("1.") else 1):
-            model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+            model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
         with pytest.raises(ValueError, match="assign\\('weight'\\) returned 9"):
             with policy.place_parameters_in(lambda name: 9):
                 nn.Linear(2, 2)
-    assert {n: strategy.extended.variable_placement(p)[-1] for n, p in model.named_parameters()} == {
-        "0.weight": "1", "0.bias": "1", "1.weight": "2", "1.bias": "2"}
+    placed = {n: strategy.extended.variable_placement(t)[-1]
+              for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert placed == {"0.weight": "1", "0.bias": "1", "1.weight": "2", "1.bias": "2", "1.running_mean": "2",
+                      "1.running_var": "2", "1.num_batches_tracked": "2"}  # buffers follow their module too
 
 
 @pytest.mark.timeout(30)
