@@ -176,7 +176,6 @@ class ReplicaGradientSync:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             context.merge_call(self._aggregate, args=(params,))
         state.grads_reduced = False
-        install_replica_zero_grad(optimizer, self._replica_id)
         OWN_COMPONENT_WRITES.begin()
         replica_id = context.local_replica_id
         if replica_id == 0:
@@ -281,9 +280,10 @@ class ReplicaGradientSync:
                 if shadows is None:
                     shadows = [self._make_shadow(optimizer, i) for i in range(1, self._num_replicas)]
                     self._shadows[optimizer] = shadows
-                    if optimizer not in self._watched:
+                    if optimizer not in self._watched:  # once per optimizer, not per step
                         self._watched.add(optimizer)
                         optimizer.register_load_state_dict_post_hook(_ForgetShadows(self))
+                        install_replica_zero_grad(optimizer, self._replica_id)
         return shadows
 
     def _forget_shadows(self, optimizer: torch.optim.Optimizer) -> None:
