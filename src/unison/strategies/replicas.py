@@ -22,6 +22,7 @@ import torch
 from unison._state import STATE, ContextEntry
 from unison.context import ReplicaContext
 from unison.devices import is_cuda, torch_device
+from unison.strategies.switch_interval import SHORT_SWITCH_INTERVAL
 from unison.errors import MergeCallError
 from unison.values.values import may_hold_components, regroup, select_replica
 
@@ -320,20 +321,21 @@ class ThreadedReplicaRunner:
         modes = (torch.is_grad_enabled(), _autocast_state())  # the caller's, for every replica
         queues = self._queues or self._start_threads()
         first = self._first_threaded
-        for i, requests in enumerate(queues, start=first):
-            requests.put((self._replica_main, (rendezvous, i, fn, *select_replica(i, (args, kwargs)), modes)))
-        if first:  # CPU replicas: replica 0 runs here, while the threads run the others
-            first_args, first_kwargs = select_replica(0, (args, kwargs))
-            own = torch.get_num_threads()
-            share = self._share()
-            if own != share:
-                torch.set_num_threads(share)
-            try:
-                self._replica_main(rendezvous, 0, fn, first_args, first_kwargs, modes)
-            finally:
+        with SHORT_SWITCH_INTERVAL:  # the replica threads contend for the GIL (switch_interval.py)
+            for i, requests in enumerate(queues, start=first):
+                requests.put((self._replica_main, (rendezvous, i, fn, *select_replica(i, (args, kwargs)), modes)))
+            if first:  # CPU replicas: replica 0 runs here, while the threads run the others
+                first_args, first_kwargs = select_replica(0, (args, kwargs))
+                own = torch.get_num_threads()
+                share = self._share()
                 if own != share:
-                    torch.set_num_threads(own)
-        error = self._coordinate(rendezvous)
+                    torch.set_num_threads(share)
+                try:
+                    self._replica_main(rendezvous, 0, fn, first_args, first_kwargs, modes)
+                finally:
+                    if own != share:
+                        torch.set_num_threads(own)
+            error = self._coordinate(rendezvous)
         if error is not None:
             raise error
         return regroup(rendezvous.results)
