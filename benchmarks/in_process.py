@@ -11,7 +11,12 @@ Variants, each with plain ``zero_grad(); loss.backward(); opt.step()`` and SGD:
 - ``plain``: plain PyTorch with the process's intra-op threads (2 on this machine);
 - ``one_device``: the model built in ``OneDeviceStrategy("cpu:0").scope()``, the step
   through ``strategy.run``;
-- ``mirrored``: ``MirroredStrategy(["cpu:0", "cpu:1"])``, each replica on half the batch.
+- ``mirrored``: ``MirroredStrategy(["cpu:0", "cpu:1"])``, each replica on half the batch;
+- ``threads_floor`` (a reference, not unison): two plain-PyTorch models, each trained on
+  half the batch in a thread of its own with half the intra-op threads, handed the step
+  through a queue and waited for, as Mirrored's replicas are -- with no reduction, so
+  their weights part. The least a replica-per-thread design can cost on this machine:
+  Mirrored's goals above this ratio are out of reach of any such design here.
 
 Variants are timed in interleaved rounds (the order rotates each round); the reported
 ratio is the median over rounds of plain's step time divided by the variant's (samples
@@ -31,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -51,7 +58,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
            "batch": 256, "inputs": 64, "outputs": 64, "steps": 8},
     "D": {"make": lambda: nn.Linear(10, 10), "batch": 8, "inputs": 10, "outputs": 10, "steps": 200},
 }
-VARIANTS = ("plain", "one_device", "mirrored")
+VARIANTS = ("plain", "one_device", "mirrored", "threads_floor")
+STRATEGY_VARIANTS = ("plain", "one_device", "mirrored")
+"""The variants whose weights must equal plain PyTorch's (the floor does not reduce)."""
 
 
 def _batches(spec: dict[str, Any], dtype: torch.dtype = torch.float32, count: int = 4) -> list:
@@ -72,8 +81,61 @@ def _model(spec: dict[str, Any], dtype: torch.dtype) -> nn.Module:
         torch.set_default_dtype(previous)
 
 
+class ThreadsFloor:
+    """Two plain models, each trained on half the batch in its own thread (the reference floor).
+
+    Replica 0's model steps in the caller's thread and replica 1's in a thread that waits
+    on a queue, each with ``threads // 2`` intra-op threads (replica 0 only for the step),
+    exactly the thread layout of unison's CPU replicas -- minus everything that makes
+    them one model: no variables, no gradient reduction, no merge.
+    """
+
+    def __init__(self, spec: dict[str, Any], dtype: torch.dtype):
+        self._models = [_model(spec, dtype) for _ in range(2)]
+        self._opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in self._models]
+        self._requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._done: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        own = torch.get_num_threads()
+        self._share = max(1, own // 2)
+        ready = threading.Event()
+        threading.Thread(target=self._serve, args=(ready,), name="threads-floor", daemon=True).start()
+        ready.wait(10)
+        torch.set_num_threads(own)  # set_num_threads in the thread also set the default of later threads
+
+    def _serve(self, ready: threading.Event) -> None:
+        torch.get_num_threads()
+        torch.set_num_threads(self._share)
+        ready.set()
+        while True:
+            x, y = self._requests.get()
+            try:
+                self._train(1, x, y)
+            finally:
+                self._done.put(None)
+
+    def _train(self, i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        model, opt = self._models[i], self._opts[i]
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        xs, ys = x.chunk(2), y.chunk(2)
+        self._requests.put((xs[1], ys[1]))
+        own = torch.get_num_threads()
+        torch.set_num_threads(self._share)
+        try:
+            self._train(0, xs[0], ys[0])
+        finally:
+            torch.set_num_threads(own)
+            self._done.get()
+
+
 def make_step(variant: str, spec: dict[str, Any], dtype: torch.dtype = torch.float32) -> tuple[Callable, nn.Module]:
     """A function ``step(x, y)`` training one batch under ``variant``, and its model."""
+    if variant == "threads_floor":
+        floor = ThreadsFloor(spec, dtype)
+        return floor, floor._models[0]
     strategy: unison.Strategy | None = None
     if variant == "one_device":
         strategy = unison.OneDeviceStrategy("cpu:0")
@@ -124,7 +186,7 @@ def measure(name: str, rounds: int) -> dict[str, Any]:
         _time(step, batches, max(2, spec["steps"] // 2))  # warm-up
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[: r % 3]
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
         for variant in order:
             samples[variant].append(_time(steps[variant], batches, spec["steps"]))
     plain = samples["plain"]
@@ -142,13 +204,13 @@ def weight_diffs(spec: dict[str, Any], steps: int = 5) -> dict[str, float]:
     """Largest |weight - plain weight| after a few float64 steps from the same start."""
     batches = _batches(spec, torch.float64)
     weights = {}
-    for variant in VARIANTS:
+    for variant in STRATEGY_VARIANTS:
         step, model = make_step(variant, spec, torch.float64)
         for i in range(steps):
             step(*batches[i % len(batches)])
         weights[variant] = [p.detach().clone() for p in model.parameters()]
     return {variant: max((a - b).abs().max().item() for a, b in zip(weights[variant], weights["plain"]))
-            for variant in VARIANTS}
+            for variant in STRATEGY_VARIANTS}
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:
@@ -162,10 +224,11 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         return False
     names = list(results)
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.35
-    for k, variant in enumerate(("one_device", "mirrored")):
+    width = 0.27
+    for k, variant in enumerate(("one_device", "mirrored", "threads_floor")):
         ratios = [results[n]["summary"][variant]["samples_per_s_vs_plain"] for n in names]
-        bars = ax.bar([i + (k - 0.5) * width for i in range(len(names))], ratios, width, label=variant)
+        bars = ax.bar([i + (k - 1) * width for i in range(len(names))], ratios, width, label=variant,
+                      hatch="//" if variant == "threads_floor" else None, alpha=0.6 if variant == "threads_floor" else 1.0)
         for bar, ratio in zip(bars, ratios):
             ax.annotate(f"{ratio:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
@@ -192,13 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--workloads: unknown {unknown!r}; choose from {list(WORKLOADS)!r}")
     results = {}
-    print(f"{'workload':<9} {'variant':<11} {'ms/step':>9} {'x plain (samples/s)':>20} {'max |w - plain|':>16}")
+    print(f"{'workload':<13} {'variant':<13} {'ms/step':>9} {'x plain (samples/s)':>20} {'max |w - plain|':>16}")
     for name in names:
         results[name] = measure(name, args.rounds)
         for variant, row in results[name]["summary"].items():
-            diff = results[name]["max_weight_diff_vs_plain"][variant]
-            print(f"{name:<9} {variant:<11} {row['median_step_ms']:>9.2f} {row['samples_per_s_vs_plain']:>20.3f} "
-                  f"{diff:>16.2e}", flush=True)
+            diff = results[name]["max_weight_diff_vs_plain"].get(variant)
+            shown = f"{diff:>16.2e}" if diff is not None else f"{'(no reduction)':>16}"
+            print(f"{name:<13} {variant:<13} {row['median_step_ms']:>9.2f} {row['samples_per_s_vs_plain']:>20.3f} "
+                  f"{shown}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "in_process.json"
     path.write_text(json.dumps({"benchmark": "in_process", "rounds": args.rounds, "results": results,
