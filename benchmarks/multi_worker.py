@@ -12,7 +12,9 @@ One command, one run, three things measured on this machine:
   ``DistributedDataParallel`` with its defaults), ``unison`` (2 processes,
   ``MultiWorkerMirroredStrategy`` with its defaults, a plain ``zero_grad / backward /
   step`` loop: the two workers share this host, so gradients meet in shared memory) and
-  ``unison_ring`` (the same with ``implementation=RING``: gradients over gloo, as DDP's);
+  ``unison_ring`` (the same with ``implementation=RING``: gradients over gloo, as DDP's),
+  and for reference ``no_sync`` (2 processes each training its own model on its half of
+  the batch, never communicating: the ceiling of any 2-process data-parallel run here);
 - raw all-reduce of 400 float32 tensors of 16 KB (6.55 MB in all) through unison's packed
   batch all-reduce -- the public ``strategy.extended.batch_reduce_to`` (which also runs a
   small layout-check collective per call) and the bare packed path
@@ -70,7 +72,10 @@ AR_TENSORS, AR_NUMEL = 400, 4096  # 400 x 16 KB of float32
 WEIGHT_TOLERANCE = 1e-5
 TARGET_VS_FLAT = 0.85
 TARGET_VS_SEPARATE = 5.0
-TRAIN_VARIANTS = ("plain", "ddp", "unison", "unison_ring")
+TRAIN_VARIANTS = ("plain", "ddp", "unison", "unison_ring", "no_sync")
+"""``no_sync`` is a reference, not a data-parallel run: each process trains its own plain model
+on its half of the batch and never communicates. Its throughput over DDP's is the most any
+2-process data-parallel design can reach on this machine (the goals above it are out of reach)."""
 AR_VARIANTS = ("unison_batch_reduce_to", "unison_packed", "unison_one_tensor", "unison_batch_reduce_to_ring",
                "unison_packed_ring", "copy_then_flat", "copy_into_flat", "flat", "flat_halves", "separate",
                "separate_async")
@@ -191,11 +196,13 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
         ring_opt = torch.optim.SGD(ring_model.parameters(), lr=LR)
     ddp_model = nn.parallel.DistributedDataParallel(_make_model(workload))  # on the group unison formed
     plain_model = _make_model(workload)
+    alone_model = _make_model(workload)  # no_sync: this process's half of the batch, never reduced
     runners = {
         "plain": _Runner(_make_step(plain_model, torch.optim.SGD(plain_model.parameters(), lr=LR), loss_fn), batches),
         "ddp": _Runner(_make_step(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=LR), loss_fn), local),
         "unison": _Runner(_make_step(unison_model, unison_opt, loss_fn), local),
         "unison_ring": _Runner(_make_step(ring_model, ring_opt, loss_fn), local),
+        "no_sync": _Runner(_make_step(alone_model, torch.optim.SGD(alone_model.parameters(), lr=LR), loss_fn), local),
     }
 
     def run(name: str, n: int) -> list[float]:
@@ -370,6 +377,7 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
         ring_diff = max(r["train"][workload]["max_abs_weight_diff_unison_ring_vs_ddp"] for r in results)
         ratio = rows["unison"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
         ring_ratio = rows["unison_ring"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
+        floor_ratio = rows["no_sync"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
         train[workload] = {
             "model": WORKLOADS[workload],
             "global_batch": batch,
@@ -379,6 +387,7 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
             "unison_vs_ddp": ratio,
             "unison_vs_ddp_from_mean": rows["unison"]["samples_per_s_from_mean"] / rows["ddp"]["samples_per_s_from_mean"],
             "unison_ring_vs_ddp": ring_ratio,
+            "no_sync_vs_ddp": floor_ratio,
             "unison_vs_ddp_round_ratios": round_ratios,
             "unison_vs_ddp_round_ratio_summary": describe(round_ratios),
             "ddp_scaling_vs_plain": rows["ddp"]["samples_per_s"] / rows["plain"]["samples_per_s"],
@@ -432,9 +441,11 @@ def format_tables(summary: dict[str, Any]) -> str:
     lines = [
         "Training, SGD, synthetic data, global batch 256 (D: 8); samples/s = batch / median step time",
         "(plain: 1 process x 1 thread; the others 2 processes x 1 thread, interleaved in the same processes;",
-        " ddp and unison ring: gradients over gloo; unison: its default, shared memory between the 2 workers)",
+        " ddp and unison ring: gradients over gloo; unison: its default, shared memory between the 2 workers;",
+        " no_sync/ddp: 2 processes training without any gradient reduction, the ceiling of any data-parallel run)",
         (f"{'workload':<8} {'plain':>8} {'ddp':>8} {'unison':>8} {'ring':>8} {'unison/ddp':>10} {'(mean)':>7} "
-         f"{'rounds min..max':>15} {'ring/ddp':>8} {'ddp/plain':>9} {'unison/plain':>12} {'target':>7} {'result':>6}"),
+         f"{'rounds min..max':>15} {'ring/ddp':>8} {'ddp/plain':>9} {'unison/plain':>12} {'target':>7} {'result':>6} "
+         f"{'no_sync/ddp':>11}"),
     ]
     for workload, row in summary["train"].items():
         v, rr = row["variants"], row["unison_vs_ddp_round_ratio_summary"]
@@ -444,7 +455,7 @@ def format_tables(summary: dict[str, Any]) -> str:
             f"{row['unison_vs_ddp']:>10.3f} {row['unison_vs_ddp_from_mean']:>7.3f} "
             f"{rr['min']:>7.3f}..{rr['max']:<7.3f} {row['unison_ring_vs_ddp']:>8.3f} "
             f"{row['ddp_scaling_vs_plain']:>9.2f} {row['unison_scaling_vs_plain']:>12.2f} "
-            f"{'>=' + format(row['target'], '.2f'):>7} {_verdict(row['pass']):>6}"
+            f"{'>=' + format(row['target'], '.2f'):>7} {_verdict(row['pass']):>6} {row['no_sync_vs_ddp']:>11.3f}"
         )
     for workload, row in summary["train"].items():
         lines.append(
@@ -487,7 +498,7 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
     except ImportError:  # pragma: no cover - matplotlib is the `bench` extra
         print("matplotlib is not installed (pip install unison[bench]): no chart written", file=sys.stderr)
         return False
-    colors = {"plain": "#888888", "ddp": "#ee7733", "unison": "#4477aa", "unison_ring": "#66ccee"}
+    colors = {"plain": "#888888", "ddp": "#ee7733", "unison": "#4477aa", "unison_ring": "#66ccee", "no_sync": "#cccccc"}
     workloads = list(summary["train"])
     columns = max(2, len(workloads))
     top = workloads + workloads[-1:] * (columns - len(workloads))
@@ -497,11 +508,13 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
         ax = axes[workload]
         row = summary["train"][workload]
         values = [row["variants"][n]["samples_per_s"] for n in TRAIN_VARIANTS]
-        bars = ax.bar(["plain\n1 proc", "DDP\n2 procs", "unison\n2 procs", "unison\nRING (gloo)"], values,
+        bars = ax.bar(["plain\n1 proc", "DDP\n2 procs", "unison\n2 procs", "unison\nRING (gloo)", "no sync\n(ceiling)"],
+                      values,
                       color=[colors[n] for n in TRAIN_VARIANTS])
         notes = [f"{v:.0f}" for v in values]
         notes[2] += f"\n{row['unison_vs_ddp']:.3f}x DDP"
         notes[3] += f"\n{row['unison_ring_vs_ddp']:.3f}x DDP"
+        notes[4] += f"\n{row['no_sync_vs_ddp']:.3f}x DDP"
         for bar, note in zip(bars, notes):
             ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
         ax.set_ylim(0, max(values) * 1.25)
