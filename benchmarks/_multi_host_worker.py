@@ -26,7 +26,8 @@ from multi_worker import _make_batches, _make_model, _make_step  # noqa: E402  (
 
 import unison  # noqa: E402
 
-VARIANTS = ("ddp", "hierarchical", "ring")
+VARIANTS = ("ddp", "hierarchical", "ring", "no_sync")
+"""``no_sync``: a reference, each worker training its own model alone (no communication): the ceiling."""
 
 
 def _strategy(implementation: str, timeout: float) -> unison.MultiWorkerMirroredStrategy:
@@ -52,6 +53,8 @@ def _train(workload: str, cfg: dict[str, Any], rank: int, world: int) -> dict[st
     ddp = nn.parallel.DistributedDataParallel(_make_model(workload))  # on the group unison formed
     models["ddp"] = ddp.module
     steps["ddp"] = _make_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), loss_fn)
+    alone = _make_model(workload)  # never reduced: what 4 workers cost with no gradient exchange at all
+    steps["no_sync"] = _make_step(alone, torch.optim.SGD(alone.parameters(), lr=0.01), loss_fn)
     samples, taken = interleaved_rounds({name: steps[name] for name in VARIANTS}, local, cfg)
     with torch.no_grad():
         diffs = {name: max((a - b).abs().max().item() for a, b in zip(models[name].parameters(), ddp.module.parameters()))

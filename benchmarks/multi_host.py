@@ -52,7 +52,7 @@ GLOBAL_BATCH = 256
 GOAL_W2 = 1.3
 TOLERANCE = 1e-5
 WORKLOADS = {"W1": "MLP 784-1024-1024-10", "W2": "200 x Linear(64, 64), residual"}
-VARIANTS = ("ddp", "hierarchical", "ring")
+VARIANTS = ("ddp", "hierarchical", "ring", "no_sync")
 
 
 def run_link(link: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -94,7 +94,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             rows[name] = {"median_step_ms": step["median"] * 1e3, "samples_per_s": GLOBAL_BATCH / step["median"],
                           "steps_timed": step["n"]}
         ratios = {}
-        for name in ("hierarchical", "ring"):
+        for name in ("hierarchical", "ring", "no_sync"):
             per_round = [statistics.median(d) / statistics.median(u)
                          for d, u in zip(data["samples"]["ddp"], data["samples"][name])]
             ratios[name] = {"median": statistics.median(per_round), "rounds": per_round}
@@ -103,6 +103,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         out[workload] = {
             "model": WORKLOADS[workload], "variants": rows,
             "hierarchical_vs_ddp": ratios["hierarchical"]["median"], "ring_vs_ddp": ratios["ring"]["median"],
+            "no_sync_vs_ddp": ratios["no_sync"]["median"],
             "round_ratios": {n: r["rounds"] for n, r in ratios.items()},
             "max_abs_weight_diff_vs_ddp": diff, "weights_match_ddp": diff <= TOLERANCE,
             "transports": transports,
@@ -117,9 +118,10 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
 def format_table(summaries: dict[str, dict[str, Any]]) -> str:
     lines = [
         "2 simulated hosts x 2 workers, global batch 256, SGD; samples/s = 256 / median step time (worker 0);",
-        "ratios: medians over rounds of DDP's step time / the variant's (> 1: faster than DDP)",
+        "ratios: medians over rounds of DDP's step time / the variant's (> 1: faster than DDP);",
+        "no_sync: each worker trains alone, no gradient exchange (the ceiling of any data-parallel run here)",
         f"{'link':<8} {'workload':<8} {'ddp':>8} {'hier.':>8} {'ring':>8} {'hier/ddp':>9} {'ring/ddp':>9} "
-        f"{'weights':>8} {'goal':>10}",
+        f"{'weights':>8} {'goal':>10} {'no_sync/ddp':>11}",
     ]
     for link, summary in summaries.items():
         for workload, row in summary.items():
@@ -128,7 +130,7 @@ def format_table(summaries: dict[str, dict[str, Any]]) -> str:
             lines.append(
                 f"{link:<8} {workload:<8} {v['ddp']['samples_per_s']:>8.0f} {v['hierarchical']['samples_per_s']:>8.0f} "
                 f"{v['ring']['samples_per_s']:>8.0f} {row['hierarchical_vs_ddp']:>9.3f} {row['ring_vs_ddp']:>9.3f} "
-                f"{'equal' if row['weights_match_ddp'] else 'DIFFER':>8} {goal:>10}"
+                f"{'equal' if row['weights_match_ddp'] else 'DIFFER':>8} {goal:>10} {row['no_sync_vs_ddp']:>11.3f}"
             )
     chosen = all(row["hierarchical_chosen"] for s in summaries.values() for row in s.values())
     lines.append(f"the default strategy chose the hierarchical transport on every worker: {'yes' if chosen else 'NO'}")
@@ -146,13 +148,14 @@ def plot(summaries: dict[str, dict[str, Any]], path: Path, machine: dict[str, An
         return False
     panels = [(link, workload) for link, s in summaries.items() for workload in s]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
-    colors = {"ddp": "#ee7733", "hierarchical": "#4477aa", "ring": "#66ccee"}
+    colors = {"ddp": "#ee7733", "hierarchical": "#4477aa", "ring": "#66ccee", "no_sync": "#cccccc"}
     for ax, (link, workload) in zip(axes[0], panels):
         row = summaries[link][workload]
         values = [row["variants"][n]["samples_per_s"] for n in VARIANTS]
-        bars = ax.bar(["DDP", "unison\nhierarchical", "unison\nRING"], values, color=[colors[n] for n in VARIANTS])
+        bars = ax.bar(["DDP", "unison\nhierarchical", "unison\nRING", "no sync\n(ceiling)"], values,
+                      color=[colors[n] for n in VARIANTS])
         notes = [f"{values[0]:.0f}", f"{values[1]:.0f}\n{row['hierarchical_vs_ddp']:.2f}x",
-                 f"{values[2]:.0f}\n{row['ring_vs_ddp']:.2f}x"]
+                 f"{values[2]:.0f}\n{row['ring_vs_ddp']:.2f}x", f"{values[3]:.0f}\n{row['no_sync_vs_ddp']:.2f}x"]
         for bar, note in zip(bars, notes):
             ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
         ax.set_ylim(0, max(values) * 1.3)
