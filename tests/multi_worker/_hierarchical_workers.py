@@ -7,6 +7,8 @@ host as it would on two machines (each host's workers share one file in /dev/shm
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -21,10 +23,12 @@ HOSTS = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.2:3", "127.0.0.2:4"]  # never bo
 UNEQUAL_HOSTS = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.2:3"]  # two workers on one host, one on the other
 
 
-def strategy_on_hosts(rank: int, implementation: str, hosts: list[str] = HOSTS) -> unison.MultiWorkerMirroredStrategy:
+def strategy_on_hosts(rank: int, implementation: str, hosts: list[str] = HOSTS,
+                      bytes_per_pack: int = 0) -> unison.MultiWorkerMirroredStrategy:
     spec = unison.ClusterSpec({"worker": hosts})
     resolver = unison.SimpleClusterResolver(spec, task_type="worker", task_id=rank)
-    options = unison.CommunicationOptions(implementation=implementation, timeout_seconds=30)
+    options = unison.CommunicationOptions(implementation=implementation, timeout_seconds=30,
+                                          bytes_per_pack=bytes_per_pack)
     return unison.MultiWorkerMirroredStrategy(resolver, options, devices=["cpu:0"])
 
 
@@ -71,4 +75,70 @@ def train(rank: int, world: int, implementation: str):
         "weights": [p.detach().clone() for p in model.parameters()],
         "buckets": strategy.extended.components.gradient_sync.buckets_in_shared_memory,
         "hierarchical": isinstance(strategy.extended.cross_device_ops.transport, HierarchicalTransport),
+    }
+
+
+class _PauseInBackward(torch.autograd.Function):
+    """The identity, whose backward waits: every worker of a host has posted the buckets of
+    the layers after it long before any worker's backward goes on past it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.3)
+        return grad
+
+
+class _Pause(nn.Module):
+    def forward(self, x):
+        return _PauseInBackward.apply(x)
+
+
+def make_paused_mlp() -> nn.Module:
+    """An MLP made in forward order (so its buckets are in backward order), with a pause in
+    backward after its last three layers."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _Pause(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def paused_mlp_single_device_weights() -> list[torch.Tensor]:
+    model = make_paused_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in global_batches(steps=8):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_pipelined(rank: int, world: int):
+    """``make_paused_mlp`` with one bucket per gradient or so (64-byte buckets): the buckets of
+    the layers after the pause must start across hosts before backward ends."""
+    strategy = strategy_on_hosts(rank, "AUTO", bytes_per_pack=64)
+    with strategy.scope():
+        model = make_paused_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sync = strategy.extended.components.gradient_sync
+    started = []
+
+    def step(x, y):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        started.append(sync.started_during_backward)
+        opt.step()
+
+    for x, y in global_batches(steps=8):
+        strategy.run(step, args=(x.chunk(world)[rank], y.chunk(world)[rank]))
+    after_pause = {id(p) for layer in list(model)[3:] for p in layer.parameters()}
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "pipelined": sync.crosses_hosts_during_backward,
+        "buckets": len(sync.buckets_in_shared_memory),
+        # buckets whose gradients all come before the pause in backward
+        "before_pause": sum(all(id(p) in after_pause for p in bucket.params) for bucket in sync._buckets),
+        "started": started,
     }

@@ -41,3 +41,18 @@ def test_training_on_two_hosts_matches_single_device(implementation):
         assert result["buckets"] == [implementation == "AUTO"] * len(result["buckets"])
         for got, want in zip(result["weights"], reference):
             assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.timeout(150)
+def test_buckets_cross_hosts_during_backward_and_training_still_matches_single_device():
+    """Equal hosts: each bucket's trip between hosts starts as soon as the host wrote it, while
+    backward goes on (DDP's overlap); the result is the same as single-device training."""
+    results = run_workers(h.train_pipelined, 4, timeout=130)
+    reference = h.paused_mlp_single_device_weights()
+    for result in results:
+        assert result["pipelined"]
+        assert result["buckets"] >= 6 and result["before_pause"] >= 4  # 64-byte buckets: about one per gradient
+        # the pause leaves the buckets of the layers after it written by the whole host in time
+        assert all(started >= result["before_pause"] for started in result["started"]), result["started"]
+        for got, want in zip(result["weights"], reference):
+            assert (got - want).abs().max().item() <= 1e-5

@@ -242,6 +242,37 @@ class HierarchicalTransport:
         """This transport: buckets live in its files."""
         return self
 
+    @property
+    def slices_cross_hosts(self) -> bool:
+        """Whether each worker adds its own slice across hosts (equal hosts: columns), not leaders.
+
+        Forms the groups on first use (a collective: every worker asks at the same point).
+        """
+        self._host  # noqa: B018 - the groups exist from here on
+        return self._column is not None
+
+    def start_across_hosts(self, segment: SharedSegment) -> list[Any]:
+        """Starts adding this worker's summed slice of ``segment`` across hosts (columns only).
+
+        Returns the collective's works; ``finish_across_hosts`` waits for them. The
+        gradient buckets call it bucket by bucket while backward goes on, so the trip
+        between hosts overlaps the rest of backward as DDP's all-reduce does.
+        """
+        engine, column = self.shared_memory, self._column
+        assert column is not None, "start_across_hosts needs equal hosts (slices_cross_hosts)"
+        start, end = engine.my_slice(segment.result.numel())
+        if end <= start:
+            return []
+        return [column.launch(_OPERATION, dist.all_reduce, segment.result[start:end])]
+
+    def finish_across_hosts(self, works: list[Any]) -> None:
+        """Waits for the works of ``start_across_hosts``, then until every slice on this host is final."""
+        column = self._column
+        assert column is not None, "finish_across_hosts needs equal hosts (slices_cross_hosts)"
+        for work in works:
+            column.wait(work, f"{_OPERATION} (between hosts)")
+        self.shared_memory.sync(f"{_BUCKETS} (host)")
+
     def _add_across_hosts(self, segments: list[SharedSegment]) -> None:
         """Adds the hosts' sums (called by every worker once it summed its slices).
 
@@ -251,12 +282,7 @@ class HierarchicalTransport:
         """
         engine, column = self.shared_memory, self._column
         if column is not None:
-            pieces = []
-            for segment in segments:
-                start, end = engine.my_slice(segment.result.numel())
-                if end > start:
-                    pieces.append(segment.result[start:end])
-            works = [column.launch(_OPERATION, dist.all_reduce, piece) for piece in pieces]
+            works = [work for segment in segments for work in self.start_across_hosts(segment)]
             for work in works:
                 column.wait(work, f"{_OPERATION} (between hosts)")
             return
@@ -301,6 +327,12 @@ class _Posted:
         assert signals is not None
         signals.wait(WRITTEN, self._count, timeout.total_seconds() if timeout is not None else None)
         return True
+
+    def is_completed(self) -> bool:
+        """Whether every worker of the host posted this bucket (without waiting), as a work's ``is_completed``."""
+        signals = self._engine.signals
+        assert signals is not None
+        return signals.reached(WRITTEN, self._count)
 
 
 def _announce(engine: SharedMemoryAllReduce, through_group: Callable[[], Any]) -> Any:
