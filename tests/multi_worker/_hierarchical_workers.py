@@ -97,16 +97,24 @@ class _Pause(nn.Module):
         return _PauseInBackward.apply(x)
 
 
-def make_paused_mlp() -> nn.Module:
-    """An MLP made in forward order (so its buckets are in backward order), with a pause in
-    backward after its last three layers."""
+def make_paused_mlp(out_of_order: bool = False) -> nn.Module:
+    """An MLP with a pause in backward after its last three layers, its layers made in
+    forward order (so its first buckets are backward's first gradients), or, with
+    ``out_of_order``, the hidden layers first (as ``make_mlp`` does), so that reverse
+    registration order is not backward's order."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _Pause(), nn.Linear(16, 16), nn.ReLU(),
-                         nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    if out_of_order:
+        hidden = [nn.Linear(16, 16), nn.Linear(16, 16)]
+        first, last = nn.Linear(8, 16), nn.Linear(16, 4)
+    else:
+        first = nn.Linear(8, 16)
+        hidden = [nn.Linear(16, 16), nn.Linear(16, 16)]
+        last = nn.Linear(16, 4)
+    return nn.Sequential(first, nn.ReLU(), _Pause(), hidden[0], nn.ReLU(), hidden[1], nn.ReLU(), last)
 
 
-def paused_mlp_single_device_weights() -> list[torch.Tensor]:
-    model = make_paused_mlp()
+def paused_mlp_single_device_weights(out_of_order: bool = False) -> list[torch.Tensor]:
+    model = make_paused_mlp(out_of_order)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in global_batches(steps=8):
         opt.zero_grad()
@@ -115,12 +123,13 @@ def paused_mlp_single_device_weights() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_pipelined(rank: int, world: int):
+def train_pipelined(rank: int, world: int, out_of_order: bool = False):
     """``make_paused_mlp`` with one bucket per gradient or so (64-byte buckets): the buckets of
-    the layers after the pause must start across hosts before backward ends."""
+    the layers after the pause must start across hosts before backward ends (from the
+    second step on when the buckets first had to learn backward's order)."""
     strategy = strategy_on_hosts(rank, "AUTO", bytes_per_pack=64)
     with strategy.scope():
-        model = make_paused_mlp()
+        model = make_paused_mlp(out_of_order)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sync = strategy.extended.components.gradient_sync
     started = []

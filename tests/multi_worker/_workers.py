@@ -343,3 +343,35 @@ def skipped_reduce(rank: int, world: int, implementation: str):
     except unison.errors.CollectiveMismatchError as exc:
         return type(exc).__name__, str(exc)
     return "no error", results
+
+
+def bucket_order_over_gloo(rank: int, world: int):
+    """``make_mlp(2)`` (hidden layers made first) over gloo with 64-byte buckets: the buckets'
+    parameters (by name) before and after the first step, backward's gradient order, and the
+    weights after training."""
+    strategy = strategy_for(rank, world, implementation="RING", bytes_per_pack=64)
+    with strategy.scope():
+        model = make_mlp(2, 16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    names = {id(p): n for n, p in model.named_parameters()}
+    sync = strategy.extended.components.gradient_sync
+    arrived = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: arrived.append(names[id(p)])) for p in model.parameters()]
+
+    def buckets():
+        return [[names[id(p)] for p in bucket.params] for bucket in sync._buckets]
+
+    def step(x, y):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    before = buckets()
+    for i, (x, y) in enumerate(global_batches()):
+        strategy.run(step, args=(x.chunk(world)[rank], y.chunk(world)[rank]))
+        if i == 0:
+            first_order = list(arrived)
+            for hook in hooks:
+                hook.remove()
+    return {"before": before, "after": buckets(), "gradient_order": first_order,
+            "weights": [p.detach().clone() for p in model.parameters()]}

@@ -155,3 +155,19 @@ def test_a_skipped_call_is_named_as_differing_call_sequences(implementation):
     for kind, message in results:
         assert kind == "CollectiveMismatchError", (kind, message)
         assert "call sequences differ" in message and "worker:0" in message and "worker:1" in message
+
+
+@pytest.mark.timeout(90)
+def test_buckets_follow_backwards_gradient_order_after_the_first_step():
+    """As DDP's bucket rebuild: a model made out of forward order (make_mlp makes its hidden
+    layers first) starts with buckets in reverse registration order; after the first step
+    they follow the order backward produced the gradients in, and training is unchanged."""
+    results = run_workers(w.bucket_order_over_gloo, 2, timeout=80)
+    reference = w.single_device_weights(2, 16)
+    for result in results:
+        flat_before = [name for bucket in result["before"] for name in bucket]
+        flat_after = [name for bucket in result["after"] for name in bucket]
+        assert flat_before != result["gradient_order"]  # the model's registration order is not backward's
+        assert flat_after == result["gradient_order"]
+        for got, want in zip(result["weights"], reference):
+            assert (got - want).abs().max().item() <= 1e-5

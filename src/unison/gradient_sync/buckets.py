@@ -108,6 +108,12 @@ class BucketedGradientSync:
         """Pipelined: how many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
         self._reduce_op = reduce_op
         self._params: list[torch.Tensor] = []
+        self._index_of: dict[int, int] = {}  # id(param) -> its place in self._params
+        # Bucket order: parameters by their place in self._params, in the order backward
+        # produced their gradients in the first synchronised step (None until then: reversed
+        # registration order). _observed records that step's order.
+        self._order: list[int] | None = None
+        self._observed: list[int] | None = None
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, int] = {}
         self._next = 0
@@ -122,6 +128,7 @@ class BucketedGradientSync:
     def register(self, param: torch.Tensor) -> None:
         """Adds a parameter; its hook is installed and buckets rebuilt by :meth:`finalize`."""
         if param.requires_grad:
+            self._index_of[id(param)] = len(self._params)
             self._params.append(param)
             param.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -131,7 +138,10 @@ class BucketedGradientSync:
         A collective when the workers may share memory: every worker calls it at the
         same point (after the initial broadcast of variables).
         """
-        order = list(reversed(self._params))
+        if self._order is not None and len(self._order) != len(self._params):
+            self._order = None  # parameters came since: learn the order again
+        indices = self._order if self._order is not None else list(reversed(range(len(self._params))))
+        order = [self._params[i] for i in indices]
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for param in order:
             by_kind.setdefault((param.dtype, param.device), []).append(param)
@@ -154,6 +164,10 @@ class BucketedGradientSync:
         if (pipelines and self._transport is not None and self._transport.signals is not None
                 and self._compressor is None and self._powersgd is None):
             self._pipeline = typing.cast(HierarchicalTransport, sharing)
+        # Learn backward's order where buckets leave during backward (gloo, across hosts);
+        # one host's shared memory and PowerSGD reduce everything at its end.
+        overlaps = self._powersgd is None and (self._sharing is None or self._pipeline is not None)
+        self._observed = [] if self._order is None and overlaps else None
 
     @property
     def crosses_hosts_during_backward(self) -> bool:
@@ -199,6 +213,8 @@ class BucketedGradientSync:
         if index is None:
             return
         bucket = self._buckets[index]
+        if self._observed is not None:
+            self._observed.append(self._index_of[id(param)])
         if bucket.work is not None:
             raise GradientSyncError(
                 "a parameter's gradient was computed twice in one backward pass after its all-reduce had "
@@ -285,28 +301,51 @@ class BucketedGradientSync:
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
             self._next += 1
-        control = self._control
         try:
-            if self._pipeline is not None:
-                self._finish_pipelined()
-                return
-            for bucket in self._buckets:
-                control.wait(bucket.work, _OPERATION)
-                if bucket.segment is None:
-                    if bucket.wire is not None:
-                        self._from_wire(bucket)
-                    self._hand_out(bucket)
-            if self._transport is not None and self._sharing is not None:
-                shared = [(bucket, bucket.segment) for bucket in self._buckets if bucket.segment is not None]
-                for _, segment in shared:
-                    self._transport.sum_my_slice(segment)
-                self._sharing.complete([segment for _, segment in shared])
-                for bucket, _ in shared:
-                    self._copy_sums_out(bucket)
+            self._reduce_buckets()
         finally:
             for bucket in self._buckets:
                 bucket.work, bucket.ready, bucket.across = None, 0, []
             self._next, self._started, self._fired = 0, 0, False
+        if self._observed:
+            self._follow_gradient_order()
+
+    def _reduce_buckets(self) -> None:
+        """Waits for every launched bucket and hands out (or copies out) the reduced gradients."""
+        if self._pipeline is not None:
+            self._finish_pipelined()
+            return
+        for bucket in self._buckets:
+            self._control.wait(bucket.work, _OPERATION)
+            if bucket.segment is None:
+                if bucket.wire is not None:
+                    self._from_wire(bucket)
+                self._hand_out(bucket)
+        if self._transport is not None and self._sharing is not None:
+            shared = [(bucket, bucket.segment) for bucket in self._buckets if bucket.segment is not None]
+            for _, segment in shared:
+                self._transport.sum_my_slice(segment)
+            self._sharing.complete([segment for _, segment in shared])
+            for bucket, _ in shared:
+                self._copy_sums_out(bucket)
+
+    def _follow_gradient_order(self) -> None:
+        """After the first synchronised backward: buckets follow the order its gradients came in.
+
+        As DDP's bucket rebuild: buckets are first laid out in reverse registration order,
+        which is backward's order only when modules were created in forward order; a bucket
+        holding one gradient that comes late is launched late, and every bucket after it
+        waits. Worker 0's observed order (parameters that got no gradient last, in the old
+        order) is every worker's; the buckets are rebuilt once, when it differs.
+        """
+        observed, self._observed = self._observed or [], None
+        seen = dict.fromkeys(observed)
+        current = list(reversed(range(len(self._params))))
+        proposal = list(seen) + [i for i in current if i not in seen]
+        order = self._control.broadcast_ints(proposal, "gradient bucket order")
+        self._order = order
+        if order != current:
+            self.finalize()  # a collective when the buckets live in shared memory: every worker is here
 
     def _finish_pipelined(self) -> None:
         """The buckets not yet on their way across hosts go (in order, once the host wrote
