@@ -1,7 +1,9 @@
 """Gradient all-reduce overlapped with backward, for one replica per worker.
 
 The mechanism of DDP and Horovod: parameters are grouped into buckets in reverse
-registration order (the order backward produces their gradients); a hook after each
+registration order (the order backward produces their gradients when modules were made
+in forward order) and, after the first synchronised step, in the order backward did
+produce them (worker 0's, as DDP rebuilds its buckets once); a hook after each
 parameter's gradient accumulation counts it in, and when a bucket is complete (and all
 buckets before it were launched, so every worker issues collectives in one order) its
 gradients are copied into one flat buffer and an asynchronous ``all_reduce`` starts
