@@ -267,11 +267,14 @@ class HierarchicalTransport:
 
     def finish_across_hosts(self, works: list[Any]) -> None:
         """Waits for the works of ``start_across_hosts``, then until every slice on this host is final."""
+        self._wait_across(works)
+        self.shared_memory.sync(f"{_BUCKETS} (host)")
+
+    def _wait_across(self, works: list[Any]) -> None:
         column = self._column
-        assert column is not None, "finish_across_hosts needs equal hosts (slices_cross_hosts)"
+        assert column is not None, "only equal hosts add slices across hosts (slices_cross_hosts)"
         for work in works:
             column.wait(work, f"{_OPERATION} (between hosts)")
-        self.shared_memory.sync(f"{_BUCKETS} (host)")
 
     def _add_across_hosts(self, segments: list[SharedSegment]) -> None:
         """Adds the hosts' sums (called by every worker once it summed its slices).
@@ -282,9 +285,7 @@ class HierarchicalTransport:
         """
         engine, column = self.shared_memory, self._column
         if column is not None:
-            works = [work for segment in segments for work in self.start_across_hosts(segment)]
-            for work in works:
-                column.wait(work, f"{_OPERATION} (between hosts)")
+            self._wait_across([work for segment in segments for work in self.start_across_hosts(segment)])
             return
         self._host  # noqa: B018 - the groups exist from here on
         engine.sync(f"{_OPERATION} (host)")
