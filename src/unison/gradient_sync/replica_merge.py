@@ -37,6 +37,7 @@ from unison.devices import is_cuda
 from unison.context import ReplicaContext
 from unison.errors import GradientSyncError
 from unison.gradient_sync.primary_shadow import PrimaryShadow
+from unison.gradient_sync.replica_grad_buffers import ReplicaGradBuffers
 from unison.gradient_sync.replica_zero_grad import install_replica_zero_grad
 from unison.gradient_sync.shadow_optimizers import follow_hyperparameters, shadow_optimizer
 from unison.reduce import ReduceOp
@@ -90,6 +91,8 @@ class ReplicaGradientSync:
         self._in_place = (type(cross_device_ops) is ReductionToOneDevice and cross_device_ops.accumulation_fn is None
                           and cross_device_ops.reduce_to_device in (None, *self._devices)
                           and storage is MIRRORED and not any(is_cuda(d) for d in self._devices))
+        # ... and their gradients live in one flat buffer per replica and dtype (replica_grad_buffers.py)
+        self._buffers = ReplicaGradBuffers(self._num_replicas) if self._in_place else None
 
     def _state(self, context: ReplicaContext) -> _ReplicaStepState:
         state = self._states.get(context)
@@ -141,12 +144,16 @@ class ReplicaGradientSync:
         if state.no_sync or state.backward_sync_queued:
             return
         state.backward_sync_queued = True
+        if self._buffers is not None:
+            self._buffers.install(context.local_replica_id, self._live_variables())
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(context, state))
+
+    def _live_variables(self) -> list[DistributedVariable]:
+        return [v for v in (ref() for ref in self._variables) if v is not None]
 
     def _end_of_backward(self, context: ReplicaContext, state: _ReplicaStepState) -> None:
         state.backward_sync_queued = False
-        params = [v for v in (ref() for ref in self._variables) if v is not None]
-        context.merge_call(self._aggregate, args=(params,))
+        context.merge_call(self._aggregate, args=(self._live_variables(),))
         state.grads_reduced = True
 
     def _replica_id(self) -> "int | None":
@@ -198,6 +205,10 @@ class ReplicaGradientSync:
                 primary.after_step()
 
     def _aggregate(self, strategy: Any, params: list) -> None:
+        if self._buffers is not None:
+            rest = self._buffers.reduce(params, self._reduce_op() is ReduceOp.MEAN)
+            if rest is not None:
+                params = rest  # the variables the buffers do not hold (large gradients)
         devices = self._devices
         n = self._num_replicas
         targets: list[DistributedVariable] = []
