@@ -181,7 +181,7 @@ def test_create_graph_and_later_variables_take_the_general_path_then_the_buffers
         model.unused = nn.Linear(3, 2)  # a variable made after the layout
     mirrored2.run(step, args=(_halves(x), False))
     assert out[0][0] == [True, True] and not out[0][2] and torch.equal(out[0][1], general_value)
-    assert len(mirrored2.extended.components.gradient_sync._buffers._variables) == 8
+    assert len(mirrored2.extended.components.gradient_sync._buffers._replicas[0].aliases) == 8
 
 
 def test_large_gradients_and_small_models_keep_the_general_path(mirrored2, monkeypatch):

@@ -26,7 +26,6 @@ import operator
 import sys
 import threading
 import typing
-import weakref
 from collections import defaultdict
 from typing import Any, Sequence
 
@@ -83,7 +82,8 @@ class _ReplicaBuffers:
             offsets[c.dtype] += c.numel()
             self.aliases.append(alias)
         self.storage_uses = {dtype: self._storage_uses(flat) for dtype, flat in self.flats.items()}
-        self.untouched: list[tuple[int, int]] = []  # (parameter, version) pointed at a zeroed slot this backward
+        self.untouched: list[int] = []  # the slots pointed at zeroed this backward, for gradients that were None
+        self.versions: list[int] = []  # every alias's version counter once zeroed
 
     @staticmethod
     def _storage_uses(flat: torch.Tensor) -> int:
@@ -92,9 +92,9 @@ class _ReplicaBuffers:
     def restore_untouched(self) -> None:
         """Gradients pointed at a zeroed slot that autograd never wrote are None again."""
         with torch._C.DisableTorchFunctionSubclass():
-            for k, version in self.untouched:
+            for k in self.untouched:
                 component, alias = self.components[k], self.aliases[k]
-                if component.grad is alias and alias._version == version:
+                if component.grad is alias and alias._version == self.versions[k]:
                     component.grad = None
         self.untouched = []
 
@@ -120,21 +120,17 @@ class ReplicaGradBuffers:
 
     def __init__(self, num_replicas: int):
         self._num_replicas = num_replicas
-        self._variables: list["weakref.ref[torch.Tensor]"] = []
+        self._key: Any = None  # what the caller says identifies the registered variables
         self._replicas: list[_ReplicaBuffers] = []
         self._covered: frozenset[int] = frozenset()  # positions of the variables in the buffers
         self._build_lock = threading.Lock()  # replica threads meet a new layout at the same time
 
-    def _is_layout_of(self, variables: Sequence[Any]) -> bool:
-        return len(variables) == len(self._variables) and all(
-            ref() is v for ref, v in zip(self._variables, variables))
-
-    def _layout(self, variables: Sequence[Any]) -> "list[_ReplicaBuffers] | None":
-        """The buffers for ``variables``, made when they are not those of the current layout."""
-        if self._is_layout_of(variables):
+    def _layout(self, variables: Sequence[Any], key: Any) -> "list[_ReplicaBuffers] | None":
+        """The buffers for ``variables``, made when ``key`` is not the current layout's."""
+        if key == self._key:
             return self._replicas or None
         with self._build_lock:
-            if self._is_layout_of(variables):
+            if key == self._key:
                 return self._replicas or None
             self._restore_untouched()
             with torch._C.DisableTorchFunctionSubclass():
@@ -146,14 +142,18 @@ class ReplicaGradBuffers:
                 covered = []
             self._covered = frozenset(covered)
             self._replicas = [_ReplicaBuffers([replica[k] for k in covered]) for replica in components] if covered else []
-            self._variables = [weakref.ref(v) for v in variables]
+            self._key = key
             return self._replicas or None
 
-    def install(self, replica_id: int, variables: Sequence[Any]) -> None:
+    def install(self, replica_id: int, variables: Sequence[Any], key: Any) -> None:
         """At the first gradient of a replica's backward pass: points the gradients that are
         None at zeroed slots of the replica's buffer, so autograd accumulates into them, and
-        moves a gradient that arrived as a tensor of its own (this first one) into its slot."""
-        replicas = self._layout(variables)
+        moves a gradient that arrived as a tensor of its own (this first one) into its slot.
+
+        ``variables`` are every registered trainable variable, in order; ``key`` changes
+        whenever they do (a registration, a variable collected).
+        """
+        replicas = self._layout(variables, key)
         if replicas is None:
             return
         buffers = replicas[replica_id]
@@ -171,24 +171,25 @@ class ReplicaGradBuffers:
             else:
                 for flat in buffers.flats.values():
                     flat.zero_()
-            untouched = buffers.untouched = []
+            buffers.versions = [a._version for a in aliases]
+            untouched = buffers.untouched = [k for k, g in enumerate(grads) if g is None]
+            components = buffers.components
             try:
-                for k, (component, grad, alias) in enumerate(zip(buffers.components, grads, aliases)):
-                    if grad is None:
-                        component.grad = alias  # checks the shape: raises for a resized parameter
-                        untouched.append((k, alias._version))
-                    elif grad is not alias and _fits(grad, alias):
-                        alias.copy_(grad)
-                        component.grad = alias
+                for k in untouched:
+                    components[k].grad = aliases[k]  # checks the shape: raises for a resized parameter
+                for k, grad in enumerate(grads):
+                    if grad is not None and grad is not aliases[k] and _fits(grad, aliases[k]):
+                        aliases[k].copy_(grad)
+                        components[k].grad = aliases[k]
             except RuntimeError:  # a parameter was resized (param.data = ...): a new layout next time
                 buffers.restore_untouched()
-                self._variables = []
+                self._key = None
 
     def _restore_untouched(self) -> None:
         for r in self._replicas:
             r.restore_untouched()
 
-    def reduce(self, variables: Sequence[Any], mean: bool) -> "list[Any] | None":
+    def reduce(self, variables: Sequence[Any], key: Any, mean: bool) -> "list[Any] | None":
         """Reduces every replica's gradients of the variables in the buffers, out of
         ``variables`` (all the registered ones), and returns the others, for the general
         path. None, when they cannot be: then the gradients are as autograd left them
@@ -196,7 +197,7 @@ class ReplicaGradBuffers:
         replicas = self._replicas
         if not replicas:
             return None
-        if not self._is_layout_of(variables):  # not every registered variable (opt.step() without backward)
+        if key != self._key:  # not every registered variable (opt.step() without backward), or new ones
             self._restore_untouched()
             return None
         with torch._C.DisableTorchFunctionSubclass():
@@ -208,7 +209,8 @@ class ReplicaGradBuffers:
             # a slot no replica's autograd wrote since it was zeroed is a gradient never produced
             never_written: "set[int] | None" = None
             for r in replicas:
-                unwritten = {k for k, version in r.untouched if r.aliases[k]._version == version}
+                versions, now = r.versions, [a._version for a in r.aliases]
+                unwritten = {k for k in r.untouched if now[k] == versions[k]}
                 never_written = unwritten if never_written is None else never_written & unwritten
                 r.untouched = []
             self._reduce_flats(mean)
@@ -226,15 +228,18 @@ class ReplicaGradBuffers:
             if not all(g is None or g is a or _fits(g, a) for g, a in zip(grads, r.aliases)):
                 return False
         for r, grads in zip(replicas, per_replica):
+            untouched = set(r.untouched)
             for k, (component, g, a) in enumerate(zip(r.components, grads, r.aliases)):
                 if g is a:
                     continue
                 if g is None:
                     a.zero_()
-                    r.untouched.append((k, a._version))
+                    untouched.add(k)
                 else:
                     a.copy_(g)
                 component.grad = a
+            r.untouched = sorted(untouched)
+            r.versions = [a._version for a in r.aliases]
         return True
 
     def _reduce_flats(self, mean: bool) -> None:

@@ -110,6 +110,7 @@ class ReplicaGradientSync:
         # replica 0 steps plain aliases of the variables with the user's state (primary_shadow.py)
         self._primaries: "weakref.WeakKeyDictionary[torch.optim.Optimizer, PrimaryShadow]" = weakref.WeakKeyDictionary()
         self._variables: list["weakref.ref[DistributedVariable]"] = []
+        self._registrations = 0  # with the live count, identifies the variables to the buffers
         self._no_sync_outside_run = 0
         self._states: "weakref.WeakKeyDictionary[ReplicaContext, _ReplicaStepState]" = weakref.WeakKeyDictionary()
         self._grad_hooks = [_ReplicaGradHook(self) for _ in self._devices]  # one per replica, on its components
@@ -138,6 +139,7 @@ class ReplicaGradientSync:
             return
         variable = param
         self._variables.append(weakref.ref(variable))
+        self._registrations += 1
         for replica_id in range(self._num_replicas):
             with torch._C.DisableTorchFunctionSubclass():
                 torch.Tensor.register_post_accumulate_grad_hook(variable._component(replica_id),
@@ -175,7 +177,8 @@ class ReplicaGradientSync:
         state.backward_sync_queued = True
         hook.settled_task = _current_graph_task_id()
         if self._buffers is not None:
-            self._buffers.install(context.local_replica_id, self._live_variables())
+            variables = self._live_variables()
+            self._buffers.install(context.local_replica_id, variables, (self._registrations, len(variables)))
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(context, state))
 
     def _live_variables(self) -> list[DistributedVariable]:
@@ -183,7 +186,7 @@ class ReplicaGradientSync:
 
     def _end_of_backward(self, context: ReplicaContext, state: _ReplicaStepState) -> None:
         state.backward_sync_queued = False
-        context.merge_call(self._aggregate, args=(self._live_variables(),))
+        context.merge_call(self._aggregate_registered, args=(self._live_variables(),))
         state.grads_reduced = True
 
     def _replica_id(self) -> "int | None":
@@ -234,11 +237,17 @@ class ReplicaGradientSync:
             if context is not None and context.local_replica_id == 0:
                 primary.after_step()
 
-    def _aggregate(self, strategy: Any, params: list) -> None:
+    def _aggregate_registered(self, strategy: Any, variables: list) -> None:
+        """Reduces the gradients of every live registered variable (``_live_variables()``):
+        those in the replicas' flat buffers there, the others through ``_aggregate``."""
         if self._buffers is not None:
-            rest = self._buffers.reduce(params, self._reduce_op() is ReduceOp.MEAN)
+            rest = self._buffers.reduce(variables, (self._registrations, len(variables)),
+                                        self._reduce_op() is ReduceOp.MEAN)
             if rest is not None:
-                params = rest  # the variables the buffers do not hold (large gradients)
+                variables = rest  # the variables the buffers do not hold (large gradients)
+        self._aggregate(strategy, variables)
+
+    def _aggregate(self, strategy: Any, params: list) -> None:
         devices = self._devices
         n = self._num_replicas
         targets: list[DistributedVariable] = []
