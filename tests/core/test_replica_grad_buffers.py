@@ -113,7 +113,7 @@ def test_a_gradient_kept_from_an_earlier_step_is_never_overwritten(mirrored2):
     with mirrored2.scope():
         model = _TwoHeads()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kept = []
+    kept, graphs = [], []
 
     def step(batch, keep):
         opt.zero_grad()
@@ -123,17 +123,23 @@ def test_a_gradient_kept_from_an_earlier_step_is_never_overwritten(mirrored2):
             kept.append((model.shared.weight.grad, model.shared.weight.grad.clone()))
         elif keep == "view":
             kept.append((model.used.weight.grad.view(-1), model.used.weight.grad.clone().view(-1)))
+        elif keep == "graph":  # saved by autograd for a backward pass still to come: held outside Python
+            grad = model.shared.bias.grad
+            weight = torch.ones_like(grad, requires_grad=True)
+            graphs.append((grad * weight).sum())  # and no Python reference to the gradient
         elif keep == "storage":  # a tensor of its own over the gradient's memory: no view of it
             grad = model.used.bias.grad
             alias = torch.empty(0, dtype=grad.dtype).set_(grad.untyped_storage(), grad.storage_offset(), grad.shape)
             kept.append((alias, grad.clone()))
 
     g = torch.Generator().manual_seed(3)
-    for keep in ("tensor", "view", "storage", None, None):
+    for keep in ("tensor", "view", "graph", "storage", None, None):
         mirrored2.run(step, args=(_halves(torch.randn(8, 4, generator=g)), keep))
-    assert len(kept) == 6  # each replica keeps its own
+    assert len(kept) == 6 and len(graphs) == 2  # each replica keeps its own
     for tensor, value in kept:
         assert torch.equal(tensor, value)
+    for graph in graphs:
+        graph.backward()  # autograd checks that the gradient it saved was not written since
 
 
 def test_two_dtypes_get_a_buffer_each_and_train_as_the_general_path(mirrored2):
@@ -243,3 +249,23 @@ def test_a_resized_parameter_gets_a_new_layout(mirrored2):
         assert torch.equal(out[0][0], before) and torch.equal(out[1][0], before)
         assert out[0][1] is None and out[1][1] is None
     assert [a.shape for a in buffers._replicas[0].aliases][4] == (3, 3)
+
+
+def test_a_buffer_nobody_else_holds_is_reused_step_after_step(mirrored2):
+    with mirrored2.scope():
+        model = _TwoHeads()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        opt.zero_grad()
+        model(batch).pow(2).mean().backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # in place, on the reduced gradients
+        opt.step()
+
+    buffers = mirrored2.extended.components.gradient_sync._buffers
+    g = torch.Generator().manual_seed(9)
+    flats = []
+    for _ in range(4):
+        mirrored2.run(step, args=(_halves(torch.randn(8, 4, generator=g)),))
+        flats.append([r.flats[torch.float32] for r in buffers._replicas])
+    assert all(a is b for later in flats[1:] for a, b in zip(flats[0], later))

@@ -55,6 +55,16 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _references(items: list, k: int) -> int:
+    """``sys.getrefcount`` of ``items[k]`` (no loop variable of the caller's holds one)."""
+    return sys.getrefcount(items[k])
+
+
+_FREE_REFS = _references([torch.empty(0)], 0)
+"""What ``_references`` counts for a tensor only a list holds. Measured, not assumed:
+what ``sys.getrefcount`` adds for its own argument differs across Python versions."""
+
+
 def _fits(grad: torch.Tensor, slot: torch.Tensor) -> bool:
     """Whether ``grad`` can be copied into ``slot`` and replaced by it (not a gradient
     carrying a graph, from ``backward(create_graph=True)``)."""
@@ -102,10 +112,15 @@ class _ReplicaBuffers:
         """Whether anything besides these buffers and the parameters' ``.grad`` holds an alias
         or a buffer's storage (a gradient kept from an earlier step, a view of one)."""
         aliases = self.aliases
-        for k in range(len(aliases)):  # no loop variable: it would hold a reference of its own
-            # references: self.aliases, getrefcount's argument, and while it is a parameter's
-            # gradient, the parameter's and `grads`'
-            if sys.getrefcount(aliases[k]) != (4 if grads[k] is aliases[k] else 2):
+        free = _FREE_REFS
+        for k in range(len(aliases)):
+            # held by self.aliases only, or also, while it is a parameter's gradient, by the
+            # parameter and by `grads`
+            installed = grads[k] is aliases[k]
+            if _references(aliases, k) != (free + 2 if installed else free):
+                return True
+            # holders outside Python (a tensor autograd saved for a later backward) count here
+            if aliases[k]._use_count() != (2 if installed else 1):
                 return True
         return any(self._storage_uses(flat) != self.storage_uses[dtype] for dtype, flat in self.flats.items())
 
