@@ -120,7 +120,7 @@ class _ReplicaBuffers:
             if _references(aliases, k) != (free + 2 if installed else free):
                 return True
             # holders outside Python (a tensor autograd saved for a later backward) count here
-            if aliases[k]._use_count() != (2 if installed else 1):
+            if aliases[k]._use_count() != (2 if installed else 1):  # type: ignore[attr-defined]
                 return True
         return any(self._storage_uses(flat) != self.storage_uses[dtype] for dtype, flat in self.flats.items())
 
