@@ -26,6 +26,7 @@ import operator
 import sys
 import threading
 import typing
+import collections
 from collections import defaultdict
 from typing import Any, Sequence
 
@@ -55,14 +56,18 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _references(items: list, k: int) -> int:
-    """``sys.getrefcount`` of ``items[k]`` (no loop variable of the caller's holds one)."""
-    return sys.getrefcount(items[k])
+def _references(items: list) -> list[int]:
+    """``sys.getrefcount`` of each of ``items``, in one C-level pass."""
+    return list(map(sys.getrefcount, items))
 
 
-_FREE_REFS = _references([torch.empty(0)], 0)
+_FREE_REFS = _references([torch.empty(0)])[0]
 """What ``_references`` counts for a tensor only a list holds. Measured, not assumed:
 what ``sys.getrefcount`` adds for its own argument differs across Python versions."""
+_use_count = torch._C.TensorBase._use_count  # type: ignore[attr-defined]
+_GRAD: Any = torch._C.TensorBase.grad  # the C-level descriptor: a getter and setter to map over tensors
+_get_grad, _set_grad = _GRAD.__get__, _GRAD.__set__
+_version = operator.attrgetter("_version")
 
 
 def _fits(grad: torch.Tensor, slot: torch.Tensor) -> bool:
@@ -113,15 +118,15 @@ class _ReplicaBuffers:
         or a buffer's storage (a gradient kept from an earlier step, a view of one)."""
         aliases = self.aliases
         free = _FREE_REFS
-        for k in range(len(aliases)):
-            # held by self.aliases only, or also, while it is a parameter's gradient, by the
-            # parameter and by `grads`
-            installed = grads[k] is aliases[k]
-            if _references(aliases, k) != (free + 2 if installed else free):
-                return True
-            # holders outside Python (a tensor autograd saved for a later backward) count here
-            if aliases[k]._use_count() != (2 if installed else 1):  # type: ignore[attr-defined]
-                return True
+        # held by self.aliases only, or also, while it is a parameter's gradient, by the
+        # parameter and by `grads`; _use_count counts holders outside Python (a tensor
+        # autograd saved for a later backward)
+        references, uses = _references(aliases), list(map(_use_count, aliases))
+        if references.count(free) != len(aliases) or uses.count(1) != len(aliases):  # not all free
+            for k, (alias, grad) in enumerate(zip(aliases, grads)):
+                installed = grad is alias
+                if references[k] != (free + 2 if installed else free) or uses[k] != (2 if installed else 1):
+                    return True
         return any(self._storage_uses(flat) != self.storage_uses[dtype] for dtype, flat in self.flats.items())
 
 
@@ -173,7 +178,7 @@ class ReplicaGradBuffers:
             return
         buffers = replicas[replica_id]
         with torch._C.DisableTorchFunctionSubclass():
-            grads = [c.grad for c in buffers.components]
+            grads = list(map(_get_grad, buffers.components))
             if all(map(operator.is_, grads, buffers.aliases)):
                 return  # accumulating into the slots already (no zero_grad since the last step)
             if buffers.held_elsewhere(grads):
@@ -186,12 +191,13 @@ class ReplicaGradBuffers:
             else:
                 for flat in buffers.flats.values():
                     flat.zero_()
-            buffers.versions = [a._version for a in aliases]
+            buffers.versions = list(map(_version, aliases))
             untouched = buffers.untouched = [k for k, g in enumerate(grads) if g is None]
             components = buffers.components
             try:
-                for k in untouched:
-                    components[k].grad = aliases[k]  # checks the shape: raises for a resized parameter
+                # the setter checks the shape: raises for a resized parameter
+                collections.deque(map(_set_grad, [components[k] for k in untouched],
+                                      [aliases[k] for k in untouched]), maxlen=0)
                 for k, grad in enumerate(grads):
                     if grad is not None and grad is not aliases[k] and _fits(grad, aliases[k]):
                         aliases[k].copy_(grad)
@@ -216,7 +222,7 @@ class ReplicaGradBuffers:
             self._restore_untouched()
             return None
         with torch._C.DisableTorchFunctionSubclass():
-            per_replica = [[c.grad for c in r.components] for r in replicas]
+            per_replica = [list(map(_get_grad, r.components)) for r in replicas]
             in_slots = [all(map(operator.is_, grads, r.aliases)) for r, grads in zip(replicas, per_replica)]
             if not all(in_slots) and not self._into_slots(per_replica):
                 self._restore_untouched()
@@ -224,7 +230,7 @@ class ReplicaGradBuffers:
             # a slot no replica's autograd wrote since it was zeroed is a gradient never produced
             never_written: "set[int] | None" = None
             for r in replicas:
-                versions, now = r.versions, [a._version for a in r.aliases]
+                versions, now = r.versions, list(map(_version, r.aliases))
                 unwritten = {k for k in r.untouched if now[k] == versions[k]}
                 never_written = unwritten if never_written is None else never_written & unwritten
                 r.untouched = []
@@ -233,6 +239,8 @@ class ReplicaGradBuffers:
                 for r in replicas:
                     r.components[k].grad = None
         covered = self._covered
+        if len(covered) == len(variables):
+            return []
         return [v for k, v in enumerate(variables) if k not in covered]
 
     def _into_slots(self, per_replica: list[list]) -> bool:
