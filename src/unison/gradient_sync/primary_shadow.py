@@ -14,6 +14,9 @@ or a variable's storage was replaced (``param.data = ...``).
 
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
 import typing
 from collections.abc import MutableMapping
 from typing import Any, Iterator
@@ -24,6 +27,10 @@ from unison.gradient_sync.shadow_optimizers import follow_hyperparameters, shado
 from unison.values.variables import DistributedVariable
 
 __all__ = ["PrimaryShadow"]
+
+_GRAD: Any = torch._C.TensorBase.grad  # the C-level descriptor: a getter and setter to map over tensors
+_get_grad, _set_grad = _GRAD.__get__, _GRAD.__set__
+_data_ptr = torch._C.TensorBase.data_ptr
 
 
 @typing.final
@@ -82,6 +89,7 @@ class PrimaryShadow:
                     params.append(alias)
                 groups.append({**group, "params": params})
         self._variables, self._aliases = variables, aliases
+        self._plain_aliases = [a for a, v in zip(aliases, variables) if a is not v]  # not the parameters themselves
         self._state = optimizer.state
         return shadow_optimizer(optimizer, groups, _StateOfVariables(optimizer.state, variable_of))
 
@@ -90,16 +98,11 @@ class PrimaryShadow:
         and the shadow's state is still the optimizer's (``load_state_dict`` replaces it)."""
         if self._state is not optimizer.state:
             return False
-        k = 0
         variables, aliases = self._variables, self._aliases
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if k >= len(variables) or variables[k] is not param:
-                    return False
-                if aliases[k] is not param and aliases[k].data_ptr() != param.data_ptr():
-                    return False
-                k += 1
-        return k == len(variables)
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        # C-level passes: this runs every step, over every parameter (a plain parameter is its own alias)
+        return (len(params) == len(variables) and all(map(operator.is_, params, variables))
+                and list(map(_data_ptr, aliases)) == list(map(_data_ptr, variables)))
 
     def for_step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The shadow to step now: current aliases carrying the variables' gradients and the
@@ -107,15 +110,12 @@ class PrimaryShadow:
         with torch._C.DisableTorchFunctionSubclass():
             if not self._current(optimizer):
                 self._shadow = self._build(optimizer)
-            for variable, alias in zip(self._variables, self._aliases):
-                if alias is not variable:
-                    alias.grad = variable.grad
+            # a plain parameter is its own alias: setting its gradient to itself changes nothing
+            collections.deque(map(_set_grad, self._aliases, map(_get_grad, self._variables)), maxlen=0)
         follow_hyperparameters(self._shadow, optimizer)
         return self._shadow
 
     def after_step(self) -> None:
         """Drops the aliases' references to the gradients (``zero_grad`` must be able to free them)."""
         with torch._C.DisableTorchFunctionSubclass():
-            for variable, alias in zip(self._variables, self._aliases):
-                if alias is not variable:
-                    alias.grad = None
+            collections.deque(map(_set_grad, self._plain_aliases, itertools.repeat(None)), maxlen=0)
