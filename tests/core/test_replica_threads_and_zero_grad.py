@@ -165,3 +165,21 @@ def test_other_zero_grad_forms_and_the_optimizers_life_are_unchanged(mirrored2):
     del opt
     gc.collect()
     assert ref() is None
+
+
+def test_the_fast_zero_grad_follows_a_parameter_group_added_later(mirrored2):
+    model, opt = _model_and_optimizer(mirrored2)
+    x = torch.randn(4, 3)
+    _train(mirrored2, model, opt, x)
+    mirrored2.run(lambda: opt.zero_grad())  # the components of the first group are known now
+    with mirrored2.scope():
+        head = nn.Linear(3, 2)
+    opt.add_param_group({"params": list(head.parameters())})
+
+    def fn(batch):
+        (model(batch).pow(2).mean() + head(batch).pow(2).mean()).backward()
+
+    mirrored2.run(fn, args=(unison.PerReplica([x[:2], x[2:]]),))
+    assert all(g is not None for grads in _component_grads(head) for g in grads)
+    mirrored2.run(lambda: opt.zero_grad())
+    assert all(g is None for grads in _component_grads(model) + _component_grads(head) for g in grads)

@@ -13,8 +13,11 @@ strategy's replica) calls the class's ``zero_grad`` unchanged.
 
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -23,6 +26,8 @@ from unison.values.variables import DistributedVariable
 __all__ = ["install_replica_zero_grad"]
 
 _MARK = "_unison_replica_zero_grad"
+_GRAD: Any = torch._C.TensorBase.grad  # the C-level descriptor: its setter, mapped over tensors
+_set_grad = _GRAD.__set__
 
 
 def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
@@ -37,6 +42,7 @@ def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
     if getattr(optimizer.__dict__.get("zero_grad"), _MARK, False):
         return
     owner = weakref.ref(optimizer)  # no cycle through the instance's own attribute
+    components: dict[int, tuple[list, list]] = {}  # replica id -> (the parameters, their components there)
     original = type(optimizer).zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
@@ -47,11 +53,14 @@ def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
         if replica_id is None:
             original(opt, set_to_none)
             return
+        params = [param for group in opt.param_groups for param in group["params"]]
+        known = components.get(replica_id)
+        if known is None or len(known[0]) != len(params) or not all(map(operator.is_, known[0], params)):
+            # a variable's components are made with it and never replaced: kept until the parameters change
+            known = components[replica_id] = (params, [
+                param._component(replica_id) if isinstance(param, DistributedVariable) else param for param in params])
         with torch._C.DisableTorchFunctionSubclass():
-            for group in opt.param_groups:
-                for param in group["params"]:
-                    tensor = param._component(replica_id) if isinstance(param, DistributedVariable) else param
-                    tensor.grad = None
+            collections.deque(map(_set_grad, known[1], itertools.repeat(None)), maxlen=0)
 
     zero_grad.__doc__ = original.__doc__
     setattr(zero_grad, _MARK, True)
