@@ -164,6 +164,7 @@ def test_two_dtypes_get_a_buffer_each_and_train_as_the_general_path(mirrored2):
         assert torch.equal(a, b)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_create_graph_and_later_variables_take_the_general_path_then_the_buffers(mirrored2):
     """Gradients that require grad cannot live in a buffer; variables made after the first
     step join a new layout. Slots autograd never wrote are None again either way."""
