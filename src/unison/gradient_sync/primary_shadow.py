@@ -14,8 +14,6 @@ or a variable's storage was replaced (``param.data = ...``).
 
 from __future__ import annotations
 
-import collections
-import itertools
 import operator
 import typing
 from collections.abc import MutableMapping
@@ -23,13 +21,12 @@ from typing import Any, Iterator
 
 import torch
 
+from unison.gradient_sync.grad_access import clear_grads, grads_of, set_grads
 from unison.gradient_sync.shadow_optimizers import follow_hyperparameters, shadow_optimizer
 from unison.values.variables import DistributedVariable
 
 __all__ = ["PrimaryShadow"]
 
-_GRAD: Any = torch._C.TensorBase.grad  # the C-level descriptor: a getter and setter to map over tensors
-_get_grad, _set_grad = _GRAD.__get__, _GRAD.__set__
 _data_ptr = torch._C.TensorBase.data_ptr
 
 
@@ -111,11 +108,11 @@ class PrimaryShadow:
             if not self._current(optimizer):
                 self._shadow = self._build(optimizer)
             # a plain parameter is its own alias: setting its gradient to itself changes nothing
-            collections.deque(map(_set_grad, self._aliases, map(_get_grad, self._variables)), maxlen=0)
+            set_grads(self._aliases, grads_of(self._variables))
         follow_hyperparameters(self._shadow, optimizer)
         return self._shadow
 
     def after_step(self) -> None:
         """Drops the aliases' references to the gradients (``zero_grad`` must be able to free them)."""
         with torch._C.DisableTorchFunctionSubclass():
-            collections.deque(map(_set_grad, self._plain_aliases, itertools.repeat(None)), maxlen=0)
+            clear_grads(self._plain_aliases)

@@ -30,11 +30,12 @@ import operator
 import sys
 import threading
 import typing
-import collections
 from collections import defaultdict
 from typing import Any, Sequence
 
 import torch
+
+from unison.gradient_sync.grad_access import grads_of, set_grads
 
 __all__ = ["ReplicaGradBuffers"]
 
@@ -69,8 +70,6 @@ _FREE_REFS = _references([torch.empty(0)])[0]
 """What ``_references`` counts for a tensor only a list holds. Measured, not assumed:
 what ``sys.getrefcount`` adds for its own argument differs across Python versions."""
 _use_count = torch._C.TensorBase._use_count  # type: ignore[attr-defined]
-_GRAD: Any = torch._C.TensorBase.grad  # the C-level descriptor: a getter and setter to map over tensors
-_get_grad, _set_grad = _GRAD.__get__, _GRAD.__set__
 _version = operator.attrgetter("_version")
 
 
@@ -182,7 +181,7 @@ class ReplicaGradBuffers:
             return
         buffers = replicas[replica_id]
         with torch._C.DisableTorchFunctionSubclass():
-            grads = list(map(_get_grad, buffers.components))
+            grads = grads_of(buffers.components)
             if all(map(operator.is_, grads, buffers.aliases)):
                 return  # accumulating into the slots already (no zero_grad since the last step)
             if buffers.held_elsewhere(grads):
@@ -200,8 +199,7 @@ class ReplicaGradBuffers:
             components = buffers.components
             try:
                 # the setter checks the shape: raises for a resized parameter
-                collections.deque(map(_set_grad, [components[k] for k in untouched],
-                                      [aliases[k] for k in untouched]), maxlen=0)
+                set_grads([components[k] for k in untouched], [aliases[k] for k in untouched])
                 for k, grad in enumerate(grads):
                     if grad is not None and grad is not aliases[k] and _fits(grad, aliases[k]):
                         aliases[k].copy_(grad)
@@ -226,7 +224,7 @@ class ReplicaGradBuffers:
             self._restore_untouched()
             return None
         with torch._C.DisableTorchFunctionSubclass():
-            per_replica = [list(map(_get_grad, r.components)) for r in replicas]
+            per_replica = [grads_of(r.components) for r in replicas]
             in_slots = [all(map(operator.is_, grads, r.aliases)) for r, grads in zip(replicas, per_replica)]
             if not all(in_slots) and not self._into_slots(per_replica):
                 self._restore_untouched()

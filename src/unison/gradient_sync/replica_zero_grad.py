@@ -13,21 +13,18 @@ strategy's replica) calls the class's ``zero_grad`` unchanged.
 
 from __future__ import annotations
 
-import collections
-import itertools
 import operator
 import weakref
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from unison.gradient_sync.grad_access import clear_grads
 from unison.values.variables import DistributedVariable
 
 __all__ = ["install_replica_zero_grad"]
 
 _MARK = "_unison_replica_zero_grad"
-_GRAD: Any = torch._C.TensorBase.grad  # the C-level descriptor: its setter, mapped over tensors
-_set_grad = _GRAD.__set__
 
 
 def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
@@ -60,7 +57,7 @@ def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
             known = components[replica_id] = (params, [
                 param._component(replica_id) if isinstance(param, DistributedVariable) else param for param in params])
         with torch._C.DisableTorchFunctionSubclass():
-            collections.deque(map(_set_grad, known[1], itertools.repeat(None)), maxlen=0)
+            clear_grads(known[1])
 
     zero_grad.__doc__ = original.__doc__
     setattr(zero_grad, _MARK, True)
