@@ -270,3 +270,41 @@ def test_a_buffer_nobody_else_holds_is_reused_step_after_step(mirrored2):
         mirrored2.run(step, args=(_halves(torch.randn(8, 4, generator=g)),))
         flats.append([r.flats[torch.float32] for r in buffers._replicas])
     assert all(a is b for later in flats[1:] for a, b in zip(flats[0], later))
+
+
+def _count_flat_reductions(monkeypatch) -> list:
+    """Records each reduction of whole buffers (its ``mean`` argument)."""
+    calls: list = []
+    original = replica_grad_buffers.ReplicaGradBuffers._reduce_flats
+
+    def counting(self, mean):
+        calls.append(mean)
+        return original(self, mean)
+
+    monkeypatch.setattr(replica_grad_buffers.ReplicaGradBuffers, "_reduce_flats", counting)
+    return calls
+
+
+def test_a_sum_reduction_adds_the_buffers(mirrored2, monkeypatch):
+    calls = _count_flat_reductions(monkeypatch)
+    mirrored2.extended.gradient_reduce_op = unison.ReduceOp.SUM
+    general = _general()
+    general.extended.gradient_reduce_op = unison.ReduceOp.SUM
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10))
+    got = []
+    for strategy in (mirrored2, general):
+        with strategy.scope():
+            model = _TwoHeads()
+        out = {}
+
+        def step(batch):
+            replica = unison.get_replica_context().replica_id_in_sync_group
+            (model(batch).pow(2).sum() * (replica + 1)).backward()
+            out[replica] = [p.grad.clone() for p in (*model.shared.parameters(), *model.used.parameters())]
+
+        strategy.run(step, args=(_halves(x),))
+        got.append(out)
+    assert calls == [False]  # whole buffers, summed
+    for replica in (0, 1):
+        for a, b in zip(got[0][replica], got[1][replica]):
+            assert torch.equal(a, b)
