@@ -182,7 +182,7 @@ class ReplicaGradientSync:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(context, state))
 
     def _live_variables(self) -> list[DistributedVariable]:
-        return [v for v in (ref() for ref in self._variables) if v is not None]
+        return [v for ref in self._variables if (v := ref()) is not None]
 
     def _end_of_backward(self, context: ReplicaContext, state: _ReplicaStepState) -> None:
         state.backward_sync_queued = False
