@@ -54,23 +54,26 @@ class _TwoHeads(nn.Module):
         return self.used(hidden.to(self.used.weight.dtype))
 
 
+def _grads_after_one_backward(strategy: unison.MirroredStrategy, seed: int) -> dict:
+    """Per replica: clones of the used layers' gradients after one backward pass (replica
+    ``r``'s loss scaled by ``r + 1``, so the replicas differ), and their storages."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))
+    with strategy.scope():
+        model = _TwoHeads()
+    out = {}
+
+    def step(batch):
+        replica = unison.get_replica_context().replica_id_in_sync_group
+        (model(batch).pow(2).sum() * (replica + 1)).backward()
+        used = [model.shared.weight.grad, model.shared.bias.grad, model.used.weight.grad, model.used.bias.grad]
+        out[replica] = ([g.clone() for g in used], {g.untyped_storage().data_ptr() for g in used})
+
+    strategy.run(step, args=(_halves(x),))
+    return out
+
+
 def test_gradients_are_aliases_of_one_buffer_per_replica_and_equal_the_general_reduction(mirrored2):
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
-    got = {}
-    for strategy in (mirrored2, _general()):
-        with strategy.scope():
-            model = _TwoHeads()
-        out = {}
-
-        def step(batch):
-            replica = unison.get_replica_context().replica_id_in_sync_group
-            (model(batch).pow(2).sum() * (replica + 1)).backward()
-            used = [model.shared.weight.grad, model.shared.bias.grad, model.used.weight.grad, model.used.bias.grad]
-            out[replica] = ([g.clone() for g in used], {g.untyped_storage().data_ptr() for g in used})
-
-        strategy.run(step, args=(_halves(x),))
-        got[strategy] = out
-    fast, general = got[mirrored2], got[next(s for s in got if s is not mirrored2)]
+    fast, general = _grads_after_one_backward(mirrored2, 1), _grads_after_one_backward(_general(), 1)
     for replica in (0, 1):
         for a, b in zip(fast[replica][0], general[replica][0]):
             assert torch.equal(a, b)
@@ -287,24 +290,11 @@ def _count_flat_reductions(monkeypatch) -> list:
 
 def test_a_sum_reduction_adds_the_buffers(mirrored2, monkeypatch):
     calls = _count_flat_reductions(monkeypatch)
-    mirrored2.extended.gradient_reduce_op = unison.ReduceOp.SUM
     general = _general()
-    general.extended.gradient_reduce_op = unison.ReduceOp.SUM
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10))
-    got = []
     for strategy in (mirrored2, general):
-        with strategy.scope():
-            model = _TwoHeads()
-        out = {}
-
-        def step(batch):
-            replica = unison.get_replica_context().replica_id_in_sync_group
-            (model(batch).pow(2).sum() * (replica + 1)).backward()
-            out[replica] = [p.grad.clone() for p in (*model.shared.parameters(), *model.used.parameters())]
-
-        strategy.run(step, args=(_halves(x),))
-        got.append(out)
+        strategy.extended.gradient_reduce_op = unison.ReduceOp.SUM
+    got, want = _grads_after_one_backward(mirrored2, 10), _grads_after_one_backward(general, 10)
     assert calls == [False]  # whole buffers, summed
     for replica in (0, 1):
-        for a, b in zip(got[0][replica], got[1][replica]):
+        for a, b in zip(got[replica][0], want[replica][0]):
             assert torch.equal(a, b)
