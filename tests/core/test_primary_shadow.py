@@ -8,7 +8,6 @@ aliases when the optimizer's parameters change, and holds no gradient after a st
 from __future__ import annotations
 
 import gc
-import sys
 import importlib
 import weakref
 
@@ -105,14 +104,4 @@ def test_no_gradient_is_kept_after_the_step(mirrored2):
 
     mirrored2.run(fn, args=(unison.PerReplica([torch.randn(2, 3), torch.randn(2, 3)]),))
     gc.collect()
-    assert len(refs) == 2
-    # CPU replicas keep their gradients in flat buffers (replica_grad_buffers.py): a gradient
-    # may live on as the buffer's own alias, referenced by nothing else
-    kept_by_buffers = [alias for replica in mirrored2.extended._c.gradient_sync._buffers._replicas
-                       for alias in replica.aliases]
-    for ref in refs:
-        grad = ref()
-        if grad is not None:
-            holders = sys.getrefcount(grad) - 2  # less `grad` and getrefcount's argument
-            kept = any(grad is alias for alias in kept_by_buffers)
-            assert kept and holders == 2  # the buffer's list of aliases and kept_by_buffers
+    assert len(refs) == 2 and all(ref() is None for ref in refs)

@@ -225,8 +225,8 @@ class ReplicaGradBuffers:
             return None
         with torch._C.DisableTorchFunctionSubclass():
             per_replica = [grads_of(r.components) for r in replicas]
-            in_slots = [all(map(operator.is_, grads, r.aliases)) for r, grads in zip(replicas, per_replica)]
-            if not all(in_slots) and not self._into_slots(per_replica):
+            in_slots = all(all(map(operator.is_, grads, r.aliases)) for r, grads in zip(replicas, per_replica))
+            if not in_slots and not self._into_slots(per_replica):
                 self._restore_untouched()
                 return None
             # a slot no replica's autograd wrote since it was zeroed is a gradient never produced

@@ -171,11 +171,10 @@ class ReplicaGradientSync:
         if context is None or self._no_sync_outside_run:
             return
         state = self._state(context)
+        hook.settled_task = _current_graph_task_id()  # decided for this backward pass, whichever way
         if state.no_sync or state.backward_sync_queued:
-            hook.settled_task = _current_graph_task_id()
             return
         state.backward_sync_queued = True
-        hook.settled_task = _current_graph_task_id()
         if self._buffers is not None:
             variables = self._live_variables()
             self._buffers.install(context.local_replica_id, variables, (self._registrations, len(variables)))

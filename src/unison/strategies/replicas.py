@@ -22,8 +22,8 @@ import torch
 from unison._state import STATE, ContextEntry
 from unison.context import ReplicaContext
 from unison.devices import is_cuda, torch_device
-from unison.strategies.switch_interval import SHORT_SWITCH_INTERVAL
 from unison.errors import MergeCallError
+from unison.strategies.switch_interval import SHORT_SWITCH_INTERVAL
 from unison.values.values import may_hold_components, regroup, select_replica
 
 if TYPE_CHECKING:  # pragma: no cover
