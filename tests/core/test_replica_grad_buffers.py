@@ -9,6 +9,8 @@ the results equal the general reduction's and single-device training's.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -187,11 +189,15 @@ def test_create_graph_and_later_variables_take_the_general_path_then_the_buffers
     mirrored2.run(step, args=(_halves(x), True))
     general_value = out[0][1]
     assert out[0][0] == [True, True] and out[0][2] and torch.equal(out[0][1], out[1][1])
+    replaced = weakref.ref(model.unused.weight)
     with mirrored2.scope():
         model.unused = nn.Linear(3, 2)  # a variable made after the layout
     mirrored2.run(step, args=(_halves(x), False))
     assert out[0][0] == [True, True] and not out[0][2] and torch.equal(out[0][1], general_value)
-    assert len(mirrored2.extended.components.gradient_sync._buffers._replicas[0].aliases) == 8
+    layout = mirrored2.extended.components.gradient_sync._buffers._replicas[0]
+    assert len(layout.aliases) == 6 and any(c is model.unused.weight._component(0) for c in layout.components)
+    gc.collect()
+    assert replaced() is None  # the layout does not keep a replaced layer's variables alive
 
 
 def test_large_gradients_and_small_models_keep_the_general_path(mirrored2, monkeypatch):

@@ -7,8 +7,8 @@ gradients of each variable are reduced across replicas (mean by default,
 ``strategy.extended.gradient_reduce_op``) and written back to every component — so
 code between ``backward()`` and ``opt.step()`` (gradient clipping) sees reduced
 gradients, as with DDP. Gradients set without a backward pass are reduced at
-``opt.step()`` instead. Replica 0 then runs the user's optimizer on component 0 (so its state and
-``state_dict()`` are the user's); replica ``i`` runs a shadow copy of the optimizer
+``opt.step()`` instead. Replica 0 then steps component 0 with the user's optimizer
+state (``PrimaryShadow``: its ``state_dict()`` is the user's); replica ``i`` runs a shadow copy of the optimizer
 over component ``i`` with its own per-device state and the user's current
 hyperparameters (learning-rate schedulers keep working). Under central storage only
 replica 0 steps, since all replicas share one storage.
@@ -230,11 +230,6 @@ class ReplicaGradientSync:
     def post_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Ends the step's writes to this replica's own components."""
         OWN_COMPONENT_WRITES.end()
-        primary = self._primaries.get(optimizer)
-        if primary is not None:
-            context = self._current_context()
-            if context is not None and context.local_replica_id == 0:
-                primary.after_step()
 
     def _aggregate_registered(self, strategy: Any, variables: list) -> None:
         """Reduces the gradients of every live registered variable (``_live_variables()``):

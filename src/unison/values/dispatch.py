@@ -16,7 +16,7 @@ import torch
 
 from unison._state import STATE
 
-__all__ = ["is_plain_read", "is_grad_access", "is_mutation", "map_variables", "find_variables", "call_plain", "replica_of"]
+__all__ = ["is_plain_read", "is_grad_access", "is_own_attribute_write", "is_mutation", "map_variables", "find_variables", "call_plain", "replica_of"]
 
 _GRAD_DESCRIPTOR = torch.Tensor.grad
 _INPLACE_DUNDERS = frozenset(
@@ -28,6 +28,21 @@ _INPLACE_DUNDERS = frozenset(
 def is_grad_access(func: Callable[..., Any]) -> bool:
     """Whether ``func`` is the getter or setter of ``Tensor.grad``."""
     return getattr(func, "__self__", None) is _GRAD_DESCRIPTOR
+
+
+_OWN_ATTRIBUTES = (torch._C.TensorBase.data, torch._C.TensorBase.requires_grad)
+_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
+
+
+def is_own_attribute_write(func: Callable[..., Any], args: tuple, tensor: Any) -> bool:
+    """Whether ``func`` replaces ``tensor``'s data or sets whether it requires grad
+    (``t.data = x``, ``t.requires_grad = b``, ``t.requires_grad_(b)``)."""
+    if not args or args[0] is not tensor:
+        return False
+    if func is _REQUIRES_GRAD_:
+        return True
+    owner = getattr(func, "__self__", None)
+    return _func_name(func) == "__set__" and any(owner is attribute for attribute in _OWN_ATTRIBUTES)
 
 
 _PLAIN_READS: dict[Any, bool] = {}

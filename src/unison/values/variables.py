@@ -3,10 +3,18 @@
 # methods mypy cannot see on it, and `values` / `__repr__` deliberately replace Tensor's.)
 """Distributed variables: MirroredVariable and SyncOnReadVariable.
 
-Both are tensor subclasses whose own storage is component 0 (on the first device);
-the other components are plain leaf tensors on the other replica devices. Which
-component an operation sees is decided per thread (see ``dispatch.py``), so a module
-built inside ``strategy.scope()`` runs unchanged in every replica thread.
+Both are tensor subclasses over component 0's storage (on the first device); the other
+components are plain leaf tensors on the other replica devices. Which component an
+operation sees is decided per thread (see ``dispatch.py``), so a module built inside
+``strategy.scope()`` runs unchanged in every replica thread.
+
+A MirroredVariable's component 0 is a plain leaf *alias* of it (same storage, same
+version counter), not the variable itself: autograd records every replica's
+gradient on a plain tensor, so replica 0 can run, differentiate and step on plain
+tensors as the other replicas do, with no ``__torch_function__`` per operation (see
+``replica_parameters.py``). Operations on the variable itself still dispatch, and its
+reads resolve to component 0 in cross-replica context too, so ``var.grad`` is always
+component 0's gradient.
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ from torch import nn
 
 from unison.values.aggregation import VariableAggregation
 from unison._state import STATE
-from unison.values.dispatch import (call_plain, find_variables, is_grad_access, is_mutation, is_plain_read,
-                                    map_variables, replica_of)
+from unison.values.dispatch import (call_plain, find_variables, is_grad_access, is_mutation, is_own_attribute_write,
+                                    is_plain_read, map_variables, replica_of)
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import DistributedValues, PerReplica
 
@@ -72,6 +80,7 @@ class DistributedVariable(DistributedValues):
     _strategy: Any
     _devices: tuple[str, ...]
     _others: list[torch.Tensor]
+    _primary: torch.Tensor
     _aggregation: VariableAggregation
     _var_name: str | None
     _storage: VariableStorage = MIRRORED
@@ -84,14 +93,19 @@ class DistributedVariable(DistributedValues):
         self._aggregation = aggregation
         self._var_name = name
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            self._others = storage.make_others(cast(torch.Tensor, self), devices)
+            self._primary = self._make_primary()
+            self._others = storage.make_others(self._primary, devices)
+
+    def _make_primary(self) -> torch.Tensor:
+        """Component 0 (called with subclass dispatch disabled): the variable itself by default."""
+        return cast(torch.Tensor, self)
 
     # -- components ---------------------------------------------------------------------
     @property
     def values(self) -> tuple[torch.Tensor, ...]:
         """The components as plain tensors, one per local replica device (component 0 shares storage)."""
         with torch._C.DisableTorchFunctionSubclass():
-            return (self.detach(), *self._others[: len(self._devices) - 1])
+            return (self._primary.detach(), *self._others[: len(self._devices) - 1])
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -109,7 +123,7 @@ class DistributedVariable(DistributedValues):
         return self._var_name
 
     def _component(self, replica_id: int) -> torch.Tensor:
-        return cast(torch.Tensor, self) if replica_id == 0 else self._others[replica_id - 1]
+        return self._primary if replica_id == 0 else self._others[replica_id - 1]
 
     def _component_grad(self, replica_id: int) -> torch.Tensor | None:
         with torch._C.DisableTorchFunctionSubclass():
@@ -127,7 +141,7 @@ class DistributedVariable(DistributedValues):
     def _broadcast_primary(self) -> None:
         """Makes every component equal to component 0."""
         with torch._C.DisableTorchFunctionSubclass():
-            self._storage.broadcast(cast(torch.Tensor, self), self._others)
+            self._storage.broadcast(self._primary, self._others)
 
     # -- TF-style writes ----------------------------------------------------------------
     def assign(self, value: Any) -> "DistributedVariable":
@@ -256,14 +270,17 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
     def __reduce_ex__(self, protocol: int) -> Any:
         # Pickles (torch.save, deepcopy) as the plain value of component 0.
         with torch._C.DisableTorchFunctionSubclass():
-            return nn.Parameter(self.detach().clone(), self.requires_grad).__reduce_ex__(protocol)
+            return nn.Parameter(self._primary.detach().clone(), self._primary.requires_grad).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         with torch._C.DisableTorchFunctionSubclass():
-            return nn.Parameter(self.detach().clone(), self.requires_grad)
+            return nn.Parameter(self._primary.detach().clone(), self._primary.requires_grad)
+
+    def _make_primary(self) -> torch.Tensor:
+        return torch.Tensor.detach(self).requires_grad_(self.requires_grad)
 
     def _cross_replica_value(self) -> torch.Tensor:
-        return self
+        return self._primary
 
     def _set_grad_everywhere(self, grad: torch.Tensor | None) -> None:
         """``p.grad = g`` in cross-replica context (``opt.zero_grad()`` between steps): every
@@ -282,6 +299,12 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
                 self._set_grad_everywhere(args[1])
                 return None
             return NotImplemented
+        if is_own_attribute_write(func, args, self):
+            # `param.data = t`, `param.requires_grad = b`, `param.requires_grad_(b)`: the variable
+            # and its component 0 stay one tensor (what a C-level read of the variable sees)
+            call_plain(func, (self, *args[1:]), kwargs)
+            call_plain(func, (self._primary, *args[1:]), kwargs)
+            return None if func.__name__ == "__set__" else self
         if not is_mutation(func, args, kwargs, self):
             return NotImplemented
         out = call_plain(func, *map_variables((args, kwargs), lambda v: v._resolve_for_read(), DistributedVariable))
