@@ -5,7 +5,8 @@ process. Inside a (non-default) strategy's scope, in cross-replica context, a ne
 parameter or buffer is handed to ``strategy.extended.create_parameter`` /
 ``create_buffer``, whose variable policy decides what it becomes: a distributed
 variable, a tensor moved to the strategy's device, or itself. Elsewhere the hooks
-return at once.
+return at once. A module that gets a mirrored variable as a parameter reads it, in a
+replica, as the replica's plain component (``values/replica_parameters.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from torch import nn
 
 from unison._once import Once
 from unison._state import STATE
+from unison.values.replica_parameters import resolve_in_replicas
+from unison.values.variables import MirroredVariable
 
 __all__ = ["install_scope_hooks"]
 
@@ -30,7 +33,10 @@ def _extended_in_scope() -> Any:
 
 def _on_parameter_registered(module: nn.Module, name: str, param: Any) -> Any:
     extended = _extended_in_scope() if param is not None else None
-    return None if extended is None else extended.create_parameter(param, name)
+    replacement = None if extended is None else extended.create_parameter(param, name)
+    if isinstance(param if replacement is None else replacement, MirroredVariable):
+        resolve_in_replicas(module)
+    return replacement
 
 
 def _on_buffer_registered(module: nn.Module, name: str, buffer: Any) -> Any:
