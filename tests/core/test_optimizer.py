@@ -150,11 +150,6 @@ def test_grad_assignment_in_cross_replica_context_reaches_every_replica(mirrored
     assert [layer.weight._component_grad(i) for i in range(2)] == [None, None]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation: zero_grad(set_to_none=False) in cross-replica context zeroes component 0's "
-           "gradient in place through the plain tensor it reads; other replicas keep theirs. Zero inside run.",
-)
 def test_zero_grad_keep_tensors_outside_run(mirrored2):
     with mirrored2.scope():
         model = make_mlp()

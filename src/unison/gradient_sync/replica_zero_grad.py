@@ -7,8 +7,9 @@ the replica's own component: two dispatches per parameter per replica per step, 
 py-spy). Once an optimizer of the strategy has stepped, its instance gets a
 ``zero_grad`` that, inside a replica and with ``set_to_none=True`` (the default), sets
 the replica's components' gradients to None directly: what the dispatched version
-does. Everything else (``set_to_none=False``, cross-replica context, another
-strategy's replica) calls the class's ``zero_grad`` unchanged.
+does. In cross-replica context, ``set_to_none=False`` zeroes every replica's gradient
+in place (the class's ``zero_grad`` reaches component 0's only, through the plain
+gradient ``p.grad`` reads). Everything else calls the class's ``zero_grad`` unchanged.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
         opt = owner()
         if opt is None:
             return
-        replica_id = replica_of() if set_to_none else None
-        if replica_id is None:
+        replica_id = replica_of()
+        if replica_id is None or not set_to_none:
             original(opt, set_to_none)
+            if replica_id is None and not set_to_none:
+                _zero_other_replicas_grads(opt)
             return
         params = [param for group in opt.param_groups for param in group["params"]]
         known = components.get(replica_id)
@@ -62,3 +65,21 @@ def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
     zero_grad.__doc__ = original.__doc__
     setattr(zero_grad, _MARK, True)
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def _zero_other_replicas_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Zeroes, in place, the gradients of replicas 1.. (what ``zero_grad(set_to_none=False)``
+    does to component 0's), as the class's ``zero_grad`` does: detached from any graph first."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if not isinstance(param, DistributedVariable):
+                    continue
+                for replica_id in range(1, 1 + len(param._others)):
+                    grad = param._component_grad(replica_id)
+                    if grad is not None:
+                        if grad.grad_fn is not None:
+                            grad.detach_()
+                        else:
+                            grad.requires_grad_(False)
+                        grad.zero_()
