@@ -61,6 +61,25 @@ def test_exception_in_one_replica_reaches_caller(mirrored2, thread_baseline):
         mirrored2.run(fn)
 
 
+@pytest.mark.parametrize("replica_1", ["raises", "returns"])
+def test_a_merge_entered_after_every_other_replica_settled_does_not_wait(mirrored2, thread_baseline, replica_1):
+    """Replica 0 runs in the caller's thread: when it reaches a merge after replica 1 has
+    already failed or returned, no other thread is left to decide for it."""
+
+    def fn():
+        if _rid() == 1:
+            if replica_1 == "raises":
+                raise ValueError("replica 1 failed")
+            return 1
+        time.sleep(0.5)  # replica 1 settles first
+        get_replica_context().merge_call(lambda s: None)
+        return 0
+
+    expected = (ValueError, "replica 1 failed") if replica_1 == "raises" else (MergeCallError, "returned without")
+    with pytest.raises(expected[0], match=expected[1]):
+        mirrored2.run(fn)
+
+
 def test_exception_after_merge_reaches_caller(mirrored2, thread_baseline):
     def fn():
         get_replica_context().merge_call(lambda s: None)

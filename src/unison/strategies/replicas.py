@@ -136,12 +136,15 @@ class _Rendezvous:
             elif self.settled():
                 self.cv.notify_all()  # a replica finished or failed without merging: someone decides
             while self.generation == generation:
-                self.cv.wait()
-                if self._run_merge is not None and self.generation == generation and self.settled():
+                if self._run_merge is not None and self.settled():
                     # Every other replica returned or failed: this merge never completes. Any
                     # thread holding the lock may decide; a waiting replica, because with CPU
-                    # replicas the caller of run may be this very thread (it hosts replica 0).
+                    # replicas the caller of run may be this very thread (it hosts replica 0),
+                    # and before waiting, since the others may have settled before it came.
                     self.decide(None)
+                    if self.generation != generation:
+                        break
+                self.cv.wait()
             if self.aborted:
                 raise _MergeAborted()
             return self.merge_results[replica_id]
