@@ -284,6 +284,54 @@ def test_cross_replica_load_state_dict_reaches_every_component(mirrored2):
     assert _components(layer.bias) == [[3.0]] * 2
 
 
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+def test_converting_a_module_after_scope_reaches_every_component(strategy):
+    """``module.double()`` after ``scope()`` replaces each parameter's data: every replica
+    trains in the new dtype, as the same module converted on one device does."""
+    devices = ["cpu:0", "cpu:1"]
+    made = unison.MirroredStrategy(devices) if strategy == "mirrored" else unison.CentralStorageStrategy(devices)
+    torch.manual_seed(0)
+    reference = nn.Linear(3, 2).double()
+    with made.scope():
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+    model.double()
+    assert all(c.dtype == torch.float64 for p in model.parameters() for c in p.values)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def step(batch):
+        opt.zero_grad()
+        model(batch).pow(2).sum().backward()
+        opt.step()
+
+    made.run(step, args=(unison.PerReplica([x[:2], x[2:]]),))
+    (reference(x).pow(2).sum() / 2).backward()
+    ref_opt.step()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        for component in mine.values:
+            torch.testing.assert_close(component, theirs.detach(), rtol=0, atol=1e-12)
+
+
+def test_freezing_a_parameter_after_scope_freezes_every_replica(mirrored2):
+    with mirrored2.scope():
+        layer = nn.Linear(3, 2)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer.weight.requires_grad_(False)
+    frozen, bias = layer.weight.values[0].clone(), layer.bias.values[0].clone()
+
+    def step(batch):
+        opt.zero_grad()
+        layer(batch).pow(2).sum().backward()
+        opt.step()
+
+    mirrored2.run(step, args=(unison.PerReplica([torch.ones(2, 3), torch.ones(2, 3) * 2]),))
+    assert all(not c.requires_grad for c in layer.weight.values)
+    assert all(torch.equal(c, frozen) for c in layer.weight.values)  # no replica stepped it
+    assert all(not torch.equal(c, bias) for c in layer.bias.values)
+    assert torch.equal(*layer.bias.values)
+
+
 # --- replica-context writes -------------------------------------------------------------------
 
 

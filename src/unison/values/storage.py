@@ -41,6 +41,11 @@ class VariableStorage(abc.ABC):
     def broadcast(self, primary: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
         """Makes every component equal to the primary."""
 
+    @abc.abstractmethod
+    def follow_new_data(self, primary: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
+        """After the primary's data was replaced (a new dtype, say): the other components get
+        data of the same kind, each on its own device (called with subclass dispatch disabled)."""
+
 
 @typing.final
 class MirroredStorage(VariableStorage):
@@ -62,6 +67,10 @@ class MirroredStorage(VariableStorage):
             for other in others:
                 other.copy_(primary)
 
+    def follow_new_data(self, primary: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
+        for other in others:
+            other.data = primary.detach().to(other.device, copy=True)
+
 
 @typing.final
 class CentralStorage(VariableStorage):
@@ -79,6 +88,10 @@ class CentralStorage(VariableStorage):
 
     def broadcast(self, primary: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
         """Nothing to copy: every replica reads the same storage."""
+
+    def follow_new_data(self, primary: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
+        for other in others:
+            other.data = primary.detach()
 
 
 MIRRORED = MirroredStorage()

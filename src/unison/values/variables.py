@@ -282,6 +282,18 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
     def _cross_replica_value(self) -> torch.Tensor:
         return self._primary
 
+    def _write_own_attribute(self, func: Callable, args: tuple, kwargs: dict) -> None:
+        """``param.data = t`` (``module.to(dtype)`` after ``scope()`` does it), ``param.requires_grad = b``,
+        ``param.requires_grad_(b)`` in cross-replica context: the variable and component 0 stay one
+        tensor (what C-level code reading the variable sees), and every replica follows."""
+        call_plain(func, (self, *args[1:]), kwargs)
+        call_plain(func, (self._primary, *args[1:]), kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            if getattr(func, "__self__", None) is torch._C.TensorBase.data:
+                self._storage.follow_new_data(self._primary, self._others)
+            for other in self._others:
+                other.requires_grad_(self._primary.requires_grad)
+
     def _set_grad_everywhere(self, grad: torch.Tensor | None) -> None:
         """``p.grad = g`` in cross-replica context (``opt.zero_grad()`` between steps): every
         replica's component gets it (its own copy), else replicas would accumulate onto stale grads."""
@@ -300,10 +312,7 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
                 return None
             return NotImplemented
         if is_own_attribute_write(func, args, self):
-            # `param.data = t`, `param.requires_grad = b`, `param.requires_grad_(b)`: the variable
-            # and its component 0 stay one tensor (what a C-level read of the variable sees)
-            call_plain(func, (self, *args[1:]), kwargs)
-            call_plain(func, (self._primary, *args[1:]), kwargs)
+            self._write_own_attribute(func, args, kwargs)
             return None if func.__name__ == "__set__" else self
         if not is_mutation(func, args, kwargs, self):
             return NotImplemented
