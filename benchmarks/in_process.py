@@ -70,8 +70,8 @@ def _batches(spec: dict[str, Any], dtype: torch.dtype = torch.float32, count: in
 
 
 def _model(spec: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-    # Built in the dtype, so every variant starts from the very same float64 draw (a
-    # float32 draw converted after would round differently from one made in float64).
+    # Built in the dtype (the default dtype while the module is made): every variant gets
+    # the same weights, drawn in that dtype.
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
