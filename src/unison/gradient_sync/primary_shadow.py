@@ -55,7 +55,7 @@ class _StateOfVariables(MutableMapping):
 
 @typing.final
 class PrimaryShadow:
-    """Replica 0's step optimizer for one user optimizer: plain aliases, shared state."""
+    """Replica 0's step optimizer for one user optimizer: plain components, shared state."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self._params: list[torch.Tensor] = []

@@ -16,7 +16,8 @@ import torch
 
 from unison._state import STATE
 
-__all__ = ["is_plain_read", "is_grad_access", "is_own_attribute_write", "is_mutation", "map_variables", "find_variables", "call_plain", "replica_of"]
+__all__ = ["is_plain_read", "is_grad_access", "is_own_attribute_write", "is_mutation", "map_variables",
+           "find_variables", "call_plain", "replica_of"]
 
 _GRAD_DESCRIPTOR = torch.Tensor.grad
 _INPLACE_DUNDERS = frozenset(
