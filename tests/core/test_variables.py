@@ -313,6 +313,39 @@ def test_converting_a_module_after_scope_reaches_every_component(strategy):
             torch.testing.assert_close(component, theirs.detach(), rtol=0, atol=1e-12)
 
 
+def test_parametrized_modules_in_scope_train_as_on_one_device(mirrored2):
+    """``torch.nn.utils.parametrize`` takes a module's weight over with ``nn.Parameter(weight)``:
+    in scope that is the variable itself, which trains as a plain weight does."""
+    from torch.nn.utils import parametrizations
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(parametrizations.weight_norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2))
+
+    reference = make()
+    with mirrored2.scope():
+        model = make()
+        weight = model[0].parametrizations.weight.original1
+        assert isinstance(weight, unison.MirroredVariable) and nn.Parameter(weight) is weight
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+
+    def step(batch):
+        opt.zero_grad()
+        model(batch).pow(2).sum().backward()
+        opt.step()
+
+    for _ in range(3):
+        ref_opt.zero_grad()
+        (reference(x).pow(2).sum() / 2).backward()
+        ref_opt.step()
+        mirrored2.run(step, args=(unison.PerReplica([x[:2], x[2:]]),))
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        for component in mine.values:
+            torch.testing.assert_close(component, theirs.detach(), rtol=0, atol=1e-6)
+
+
 def test_freezing_a_parameter_after_scope_freezes_every_replica(mirrored2):
     with mirrored2.scope():
         layer = nn.Linear(3, 2)

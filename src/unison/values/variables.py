@@ -20,6 +20,7 @@ component 0's gradient.
 from __future__ import annotations
 
 import abc
+import sys
 import threading
 import typing
 from typing import Any, Callable, Sequence, cast
@@ -314,6 +315,12 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
         if is_own_attribute_write(func, args, self):
             self._write_own_attribute(func, args, kwargs)
             return None if func.__name__ == "__set__" else self
+        if func is _DETACH and args and args[0] is self and _called_by_parameter_constructor():
+            # nn.Parameter(variable) (torch.nn.utils.parametrize does it with the weight it takes
+            # over): for a tensor subclass, Parameter needs detach() to return that subclass. A
+            # variable is a parameter already: it gets the variable itself, which stays one
+            # variable when registered again in scope.
+            return self
         if not is_mutation(func, args, kwargs, self):
             return NotImplemented
         out = call_plain(func, *map_variables((args, kwargs), lambda v: v._resolve_for_read(), DistributedVariable))
@@ -350,6 +357,23 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
                 value = -value
         context.merge_call(_merge_aggregated_write, args=(self, value, kind))
         return self
+
+
+_DETACH = torch._C.TensorBase.detach
+_PARAMETER_CONSTRUCTOR = nn.Parameter.__new__.__code__
+
+
+def _called_by_parameter_constructor() -> bool:
+    """Whether ``nn.Parameter(...)`` made the operation being dispatched (a frame or two up:
+    the dispatch's own frames come between)."""
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code is _PARAMETER_CONSTRUCTOR:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _merge_aggregated_write(strategy: Any, var: MirroredVariable, value: Any, kind: str) -> None:
