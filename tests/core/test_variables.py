@@ -313,20 +313,23 @@ def test_converting_a_module_after_scope_reaches_every_component(strategy):
             torch.testing.assert_close(component, theirs.detach(), rtol=0, atol=1e-12)
 
 
-def test_parametrized_modules_in_scope_train_as_on_one_device(mirrored2):
-    """``torch.nn.utils.parametrize`` takes a module's weight over with ``nn.Parameter(weight)``:
-    in scope that is the variable itself, which trains as a plain weight does."""
+@pytest.mark.parametrize("parametrization", ["weight_norm", "orthogonal"])
+def test_parametrized_modules_in_scope_train_as_on_one_device(mirrored2, parametrization):
+    """``torch.nn.utils.parametrize`` takes a module's weight over: with ``nn.Parameter(weight)``
+    (weight_norm), which in scope is the variable itself, or with ``weight.set_(...)``
+    (orthogonal), which bypasses dispatch and is adopted when the weight is registered again.
+    Either trains as on one device."""
     from torch.nn.utils import parametrizations
 
     def make():
         torch.manual_seed(0)
-        return nn.Sequential(parametrizations.weight_norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2))
+        return nn.Sequential(getattr(parametrizations, parametrization)(nn.Linear(3, 3)), nn.Tanh(), nn.Linear(3, 2))
 
     reference = make()
     with mirrored2.scope():
         model = make()
-        weight = model[0].parametrizations.weight.original1
-        assert isinstance(weight, unison.MirroredVariable) and nn.Parameter(weight) is weight
+        weights = [p for name, p in model[0].named_parameters() if "original" in name]
+        assert weights and all(isinstance(w, unison.MirroredVariable) and nn.Parameter(w) is w for w in weights)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))

@@ -34,7 +34,9 @@ def _extended_in_scope() -> Any:
 def _on_parameter_registered(module: nn.Module, name: str, param: Any) -> Any:
     extended = _extended_in_scope() if param is not None else None
     replacement = None if extended is None else extended.create_parameter(param, name)
-    if isinstance(param if replacement is None else replacement, MirroredVariable):
+    registered = param if replacement is None else replacement
+    if isinstance(registered, MirroredVariable):
+        registered._adopt_own_storage()  # registered again after a `set_` (parametrize does both)
         resolve_in_replicas(module)
     return replacement
 

@@ -144,6 +144,20 @@ class DistributedVariable(DistributedValues):
         with torch._C.DisableTorchFunctionSubclass():
             self._storage.broadcast(self._primary, self._others)
 
+    def _adopt_own_storage(self) -> None:
+        """After ``variable.set_(t)``, which PyTorch does not route through ``__torch_function__``
+        (``torch.nn.utils.parametrize`` does it to the weight it takes over, then registers the
+        weight again), component 0 takes the variable's new storage and the others follow."""
+        primary = self._primary
+        with torch._C.DisableTorchFunctionSubclass():
+            own = torch.Tensor.detach(cast(torch.Tensor, self))
+            if primary is self or (own.data_ptr() == primary.data_ptr() and own.shape == primary.shape
+                                   and own.stride() == primary.stride() and own.dtype == primary.dtype):
+                return
+            with torch.no_grad():
+                primary.set_(own)
+            self._storage.follow_new_data(primary, self._others)
+
     # -- TF-style writes ----------------------------------------------------------------
     def assign(self, value: Any) -> "DistributedVariable":
         """Writes ``value`` (``tf.Variable.assign``); in replica context it is aggregated."""
