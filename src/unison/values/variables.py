@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import sys
 import threading
+import types
 import typing
 from typing import Any, Callable, Sequence, cast
 
@@ -155,7 +156,7 @@ class DistributedVariable(DistributedValues):
                                    and own.stride() == primary.stride() and own.dtype == primary.dtype):
                 return
             with torch.no_grad():
-                primary.set_(own)
+                primary.set_(own.untyped_storage(), own.storage_offset(), own.shape, own.stride())
             self._storage.follow_new_data(primary, self._others)
 
     # -- TF-style writes ----------------------------------------------------------------
@@ -380,7 +381,7 @@ _PARAMETER_CONSTRUCTOR = nn.Parameter.__new__.__code__
 def _called_by_parameter_constructor() -> bool:
     """Whether ``nn.Parameter(...)`` made the operation being dispatched (a frame or two up:
     the dispatch's own frames come between)."""
-    frame = sys._getframe(2)
+    frame: "types.FrameType | None" = sys._getframe(2)
     for _ in range(3):
         if frame is None:
             return False
