@@ -94,3 +94,35 @@ def replicas_identical(strategy: unison.Strategy, model: nn.Module) -> bool:
         all(torch.equal(c, cs[0]) for c in cs)
         for cs in (components(strategy, p) for p in model.parameters())
     )
+
+
+def assert_trains_as_on_one_device(strategy: unison.Strategy, make: Callable[[], nn.Module], x: torch.Tensor, *,
+                                   convert: Callable[[nn.Module], Any] | None = None, steps: int = 3,
+                                   atol: float = 1e-6) -> nn.Module:
+    """Trains ``make()`` built in ``strategy``'s scope (the replicas split ``x``) and a plain
+    ``make()`` on all of ``x`` (SGD on summed squares, divided by the replicas as their mean
+    is): every component of every parameter must equal the plain model's. ``make`` seeds
+    itself; ``convert`` runs on both models after they are built (``lambda m: m.double()``).
+    Returns the strategy's model."""
+    reference = make()
+    with strategy.scope():
+        model = make()
+    if convert is not None:
+        convert(reference)
+        convert(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step(batch: torch.Tensor) -> None:
+        opt.zero_grad()
+        model(batch).pow(2).sum().backward()
+        opt.step()
+
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        (reference(x).pow(2).sum() / strategy.num_replicas_in_sync).backward()
+        ref_opt.step()
+        strategy.run(step, args=(split(strategy, x),))
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        for component in components(strategy, mine):
+            torch.testing.assert_close(component, theirs.detach(), rtol=0, atol=atol)
+    return model

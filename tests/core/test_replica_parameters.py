@@ -13,6 +13,7 @@ import io
 
 import pytest
 import torch
+from _training import assert_trains_as_on_one_device
 from torch import nn
 
 import unison
@@ -106,26 +107,8 @@ def test_gradients_are_component_0s_in_every_context(mirrored2):
 
 def test_tied_weights_train_as_on_one_device(mirrored2):
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
-    reference = _Tied()
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    with mirrored2.scope():
-        model = _Tied()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def fn(batch):
-        opt.zero_grad()
-        model(batch).pow(2).sum().backward()
-        opt.step()
-
-    for _ in range(3):
-        ref_opt.zero_grad()
-        (reference(x).pow(2).sum() / 2).backward()  # the mean of the two replicas' sums
-        ref_opt.step()
-        mirrored2.run(fn, args=(_halves(x),))
+    model = assert_trains_as_on_one_device(mirrored2, _Tied, x)
     assert model.second.weight is model.first.weight
-    for mine, theirs in zip(model.parameters(), reference.parameters()):
-        for component in mine.values:
-            torch.testing.assert_close(component, theirs.detach(), rtol=0, atol=1e-6)
 
 
 def test_another_strategys_variable_is_returned_as_itself(mirrored2):

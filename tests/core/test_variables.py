@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from _training import assert_trains_as_on_one_device
 from torch import nn
 
 import unison
@@ -290,27 +291,14 @@ def test_converting_a_module_after_scope_reaches_every_component(strategy):
     trains in the new dtype, as the same module converted on one device does."""
     devices = ["cpu:0", "cpu:1"]
     made = unison.MirroredStrategy(devices) if strategy == "mirrored" else unison.CentralStorageStrategy(devices)
-    torch.manual_seed(0)
-    reference = nn.Linear(3, 2).double()
-    with made.scope():
+
+    def make():
         torch.manual_seed(0)
-        model = nn.Linear(3, 2)
-    model.double()
+        return nn.Linear(3, 2)
+
+    model = assert_trains_as_on_one_device(made, make, torch.randn(4, 3, dtype=torch.float64),
+                                           convert=lambda m: m.double(), atol=1e-12)
     assert all(c.dtype == torch.float64 for p in model.parameters() for c in p.values)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    x = torch.randn(4, 3, dtype=torch.float64)
-
-    def step(batch):
-        opt.zero_grad()
-        model(batch).pow(2).sum().backward()
-        opt.step()
-
-    made.run(step, args=(unison.PerReplica([x[:2], x[2:]]),))
-    (reference(x).pow(2).sum() / 2).backward()
-    ref_opt.step()
-    for mine, theirs in zip(model.parameters(), reference.parameters()):
-        for component in mine.values:
-            torch.testing.assert_close(component, theirs.detach(), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("parametrization", ["weight_norm", "orthogonal"])
@@ -325,28 +313,9 @@ def test_parametrized_modules_in_scope_train_as_on_one_device(mirrored2, paramet
         torch.manual_seed(0)
         return nn.Sequential(getattr(parametrizations, parametrization)(nn.Linear(3, 3)), nn.Tanh(), nn.Linear(3, 2))
 
-    reference = make()
-    with mirrored2.scope():
-        model = make()
-        weights = [p for name, p in model[0].named_parameters() if "original" in name]
-        assert weights and all(isinstance(w, unison.MirroredVariable) and nn.Parameter(w) is w for w in weights)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
-
-    def step(batch):
-        opt.zero_grad()
-        model(batch).pow(2).sum().backward()
-        opt.step()
-
-    for _ in range(3):
-        ref_opt.zero_grad()
-        (reference(x).pow(2).sum() / 2).backward()
-        ref_opt.step()
-        mirrored2.run(step, args=(unison.PerReplica([x[:2], x[2:]]),))
-    for mine, theirs in zip(model.parameters(), reference.parameters()):
-        for component in mine.values:
-            torch.testing.assert_close(component, theirs.detach(), rtol=0, atol=1e-6)
+    model = assert_trains_as_on_one_device(mirrored2, make, torch.randn(4, 3, generator=torch.Generator().manual_seed(2)))
+    weights = [p for name, p in model[0].named_parameters() if "original" in name]
+    assert weights and all(isinstance(w, unison.MirroredVariable) and nn.Parameter(w) is w for w in weights)
 
 
 def test_freezing_a_parameter_after_scope_freezes_every_replica(mirrored2):
