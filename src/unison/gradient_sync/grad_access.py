@@ -3,8 +3,7 @@
 A Python loop that reads or sets ``.grad`` on every parameter costs a bytecode round
 per parameter: with 400 parameters, two replicas and a contended GIL, a visible part of
 a step. Mapping ``Tensor.grad``'s own C descriptor over the tensors does the same work
-without it. Both skip ``__torch_function__``: the callers hand plain tensors, or hold
-``DisableTorchFunctionSubclass`` for a distributed variable's own storage.
+without it. The callers hand plain tensors (a distributed variable's components).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class ReplicaGradientSync:
         self._shadows: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
         self._shadows_lock = threading.Lock()
         self._watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # load_state_dict hooked
-        # replica 0 steps plain aliases of the variables with the user's state (primary_shadow.py)
+        # replica 0 steps the variables' plain components 0 with the user's state (primary_shadow.py)
         self._primaries: "weakref.WeakKeyDictionary[torch.optim.Optimizer, PrimaryShadow]" = weakref.WeakKeyDictionary()
         self._variables: list["weakref.ref[DistributedVariable]"] = []
         self._registrations = 0  # with the live count, identifies the variables to the buffers

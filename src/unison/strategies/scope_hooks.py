@@ -36,7 +36,7 @@ def _on_parameter_registered(module: nn.Module, name: str, param: Any) -> Any:
     replacement = None if extended is None else extended.create_parameter(param, name)
     registered = param if replacement is None else replacement
     if isinstance(registered, MirroredVariable):
-        registered._adopt_own_storage()  # registered again after a `set_` (parametrize does both)
+        registered._follow_own_tensor()  # registered again after a `set_` (parametrize does both)
         resolve_in_replicas(module)
     return replacement
 

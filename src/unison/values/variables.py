@@ -145,19 +145,23 @@ class DistributedVariable(DistributedValues):
         with torch._C.DisableTorchFunctionSubclass():
             self._storage.broadcast(self._primary, self._others)
 
-    def _adopt_own_storage(self) -> None:
-        """After ``variable.set_(t)``, which PyTorch does not route through ``__torch_function__``
-        (``torch.nn.utils.parametrize`` does it to the weight it takes over, then registers the
-        weight again), component 0 takes the variable's new storage and the others follow."""
+    def _follow_own_tensor(self) -> None:
+        """Makes component 0 the variable's own tensor again, and the other components follow:
+        its storage, when it was replaced (``param.data = t``, or ``param.set_(t)``, which
+        PyTorch does not route through ``__torch_function__``: ``torch.nn.utils.parametrize``
+        does it to the weight it takes over, then registers the weight again), and whether it
+        requires grad."""
         primary = self._primary
+        if primary is self:
+            return
         with torch._C.DisableTorchFunctionSubclass():
             own = torch.Tensor.detach(cast(torch.Tensor, self))
-            if primary is self or (own.data_ptr() == primary.data_ptr() and own.shape == primary.shape
-                                   and own.stride() == primary.stride() and own.dtype == primary.dtype):
-                return
-            with torch.no_grad():
-                primary.set_(own.untyped_storage(), own.storage_offset(), own.shape, own.stride())
-            self._storage.follow_new_data(primary, self._others)
+            if not (own.data_ptr() == primary.data_ptr() and own.shape == primary.shape
+                    and own.stride() == primary.stride() and own.dtype == primary.dtype):
+                primary.data = own
+                self._storage.follow_new_data(primary, self._others)
+            for component in (primary, *self._others):
+                component.requires_grad_(self.requires_grad)
 
     # -- TF-style writes ----------------------------------------------------------------
     def assign(self, value: Any) -> "DistributedVariable":
@@ -300,15 +304,10 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
 
     def _write_own_attribute(self, func: Callable, args: tuple, kwargs: dict) -> None:
         """``param.data = t`` (``module.to(dtype)`` after ``scope()`` does it), ``param.requires_grad = b``,
-        ``param.requires_grad_(b)`` in cross-replica context: the variable and component 0 stay one
-        tensor (what C-level code reading the variable sees), and every replica follows."""
+        ``param.requires_grad_(b)`` in cross-replica context: written to the variable's own tensor
+        (what C-level code reading the variable sees), which every component then follows."""
         call_plain(func, (self, *args[1:]), kwargs)
-        call_plain(func, (self._primary, *args[1:]), kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            if getattr(func, "__self__", None) is torch._C.TensorBase.data:
-                self._storage.follow_new_data(self._primary, self._others)
-            for other in self._others:
-                other.requires_grad_(self._primary.requires_grad)
+        self._follow_own_tensor()
 
     def _set_grad_everywhere(self, grad: torch.Tensor | None) -> None:
         """``p.grad = g`` in cross-replica context (``opt.zero_grad()`` between steps): every
