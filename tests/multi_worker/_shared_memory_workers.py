@@ -203,3 +203,64 @@ def killed_while_reserving(rank: int, world: int, shm_dir: str):
     except unison.errors.PeerLostError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - started
     return "no error", "", 0.0
+
+
+class EmbeddingMLP(torch.nn.Module):
+    """A sparse embedding (its gradients travel by all-gather) under dense layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(10, 4, sparse=True)
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.layers(self.embedding(ids))
+
+
+def embedding_batches(steps: int = 5, batch: int = 8) -> list:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 10, (batch,), generator=g), torch.randn(batch, 4, generator=g)) for _ in range(steps)]
+
+
+def single_device_embedding_weights() -> list[torch.Tensor]:
+    model = EmbeddingMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for ids, y in embedding_batches():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(ids), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def gradients_in_slots(rank: int, world: int, bytes_per_pack: int):
+    """Trains EmbeddingMLP; reports, per step, whether the embedding's gradient stayed sparse and
+    whether every dense gradient lived in its bucket's own slots, and whether a gradient kept
+    from step 2 still holds its values at the end."""
+    strategy = strategy_for(rank, world, bytes_per_pack=bytes_per_pack)
+    with strategy.scope():
+        model = EmbeddingMLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = strategy.extended.components.gradient_sync
+    dense = list(model.layers.parameters())
+    steps: list[dict] = []
+    kept: list[torch.Tensor] = []
+
+    def step(ids, y):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(ids), y).backward()
+        slot_storages = {b.slots.flats[torch.float32].untyped_storage().data_ptr()
+                         for b in sync._buckets if b.slots is not None}
+        steps.append({
+            "sparse": model.embedding.weight.grad.is_sparse,
+            "dense_in_slots": all(p.grad.untyped_storage().data_ptr() in slot_storages for p in dense),
+        })
+        if len(steps) == 2:
+            kept.extend([dense[0].grad, dense[0].grad.clone()])
+        opt.step()
+
+    for ids, y in embedding_batches():
+        strategy.run(step, args=(ids.chunk(world)[rank], y.chunk(world)[rank]))
+    return {"steps": steps, "kept_unchanged": torch.equal(kept[0], kept[1]),
+            "weights": [p.detach().clone() for p in model.parameters()],
+            "shared": sync.buckets_in_shared_memory}
