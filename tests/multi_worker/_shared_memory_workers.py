@@ -212,7 +212,7 @@ class EmbeddingMLP(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.embedding = torch.nn.Embedding(10, 4, sparse=True)
-        self.layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])  # 24 gradients, 960 bytes
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.layers(self.embedding(ids))

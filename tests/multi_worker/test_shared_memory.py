@@ -84,19 +84,20 @@ def test_worker_0_killed_while_reserving_a_file_leaves_nothing_in_dev_shm(tmp_pa
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("bytes_per_pack", [0, 64])
-def test_dense_gradients_live_in_their_bucket_slots_and_sparse_ones_stay_sparse(bytes_per_pack):
-    # From the second step, the dense gradients of a bucket whose gradients were all dense are
-    # aliases of its own flat slots (one copy to and from the shared file); the sparse
-    # embedding's stays sparse every step. One bucket for everything (0): the embedding shares
-    # it, so no slots. 64-byte buckets: the embedding has one of its own.
+@pytest.mark.parametrize(("bytes_per_pack", "dense_in_slots"), [(0, False), (960, True), (64, False)])
+def test_dense_gradients_live_in_their_bucket_slots_and_sparse_ones_stay_sparse(bytes_per_pack, dense_in_slots):
+    # From the second step, the dense gradients of a bucket of many gradients that were all
+    # dense last step are aliases of its own flat slots (one copy to and from the shared
+    # file); the sparse embedding's gradient stays sparse every step. One bucket for
+    # everything (0): the embedding shares it, so no slots. 960-byte buckets: the 24 dense
+    # gradients in one, the embedding in another. 64-byte buckets: one or two gradients
+    # each, divided straight into the shared file, so no slots either.
     results = run_workers(w.gradients_in_slots, 2, args=(bytes_per_pack,), timeout=60)
     reference = w.single_device_embedding_weights()
     for result in results:
         assert all(result["shared"])
         assert [s["sparse"] for s in result["steps"]] == [True] * 5
-        expected_in_slots = [False] + [bytes_per_pack > 0] * 4
-        assert [s["dense_in_slots"] for s in result["steps"]] == expected_in_slots
+        assert [s["dense_in_slots"] for s in result["steps"]] == [False] + [dense_in_slots] * 4
         assert result["kept_unchanged"]  # a gradient kept from step 2 is never overwritten
         for got, want in zip(result["weights"], reference):
             assert (got - want).abs().max().item() <= 1e-6

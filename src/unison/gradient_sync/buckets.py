@@ -21,11 +21,13 @@ return at once); when it ends, each worker writes every gradient into its slots,
 through a counter in the shared file, sums its slice of every bucket, and, once every
 worker has, copies the sums back into its gradients. Memory speed instead of gloo's
 loopback TCP, and the same sums as gloo's (gradients are divided before they are added).
-From the second step on, a bucket whose gradients were all dense lives in flat slots of
-its own (``grad_slots.py``): the first gradient points the others at them, autograd
-accumulates into them, and the bucket goes to the shared file and back in one pass each,
-instead of a copy per gradient each way. Measured on W2 (400 gradients,
-``benchmarks/multi_worker.py``): 1.18x DDP -> 1.23x, the no_sync ceiling 1.35-1.37x.
+From the second step on, a bucket of more than 16 gradients that were all dense lives in
+flat slots of its own (``grad_slots.py``): the first gradient points the others at them,
+autograd accumulates into them, and the bucket goes to the shared file and back in one
+pass each, instead of a copy per gradient each way. Measured on W2 (400 gradients,
+``benchmarks/multi_worker.py``): 1.18x DDP -> 1.19-1.23x, the no_sync ceiling 1.33-1.37x.
+A bucket of few (large) gradients divides each straight into the shared file instead:
+slots would add a pass over its bytes (W1 measured 1.25x DDP with slots, 1.39x without).
 
 When the workers span hosts with equally many workers each (the hierarchical transport's
 columns), there is a transfer to overlap again: each bucket is written into its slot as
@@ -363,7 +365,9 @@ class BucketedGradientSync:
         slots = bucket.slots
         bucket.launched_from_slots = slots is not None and slots.in_slots(grads)
         if not bucket.launched_from_slots:
-            bucket.in_slots_next = bucket.plain and all(
+            # Few gradients are divided straight into the shared file (one pass each); slots
+            # would add a pass (zeroing, and autograd adding where it took the tensor over)
+            bucket.in_slots_next = len(bucket.params) > _FUSED_DIVIDE_MAX_PARAMS and bucket.plain and all(
                 g is not None and fits(g, v) for g, v in zip(grads, bucket.views))
             return False
         (gradients,) = slots.flats.values()  # a bucket holds one dtype
