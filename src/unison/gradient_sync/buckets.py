@@ -274,8 +274,10 @@ class BucketedGradientSync:
 
     def _reduce_sparse(self, param: torch.Tensor) -> None:
         """Sums a sparse gradient over the workers now (all-gather); its bucket slot stays empty."""
+        grad = param.grad
+        assert grad is not None  # the callers saw a sparse gradient
         self._sparse.add(id(param))
-        reduced = self._sparse_all_reduce(param.grad)
+        reduced = self._sparse_all_reduce(grad)
         param.grad = reduced / self._control.world_size if self._reduce_op() is ReduceOp.MEAN else reduced
 
     def _point_grads_at_slots(self) -> None:
@@ -364,7 +366,7 @@ class BucketedGradientSync:
         grads = grads_of(bucket.params)
         slots = bucket.slots
         bucket.launched_from_slots = slots is not None and slots.in_slots(grads)
-        if not bucket.launched_from_slots:
+        if slots is None or not bucket.launched_from_slots:
             # Few gradients are divided straight into the shared file (one pass each); slots
             # would add a pass (zeroing, and autograd adding where it took the tensor over)
             bucket.in_slots_next = len(bucket.params) > _FUSED_DIVIDE_MAX_PARAMS and bucket.plain and all(
