@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from multiprocessing import forkserver
 
 import pytest
 import torch
@@ -70,6 +74,71 @@ def _fail_on_rank_1(rank: int, world_size: int) -> int:
     if rank == 1:
         raise ValueError(f"boom from rank {rank}")
     return rank
+
+
+def _environment_and_parent(rank: int, world_size: int) -> tuple[str | None, int]:
+    return os.environ.get("UNISON_SET_BY_THE_TEST"), os.getppid()
+
+
+@pytest.mark.timeout(60)
+def test_workers_start_from_the_fork_server_with_the_tests_current_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Forked from a server that imported torch once (not spawned: no second import of
+    # torch per worker), yet started with what the test's environment is now, as spawn's.
+    monkeypatch.setenv("UNISON_SET_BY_THE_TEST", "now")
+    results = run_workers(_environment_and_parent, 2, timeout=30)
+    server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    assert results == [("now", server), ("now", server)]
+    monkeypatch.delenv("UNISON_SET_BY_THE_TEST")
+    assert [value for value, _ in run_workers(_environment_and_parent, 2, timeout=30)] == [None, None]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(90)
+def test_workers_end_when_the_test_process_is_killed(tmp_path) -> None:
+    # A worker's parent is the fork server, not the test process: it must still notice
+    # that the test process died, and end instead of lingering as an orphan.
+    pids = tmp_path / "pids"
+    script = tmp_path / "test_process.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, threading
+        from unison._testing import run_workers
+
+        def wait_forever(rank, world_size):
+            with open({str(pids)!r} + str(rank), "w") as f:
+                f.write(str(os.getpid()))
+            threading.Event().wait()
+
+        if __name__ == "__main__":
+            run_workers(wait_forever, 2, timeout=300)
+    """))
+    stderr = tmp_path / "stderr"
+    with open(stderr, "wb") as sink:  # a file, not a pipe: an orphan holding it must not block the test
+        test_process = subprocess.Popen([sys.executable, str(script)], stderr=sink)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pids{rank}").is_file() for rank in (0, 1)):
+            if test_process.poll() is not None:
+                pytest.fail(f"the test process ended before its workers started: {stderr.read_text()}")
+            assert time.monotonic() < deadline, "workers never started"
+            time.sleep(0.05)
+        time.sleep(0.2)  # both pids fully written
+        workers = [int((tmp_path / f"pids{rank}").read_text()) for rank in (0, 1)]
+    finally:
+        test_process.kill()
+        test_process.wait()
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived the test process"
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """Test harness for multi-process tests of unison (private: not part of the public API).
 
-* :func:`run_workers` runs a function in fresh spawned processes, one per rank, with a
+* :func:`run_workers` runs a function in fresh processes, one per rank, with a
   rendezvous store served by the test process, and reports failures and hangs as
   rank-tagged :class:`WorkerFailure` / :class:`WorkerTimeout` with stacks.
 * :class:`WorkerPool` keeps warm processes with a gloo group for small collective tests.

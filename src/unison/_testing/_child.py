@@ -1,4 +1,4 @@
-"""The child side of the harness: what runs inside each spawned worker process.
+"""The child side of the harness: what runs inside each worker process.
 
 A child talks to the parent over one ``multiprocessing`` pipe. Every message is a
 cloudpickled ``(kind, payload)`` tuple:
@@ -15,6 +15,7 @@ import atexit
 import faulthandler
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["WATCHDOG_THREAD", "worker_main", "pool_member_main"]
+__all__ = ["WATCHDOG_THREAD", "start", "worker_main", "pool_member_main"]
 
 WATCHDOG_THREAD = "unison-testing-watch-parent"
 """Name of the worker's thread that ends it when the test process dies."""
@@ -36,6 +37,20 @@ _ORPHAN_EXIT = 70
 _TEARDOWN_EXIT = 3
 
 Outcome = tuple[str, Any]
+
+
+_parent_pid: int | None = None  # the test process, which this worker must not outlive
+
+
+def start(environ: dict[str, str], parent_pid: int, target: Callable[..., None], *args: Any) -> None:
+    """Entry point of every worker: takes the test's environment (a worker forked from the
+    fork server starts with the server's) and the test process's pid, then runs ``target``."""
+    global _parent_pid
+    _parent_pid = parent_pid
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    target(*args)
 
 
 def _prepare_process(stderr_path: str) -> None:
@@ -56,16 +71,25 @@ def _prepare_process(stderr_path: str) -> None:
 
 def _exit_with_parent() -> None:
     """Ends this process when the test process dies, so no worker is orphaned."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
+    if _parent_pid is None:
         return
+    try:
+        # A pidfd becomes readable when the process ends. Not the multiprocessing parent
+        # sentinel: a worker forked by the fork server reads its start data from a pipe
+        # the test process closes at once. A thread rather than prctl(PR_SET_PDEATHSIG):
+        # that fires when the *thread* that started the worker ends, which is too early
+        # for a pool started from a helper thread.
+        pidfd = os.pidfd_open(_parent_pid)
+    except ProcessLookupError:
+        os._exit(_ORPHAN_EXIT)
+    except (AttributeError, OSError):  # no pidfd here (spawned): the spawn pipe's sentinel
+        parent = multiprocessing.parent_process()
+        if parent is None:
+            return
+        pidfd = parent.sentinel
 
     def watch_parent() -> None:
-        # The sentinel is the read end of the spawn pipe; it reaches EOF when the
-        # parent (and with it the write end) is gone. A thread rather than
-        # prctl(PR_SET_PDEATHSIG): that fires when the *thread* that started the
-        # worker ends, which is too early for a pool started from a helper thread.
-        parent.join()
+        select.select([pidfd], [], [])
         os._exit(_ORPHAN_EXIT)
 
     threading.Thread(target=watch_parent, name=WATCHDOG_THREAD, daemon=True).start()

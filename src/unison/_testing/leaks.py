@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterable
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 
 __all__ = ["Snapshot", "snapshot", "child_pids", "find_leaks", "kill_processes"]
 
@@ -28,8 +28,12 @@ class Snapshot:
 
 
 def child_pids() -> frozenset[int]:
-    """Process ids of this process's live children (zombies excluded), read from /proc."""
-    me = os.getpid()
+    """Process ids of this process's live children and of the workers' fork server's
+    (whose workers belong to this process's tests), zombies excluded, read from /proc."""
+    parents = {os.getpid()}
+    server = _fork_server_pid()
+    if server is not None:
+        parents.add(server)
     found = set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -41,7 +45,7 @@ def child_pids() -> frozenset[int]:
             continue  # Gone meanwhile.
         # Fields after the parenthesised command name: state, ppid, ...
         fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) >= 2 and int(fields[1]) == me and fields[0] != b"Z":
+        if len(fields) >= 2 and int(fields[1]) in parents and fields[0] != b"Z":
             found.add(int(name))
     return frozenset(found)
 
@@ -50,11 +54,16 @@ def _non_daemon_threads() -> frozenset[threading.Thread]:
     return frozenset(t for t in threading.enumerate() if not t.daemon and t.is_alive())
 
 
+def _fork_server_pid() -> int | None:
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
 def _infrastructure_pids() -> set[int]:
     """Helper processes multiprocessing keeps for the whole session."""
-    # The spawn start method launches one resource tracker per session, on first use.
-    pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
-    return {pid} if pid else set()
+    # The spawn and forkserver start methods launch one resource tracker per session, on
+    # first use; the forkserver method also its server.
+    pids = {getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None), _fork_server_pid()}
+    return {pid for pid in pids if pid}
 
 
 def snapshot() -> Snapshot:

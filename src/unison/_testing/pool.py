@@ -1,7 +1,8 @@
 """``WorkerPool``: warm worker processes with a process group formed once.
 
-Spawning a process and importing torch costs seconds on a 2-core machine; the many
-small collective tests share one pool instead (the ``worker_pool`` pytest fixture).
+Starting processes and forming their process group costs a noticeable share of a small
+test on a 2-core machine; the many small collective tests share one pool instead (the
+``worker_pool`` pytest fixture).
 Tests that form or destroy process groups, or kill workers, use ``run_workers``.
 """
 

@@ -37,7 +37,11 @@ def run_workers(
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
 
-    Processes are started with the *spawn* method; ``fn`` and ``args`` travel with
+    Processes are forked from a fork server that imported torch once (each starts in
+    milliseconds, not the seconds of a spawned interpreter importing torch; the server
+    only imported modules, so a worker is as clean as a spawned one) and start with the
+    test process's environment of the moment, as spawned ones would; where Linux has no
+    pidfd (to tie a worker to the test process) they are spawned. ``fn`` and ``args`` travel with
     cloudpickle, so test-local functions and closures work (functions defined at
     module level in a test module are imported by name in the worker, from the
     ``sys.path`` of the test process). The parent serves a ``TCPStore`` on port 0 for
