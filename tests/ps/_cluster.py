@@ -1,4 +1,5 @@
-"""A real parameter-server cluster for tests: worker and ps Servers in spawned processes.
+"""A real parameter-server cluster for tests: worker and ps Servers in processes of their own
+(forked from the harness's fork server, which imported torch once).
 
 Each server binds 127.0.0.1 port 0 and reports its address through a pipe; the test
 process is the coordinator (the chief).
@@ -14,8 +15,7 @@ import signal
 from typing import Iterator
 
 import unison
-
-_CTX = multiprocessing.get_context("spawn")
+from unison._testing._procs import worker_context
 
 
 def _serve(job: str, index: int, bind: str, key_hex: str, conn) -> None:
@@ -40,8 +40,9 @@ class Cluster:
         self.addresses: dict[str, str] = {}
 
     def start(self, job: str, index: int, bind: str = "127.0.0.1:0") -> None:
-        parent, child = _CTX.Pipe()
-        proc = _CTX.Process(target=_serve, args=(job, index, bind, self.key_hex, child), daemon=True)
+        ctx = worker_context()
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(job, index, bind, self.key_hex, child), daemon=True)
         proc.start()
         child.close()
         self.procs[f"{job}:{index}"] = proc

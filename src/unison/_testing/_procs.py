@@ -24,6 +24,7 @@ __all__ = [
     "BASE_CHILD_ENV",
     "ChildProcess",
     "spawn_children",
+    "worker_context",
     "pump",
     "wait_until",
     "dump_stacks",
@@ -165,7 +166,7 @@ _PRELOAD = ("torch", "torch.distributed", "cloudpickle", "unison", "unison._test
 _start_method_lock = threading.Lock()
 
 
-def _context() -> Any:
+def worker_context() -> Any:
     """The start method for workers: a fork server that has imported torch, where Linux
     can watch the test process through a pidfd; ``spawn`` elsewhere.
 
@@ -211,7 +212,7 @@ def spawn_children(
     """
     from unison._testing import _child
 
-    ctx = _context()
+    ctx = worker_context()
     children: list[ChildProcess] = []
     try:
         with _child_environment(env):
