@@ -51,12 +51,14 @@ _environ_lock = threading.Lock()
 
 @contextmanager
 def _child_environment(overrides: Mapping[str, str | None]) -> Iterator[None]:
-    """Applies ``overrides`` to ``os.environ`` while children are being spawned.
+    """Applies ``overrides`` to ``os.environ`` while children are being started.
 
-    The spawn start method execs the child with this process's environment and
-    offers no ``env`` argument; setting it here (rather than in the child) makes
-    variables read at interpreter or library start, like ``OMP_NUM_THREADS``, take
-    effect. A value of None removes the variable.
+    Neither start method offers an ``env`` argument. A spawned child execs with this
+    process's environment; a child forked from the fork server is handed the same
+    mapping and adopts it first thing (``_child.start``). Variables read when the
+    interpreter or a library starts, like ``OMP_NUM_THREADS``, are then the server's:
+    it starts under ``BASE_CHILD_ENV`` (and each worker sets one torch thread anyway).
+    A value of None removes the variable.
     """
     with _environ_lock:
         saved = {key: os.environ.get(key) for key in overrides}
