@@ -81,6 +81,7 @@ def _environment_and_parent(rank: int, world_size: int) -> tuple[str | None, int
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="workers are spawned where Linux has no pidfd_open")
 def test_workers_start_from_the_fork_server_with_the_tests_current_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -41,8 +41,8 @@ def run_workers(
     milliseconds, not the seconds of a spawned interpreter importing torch; the server
     only imported modules, so a worker is as clean as a spawned one) and start with the
     test process's environment of the moment, as spawned ones would; where Linux has no
-    pidfd (to tie a worker to the test process) they are spawned. ``fn`` and ``args`` travel with
-    cloudpickle, so test-local functions and closures work (functions defined at
+    pidfd (to tie a worker to the test process) they are spawned. ``fn`` and ``args``
+    travel with cloudpickle, so test-local functions and closures work (functions defined at
     module level in a test module are imported by name in the worker, from the
     ``sys.path`` of the test process). The parent serves a ``TCPStore`` on port 0 for
     the call; workers find it in ``UNISON_RENDEZVOUS`` (see
