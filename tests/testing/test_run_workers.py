@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-from multiprocessing import forkserver
 
 import pytest
 import torch
@@ -89,7 +88,7 @@ def test_workers_start_from_the_fork_server_with_the_tests_current_environment(
     # torch per worker), yet started with what the test's environment is now, as spawn's.
     monkeypatch.setenv("UNISON_SET_BY_THE_TEST", "now")
     results = run_workers(_environment_and_parent, 2, timeout=30)
-    server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    server = leaks.fork_server_pid()
     assert results == [("now", server), ("now", server)]
     monkeypatch.delenv("UNISON_SET_BY_THE_TEST")
     assert [value for value, _ in run_workers(_environment_and_parent, 2, timeout=30)] == [None, None]
@@ -114,8 +113,10 @@ def test_workers_end_when_the_test_process_is_killed(tmp_path) -> None:
         from unison._testing import run_workers
 
         def wait_forever(rank, world_size):
-            with open({str(pids)!r} + str(rank), "w") as f:
+            path = {str(pids)!r} + str(rank)
+            with open(path + ".tmp", "w") as f:
                 f.write(str(os.getpid()))
+            os.replace(path + ".tmp", path)  # the file appears whole
             threading.Event().wait()
 
         if __name__ == "__main__":
@@ -131,7 +132,6 @@ def test_workers_end_when_the_test_process_is_killed(tmp_path) -> None:
                 pytest.fail(f"the test process ended before its workers started: {stderr.read_text()}")
             assert time.monotonic() < deadline, "workers never started"
             time.sleep(0.05)
-        time.sleep(0.2)  # both pids fully written
         workers = [int((tmp_path / f"pids{rank}").read_text()) for rank in (0, 1)]
     finally:
         test_process.kill()

@@ -79,17 +79,17 @@ def _exit_with_parent() -> None:
         # the test process closes at once. A thread rather than prctl(PR_SET_PDEATHSIG):
         # that fires when the *thread* that started the worker ends, which is too early
         # for a pool started from a helper thread.
-        pidfd = os.pidfd_open(_parent_pid)
+        ended = os.pidfd_open(_parent_pid)  # readable once the test process is gone
     except ProcessLookupError:
         os._exit(_ORPHAN_EXIT)
     except (AttributeError, OSError):  # no pidfd here (spawned): the spawn pipe's sentinel
         parent = multiprocessing.parent_process()
         if parent is None:
             return
-        pidfd = parent.sentinel
+        ended = parent.sentinel
 
     def watch_parent() -> None:
-        select.select([pidfd], [], [])
+        select.select([ended], [], [])
         os._exit(_ORPHAN_EXIT)
 
     threading.Thread(target=watch_parent, name=WATCHDOG_THREAD, daemon=True).start()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from multiprocessing import forkserver, resource_tracker
 
-__all__ = ["Snapshot", "snapshot", "child_pids", "find_leaks", "kill_processes"]
+__all__ = ["Snapshot", "snapshot", "child_pids", "find_leaks", "kill_processes", "fork_server_pid"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ def child_pids() -> frozenset[int]:
     """Process ids of this process's live children and of the workers' fork server's
     (whose workers belong to this process's tests), zombies excluded, read from /proc."""
     parents = {os.getpid()}
-    server = _fork_server_pid()
+    server = fork_server_pid()
     if server is not None:
         parents.add(server)
     found = set()
@@ -54,7 +54,8 @@ def _non_daemon_threads() -> frozenset[threading.Thread]:
     return frozenset(t for t in threading.enumerate() if not t.daemon and t.is_alive())
 
 
-def _fork_server_pid() -> int | None:
+def fork_server_pid() -> int | None:
+    """The pid of multiprocessing's fork server (the harness's workers' parent), if one runs."""
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
@@ -62,7 +63,7 @@ def _infrastructure_pids() -> set[int]:
     """Helper processes multiprocessing keeps for the whole session."""
     # The spawn and forkserver start methods launch one resource tracker per session, on
     # first use; the forkserver method also its server.
-    pids = {getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None), _fork_server_pid()}
+    pids = {getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None), fork_server_pid()}
     return {pid for pid in pids if pid}
 
 
