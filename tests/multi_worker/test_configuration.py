@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 import pytest
+import torch
 
 import unison
+from unison.cluster.resolved import ResolvedCluster
+from unison.collectives.process_group import choose_backend
 
 CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
 
@@ -54,3 +58,71 @@ def test_nccl_needs_cuda_devices():
                                             task_type="worker", task_id=0)
     with pytest.raises(ValueError, match=r"CommunicationImplementation.NCCL needs CUDA replica devices"):
         unison.MultiWorkerMirroredStrategy(resolver, unison.CommunicationOptions(implementation="nccl"), devices=["cpu:0"])
+
+
+def _cluster(hosts, rank):
+    spec = unison.ClusterSpec({"worker": [f"{h}:{2000 + i}" for i, h in enumerate(hosts)]})
+    return unison.SimpleClusterResolver(spec, task_type="worker", task_id=rank).resolve()
+
+
+def test_host_placement_counts_the_training_tasks_on_this_tasks_host():
+    hosts = ["10.0.0.1", "10.0.0.2", "10.0.0.1", "10.0.0.1"]
+    assert [_cluster(hosts, r).host_placement for r in range(4)] == [(0, 3), (0, 1), (1, 3), (2, 3)]
+    assert ResolvedCluster.local().host_placement == (0, 1)
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretends this machine has ``n`` CUDA devices and NCCL (no device is touched)."""
+    def set_count(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    return set_count
+
+
+@pytest.mark.parametrize("count, hosts, want", [
+    (0, ["a"], [("cpu:0",)]),
+    (2, ["a"], [("cuda:0", "cuda:1")]),                               # alone on its host: every GPU
+    (4, ["a", "a"], [("cuda:0", "cuda:1"), ("cuda:2", "cuda:3")]),    # equal disjoint shares
+    (2, ["a", "a", "a"], [("cuda:0",), ("cuda:1",), ("cuda:0",)]),    # fewer GPUs than workers
+    (1, ["a", "b"], [("cuda:0",), ("cuda:0",)]),                      # one worker per host
+])
+def test_default_devices_split_the_hosts_gpus_between_its_workers(gpus, count, hosts, want):
+    from unison.strategies.multi_worker import _default_devices
+
+    gpus(count)
+    assert [_default_devices(_cluster(hosts, r)) for r in range(len(hosts))] == want
+
+
+def test_the_local_rank_picks_one_gpu(gpus):
+    from unison.strategies.multi_worker import _default_devices
+
+    gpus(2)
+    cluster = dataclasses.replace(_cluster(["a", "a", "a"], 2), local_rank=5)
+    assert _default_devices(cluster) == ("cuda:1",)
+
+
+@pytest.mark.parametrize("implementation, count, sharing, want", [
+    ("AUTO", 2, 2, "nccl"), ("AUTO", 1, 2, "gloo"), ("AUTO", 1, 1, "nccl"), ("RING", 2, 2, "gloo"),
+    ("NCCL", 2, 2, "nccl"),
+])
+def test_nccl_only_where_every_worker_of_the_host_has_a_gpu(gpus, implementation, count, sharing, want):
+    gpus(count)
+    options = unison.CommunicationOptions(implementation=implementation)
+    assert choose_backend(["cuda:0"], options, sharing) == want
+
+
+def test_nccl_with_more_workers_than_gpus_on_a_host_names_the_fix(gpus):
+    gpus(1)
+    with pytest.raises(ValueError, match=r"NCCL needs one GPU per worker, but 2 workers share this host and it has "
+                                         r"1 GPU\(s\); run at most 1 workers per host, or use RING or AUTO"):
+        choose_backend(["cuda:0"], unison.CommunicationOptions(implementation="nccl"), 2)
+
+
+def test_gloo_between_gpu_replicas_uses_packed_collectives_not_shared_memory():
+    from unison.collectives.transports import PackedTransport, SharedMemoryTransport, choose_transport
+
+    options = unison.CommunicationOptions()
+    assert type(choose_transport(None, options, "gloo", ["a", "a"])) is SharedMemoryTransport
+    assert type(choose_transport(None, options, "gloo", ["a", "a"], replicas_on_cuda=True)) is PackedTransport

@@ -115,6 +115,17 @@ class ResolvedCluster:
         return len(self.task_names) or 1
 
     @property
+    def host_placement(self) -> tuple[int, int]:
+        """``(index, count)``: this task's index among the training tasks on its host, and
+        how many there are (``(0, 1)`` where the hosts are unknown or it does not train).
+        Workers sharing a host share its GPUs, one NCCL rank per GPU at most."""
+        if self.rank is None or not self.task_hosts:
+            return 0, 1
+        host = self.task_hosts[self.rank]
+        ranks = [r for r, h in enumerate(self.task_hosts) if h == host]
+        return ranks.index(self.rank), len(ranks)
+
+    @property
     def task_name(self) -> str:
         """``"type:index"`` of this task (``"local"`` without one)."""
         return f"{self.task_type}:{self.task_id}" if self.task_type is not None else "local"

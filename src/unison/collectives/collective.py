@@ -23,7 +23,7 @@ from unison.collectives.packing import TensorPacker
 from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
 from unison.collectives.transports import CrossWorkerTransport, choose_transport
 from unison.collectives.worker_control import WorkerControl
-from unison.devices import canonicalize_all, torch_device
+from unison.devices import canonicalize_all, is_cuda, torch_device
 from unison.reduce import ReduceOp
 from unison.values.values import PerReplica
 
@@ -76,7 +76,8 @@ class CollectiveAllReduce(CrossDeviceOps):
             backend = worker_group.backend if isinstance(worker_group, WorkerGroup) else worker_group.get().backend
         device = torch_device(self._devices[0]) if backend == "nccl" else torch.device("cpu")
         self._control = WorkerControl(worker_group, device)
-        self._transport = choose_transport(self._control, self._options, backend, hosts)
+        self._transport = choose_transport(self._control, self._options, backend, hosts,
+                                           replicas_on_cuda=any(is_cuda(d) for d in self._devices))
 
     @property
     def worker_group(self) -> WorkerGroup:

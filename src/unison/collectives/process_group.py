@@ -16,6 +16,7 @@ import sys
 import threading
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 
 from unison.cluster.resolved import RendezvousKind, ResolvedCluster
@@ -30,18 +31,30 @@ from unison.errors import ClusterError, PeerLostError
 __all__ = ["WorkerGroup", "LazyWorkerGroup", "form_worker_group", "release_worker_group"]
 
 
-def choose_backend(devices: Sequence[str], options: CommunicationOptions) -> str:
-    """The torch.distributed backend for ``options.implementation`` on ``devices``."""
+def choose_backend(devices: Sequence[str], options: CommunicationOptions, workers_on_host: int = 1) -> str:
+    """The torch.distributed backend for ``options.implementation`` on ``devices``.
+
+    NCCL takes one rank per GPU: where more of the group's workers share this host than
+    it has GPUs, AUTO chooses gloo (which stages CUDA tensors through the host) and an
+    explicit NCCL is refused, naming the fix.
+    """
     on_cuda = all(is_cuda(d) for d in devices)
     implementation = options.implementation
+    gpus_enough = not on_cuda or workers_on_host <= torch.cuda.device_count()
     if implementation is CommunicationImplementation.NCCL:
         if not on_cuda or not dist.is_nccl_available():
             raise ValueError(
                 f"CommunicationImplementation.NCCL needs CUDA replica devices and NCCL, got devices "
                 f"{list(devices)!r} (NCCL available: {dist.is_nccl_available()}); use RING or AUTO"
             )
+        if not gpus_enough:
+            raise ValueError(
+                f"CommunicationImplementation.NCCL needs one GPU per worker, but {workers_on_host} workers share "
+                f"this host and it has {torch.cuda.device_count()} GPU(s); run at most "
+                f"{torch.cuda.device_count()} workers per host, or use RING or AUTO (gloo)"
+            )
         return "nccl"
-    if implementation is CommunicationImplementation.AUTO and on_cuda and dist.is_nccl_available():
+    if implementation is CommunicationImplementation.AUTO and on_cuda and dist.is_nccl_available() and gpus_enough:
         return "nccl"
     return "gloo"
 
@@ -120,7 +133,7 @@ def form_worker_group(cluster: ResolvedCluster, devices: Sequence[str], options:
     rank = _check_trains(cluster)
     names = list(cluster.task_names)
     world_size = len(names)
-    backend = choose_backend(devices, options)
+    backend = choose_backend(devices, options, cluster.host_placement[1])
     seconds = options.effective_timeout
     timeout = datetime.timedelta(seconds=seconds)
     if dist.is_initialized():

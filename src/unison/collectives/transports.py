@@ -401,20 +401,23 @@ def _subgroup(group: WorkerGroup, handle: Any, ranks: list[int]) -> WorkerGroup:
 
 
 def choose_transport(control: WorkerControl, options: CommunicationOptions, backend: str,
-                     hosts: "Sequence[str] | None" = None) -> CrossWorkerTransport:
+                     hosts: "Sequence[str] | None" = None, *, replicas_on_cuda: bool = False) -> CrossWorkerTransport:
     """The transport for a group, from its backend and (when known) which workers share a host.
 
     With AUTO on gloo: shared memory when every worker is on one host (or the hosts are
     unknown: it falls back by itself when they cannot map each other's files);
     hierarchical when several hosts have several workers; packed collectives when every
-    host has one worker. Packed collectives otherwise (RING, NCCL). With compression:
+    host has one worker. Packed collectives otherwise (RING, NCCL, and gloo between
+    replicas on GPUs: the shared-memory files and their results live in host memory,
+    while the gradient buckets stay on the GPU, so gloo's staging does the same
+    copies with no second path to keep). With compression:
     compressed packed collectives, whatever the hosts.
     """
     if isinstance(options.compression, PowerSGD):
         return PowerSGDTransport(control, options.bytes_per_pack, options.compression)
     if options.compression is not Compression.NONE:
         return CompressedTransport(control, options.bytes_per_pack, options.compression)
-    if options.implementation is not CommunicationImplementation.AUTO or backend != "gloo":
+    if options.implementation is not CommunicationImplementation.AUTO or backend != "gloo" or replicas_on_cuda:
         return PackedTransport(control, options.bytes_per_pack)
     if not hosts or len(set(hosts)) == 1:
         return SharedMemoryTransport(control, options.bytes_per_pack)

@@ -28,10 +28,24 @@ __all__ = ["MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy"]
 
 
 def _default_devices(cluster: ResolvedCluster) -> tuple[str, ...]:
-    # One process per GPU is PyTorch's usual layout under torchrun and SLURM.
-    if cluster.local_rank is not None and torch.cuda.is_available():
-        return (f"cuda:{cluster.local_rank % torch.cuda.device_count()}",)
-    return tuple(local_devices())
+    """This worker's devices when none are given: its own share of the host's GPUs.
+
+    One process per GPU is PyTorch's usual layout under torchrun and SLURM (the local
+    rank picks it). Elsewhere (TF_CONFIG) a worker alone on its host takes every GPU, as
+    TensorFlow's does; workers sharing a host split its GPUs into equal, disjoint shares,
+    so that two never drive the same GPU where there are enough of them (fewer GPUs than
+    workers: worker i takes GPU i mod count, and the group falls back from NCCL to gloo).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        return tuple(local_devices())
+    if cluster.local_rank is not None:
+        return (f"cuda:{cluster.local_rank % gpus}",)
+    index, sharing = cluster.host_placement
+    share = gpus // sharing
+    if share == 0:
+        return (f"cuda:{index % gpus}",)
+    return tuple(f"cuda:{i}" for i in range(index * share, (index + 1) * share))
 
 
 @typing.final
@@ -109,7 +123,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"ps and evaluator tasks do not train with it (run eval_fn on the evaluator through the "
                 f"distribute coordinator); fix `task.type`"
             )
-        backend = choose_backend(devices, self._options)  # a backend that cannot run here fails now
+        backend = choose_backend(devices, self._options, cluster.host_placement[1])  # fails now if it cannot run
         group = LazyWorkerGroup(cluster, devices, self._options)
         ops = CollectiveAllReduce(devices, group, self._options, backend=backend, hosts=cluster.task_hosts)
         sync: GradientSync
