@@ -104,10 +104,19 @@ class WorkerControl:
             raise group.lost_peer_error(operation, exc) from exc
 
     def wait(self, work: Any, operation: str) -> None:
-        """Waits for ``work`` within the group's timeout; a failure names the lost task."""
+        """Waits for ``work`` within the group's timeout; a failure names the lost task.
+
+        On NCCL the wait is the stream's, not the host's: a timeout given to an NCCL
+        work's ``wait`` blocks this thread until the GPU has finished everything queued
+        before the collective, which stalls every step; the group's own timeout (its
+        watchdog) still ends a collective that a lost peer never joins.
+        """
         group = self.group
         try:
-            work.wait(datetime.timedelta(seconds=group.timeout))
+            if group.backend == "nccl":
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=group.timeout))
         except Exception as exc:  # noqa: BLE001
             raise group.lost_peer_error(operation, exc) from exc
 
