@@ -20,12 +20,13 @@ from torch.utils import _pytree as pytree
 
 from unison._state import STATE
 from unison.collectives.base import CrossDeviceOps
-from unison.devices import canonicalize, canonicalize_all, torch_device
+from unison.devices import canonicalize, canonicalize_all, is_cuda, torch_device
 from unison.gradient_sync.step_hooks import install_step_hooks
 from unison.input.context import ValueContext
 from unison.input.dataset import DistributedDataset, DistributedDatasetsFromFunction
 from unison.reduce import ReduceOp
 from unison.strategies.components import StrategyComponents
+from unison.strategies.initial_draws import CpuDrawnFills
 from unison.strategies.scope_hooks import install_scope_hooks
 from unison.values.aggregation import VariableAggregation, VariableSynchronization
 from unison.values.values import DistributedValues, Mirrored, PerReplica, is_distributed, regroup, select_replica
@@ -374,12 +375,18 @@ class Strategy(abc.ABC):
         install_step_hooks()
         replica_context = top.replica_context if top is not None and top.strategy is self else None
         outermost = top is None or top.strategy is not self
-        with STATE.push(self, replica_context):
+        draws = CpuDrawnFills() if outermost and self._draws_off_the_cpu() else contextlib.nullcontext()
+        with STATE.push(self, replica_context), draws:
             try:
                 yield self
             finally:
                 if outermost:
                     self._extended.finish_variable_creation()
+
+    def _draws_off_the_cpu(self) -> bool:
+        """Whether variables live on GPUs, where their random fills are redirected (``initial_draws``)."""
+        devices = self._extended.worker_devices + self._extended.parameter_devices
+        return any(is_cuda(d) for d in devices)
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Runs ``fn(*args, **kwargs)`` once per replica and returns PerReplica results.

@@ -1,0 +1,65 @@
+"""Random initial values drawn on the CPU in a GPU strategy's scope, as plain PyTorch draws them.
+
+Inside ``scope()`` a module's parameters move to the strategy's device as the module
+registers them, before its ``reset_parameters()`` fills them: left alone, the fill would
+draw from the GPU's generator, so a model built in a GPU strategy's scope would start
+from other weights than the same model built as plain PyTorch (on the CPU, then moved)
+or in a CPU strategy's scope, for the same seed. While such a scope is open, in
+cross-replica context, this mode runs the random in-place fills (``nn.init``'s and the
+tensor methods they use) on a CPU tensor of the same shape and copies the values over:
+the same numbers, from the same generator state, as plain PyTorch. A fill given a GPU
+generator explicitly is left on the GPU. Only this thread's ops in the scope pass
+through the mode; replica threads and code outside the scope never see it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from unison._state import STATE
+
+__all__ = ["CpuDrawnFills", "RANDOM_FILLS"]
+
+RANDOM_FILLS = frozenset({
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.random_,
+    torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_,
+    nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
+    nn.init.xavier_uniform_, nn.init.xavier_normal_, nn.init.orthogonal_, nn.init.sparse_,
+})
+"""In-place fills that draw from a generator: their first argument is the tensor filled."""
+
+
+class CpuDrawnFills(TorchFunctionMode):
+    """Redirects random in-place fills of non-CPU tensors to the CPU while variables are created."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in RANDOM_FILLS:
+            target = args[0] if args else kwargs.get("tensor")
+            if _draw_on_cpu(target, kwargs.get("generator")):
+                return _fill_on_cpu(func, target, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _draw_on_cpu(target: Any, generator: "torch.Generator | None") -> bool:
+    if not isinstance(target, torch.Tensor) or target.device.type == "cpu":
+        return False
+    if generator is not None and generator.device.type != "cpu":
+        return False  # the caller chose a GPU generator
+    top = STATE.top()
+    return top is not None and top.replica_context is None  # creating variables, not running a step
+
+
+def _fill_on_cpu(func: Any, target: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    values = torch.empty(target.shape, dtype=target.dtype)
+    if args:
+        func(values, *args[1:], **kwargs)
+    else:
+        func(**dict(kwargs, tensor=values))
+    with torch.no_grad():
+        target.copy_(values)
+    return target
