@@ -85,6 +85,10 @@ class _ReplicaGradHook:
 class ReplicaGradientSync:
     """Aggregates gradients across this worker's replica threads.
 
+    CPU replicas reduce when their backward pass ends (code between ``backward()`` and
+    ``opt.step()`` sees reduced gradients, as under DDP); with a replica on a GPU, the
+    gradients are reduced when ``opt.step()`` begins.
+
     Args:
         owner: the strategy whose replicas this serves (only compared, to ignore other
             strategies' replicas).
@@ -114,6 +118,10 @@ class ReplicaGradientSync:
         self._no_sync_outside_run = 0
         self._states: "weakref.WeakKeyDictionary[ReplicaContext, _ReplicaStepState]" = weakref.WeakKeyDictionary()
         self._grad_hooks = [_ReplicaGradHook(self) for _ in self._devices]  # one per replica, on its components
+        # Autograd runs a GPU's backward on its own device thread, outside the replica's
+        # context, where the hooks cannot tell whose backward ends: with any replica on a
+        # GPU, every replica reduces when its step begins (pre_step), all the same way.
+        self._reduce_in_backward = not any(is_cuda(d) for d in self._devices)
         # CPU replicas with their own storage and the default reduction: the gradients are
         # reduced in place (see _aggregate_in_place); anything else goes through the ops.
         self._in_place = (type(cross_device_ops) is ReductionToOneDevice and cross_device_ops.accumulation_fn is None
@@ -140,6 +148,8 @@ class ReplicaGradientSync:
         variable = param
         self._variables.append(weakref.ref(variable))
         self._registrations += 1
+        if not self._reduce_in_backward:
+            return
         for replica_id in range(self._num_replicas):
             with torch._C.DisableTorchFunctionSubclass():
                 torch.Tensor.register_post_accumulate_grad_hook(variable._component(replica_id),
