@@ -2,7 +2,8 @@
 
 Every test runs with three cheap guards (autouse): ``os.environ`` is restored after it,
 a default ``torch.distributed`` process group it left initialised is destroyed, and it
-fails if it leaves non-daemon threads or child processes running. Multi-process tests
+fails if it leaves non-daemon threads or child processes running. Outside ``tests/gpu``
+the processes a test starts see no GPU. Multi-process tests
 use ``unison._testing.run_workers`` or the session's warm ``worker_pool``.
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from unison._testing import WorkerPool, leaks, rendezvous
@@ -63,6 +66,23 @@ def _restore_environ() -> Iterator[None]:
     if dict(os.environ) != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+GPU_TESTS = Path(__file__).resolve().parent / "gpu"
+torch.cuda.is_available()  # this process's CUDA is decided now, before a test hides GPUs from its children
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only_worker_processes(request: pytest.FixtureRequest) -> None:
+    """Processes a test starts see no GPU, except under ``tests/gpu``.
+
+    The suite's multi-process tests are CPU tests (CI has no GPU): on a machine with one,
+    their workers' default devices would otherwise be the GPU, which their CPU batches
+    do not expect. Children take the test's environment (``_restore_environ`` undoes
+    this); this process decided its CUDA at import and keeps it.
+    """
+    if GPU_TESTS not in Path(str(request.path)).resolve().parents:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(autouse=True)
