@@ -40,13 +40,13 @@ class CpuDrawnFills(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in RANDOM_FILLS:
             target = args[0] if args else kwargs.get("tensor")
-            if _draw_on_cpu(target, kwargs.get("generator")):
+            if isinstance(target, torch.Tensor) and _draw_on_cpu(target, kwargs.get("generator")):
                 return _fill_on_cpu(func, target, args, kwargs)
         return func(*args, **kwargs)
 
 
-def _draw_on_cpu(target: Any, generator: "torch.Generator | None") -> bool:
-    if not isinstance(target, torch.Tensor) or target.device.type == "cpu":
+def _draw_on_cpu(target: torch.Tensor, generator: "torch.Generator | None") -> bool:
+    if target.device.type == "cpu":
         return False
     if generator is not None and generator.device.type != "cpu":
         return False  # the caller chose a GPU generator
