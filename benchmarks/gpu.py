@@ -51,6 +51,9 @@ WORKLOADS["L"] = {"make": lambda: nn.Sequential(nn.Linear(4096, 4096), nn.ReLU()
                                                 nn.Linear(4096, 4096)),
                   "batch": 4096, "inputs": 4096, "outputs": 4096, "steps": 10}
 VARIANTS = ("plain", "one_device", "mirrored", "mwms", "ddp")
+COMPRESSED = ("mwms_bf16", "ddp_bf16")
+"""With ``--compression``: unison's ``compression="bf16"`` and DDP's ``bf16_compress_hook``."""
+STRATEGY_VARIANTS = ("one_device", "mirrored", "mwms", "mwms_bf16")
 DEVICE = "cuda:0"
 
 
@@ -83,16 +86,22 @@ class Strategies:
                                                        devices=[DEVICE])
         self.mwms.extended.cross_device_ops.worker_group  # forms the group now
         assert dist.is_initialized() and dist.get_backend() == "nccl", "the NCCL group of one did not form"
+        self.mwms_bf16 = unison.MultiWorkerMirroredStrategy(  # joins the same group
+            resolver, unison.CommunicationOptions(implementation="NCCL", compression="bf16"), devices=[DEVICE])
 
 
 def make_step(variant: str, spec: dict[str, Any], strategies: Strategies,
               dtype: torch.dtype = torch.float32) -> tuple[Callable, nn.Module]:
     """``step(x, y)`` training one batch under ``variant``, and its model."""
-    strategy = getattr(strategies, variant, None) if variant in ("one_device", "mirrored", "mwms") else None
+    strategy = getattr(strategies, variant) if variant in STRATEGY_VARIANTS else None
     if strategy is None:
         model = _model(spec, dtype).to(DEVICE)
-        if variant == "ddp":
+        if variant.startswith("ddp"):
             model = nn.parallel.DistributedDataParallel(model, device_ids=[0])
+        if variant == "ddp_bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            model.register_comm_hook(None, bf16_compress_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
     else:
         with strategy.scope():
@@ -119,15 +128,15 @@ def _time(step: Callable, batches: list, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def measure(name: str, rounds: int, strategies: Strategies) -> dict[str, Any]:
+def measure(name: str, rounds: int, strategies: Strategies, variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     spec = WORKLOADS[name]
     batches = _batches(spec, torch.float32)
-    steps = {variant: make_step(variant, spec, strategies)[0] for variant in VARIANTS}
+    steps = {variant: make_step(variant, spec, strategies)[0] for variant in variants}
     for step in steps.values():
         _time(step, batches, max(3, spec["steps"] // 2))  # warm-up: kernels, buckets, NCCL communicators
-    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    samples: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
         for variant in order:
             samples[variant].append(_time(steps[variant], batches, spec["steps"] * 2))
     summary = {
@@ -138,20 +147,22 @@ def measure(name: str, rounds: int, strategies: Strategies) -> dict[str, Any]:
         }
         for variant, values in samples.items()
     }
-    return {"summary": summary, "samples_step_s": samples, "max_weight_diff_vs_plain": weight_diffs(spec, strategies)}
+    return {"summary": summary, "samples_step_s": samples,
+            "max_weight_diff_vs_plain": weight_diffs(spec, strategies, variants)}
 
 
-def weight_diffs(spec: dict[str, Any], strategies: Strategies, steps: int = 5) -> dict[str, float]:
+def weight_diffs(spec: dict[str, Any], strategies: Strategies, variants: tuple[str, ...],
+                 steps: int = 5) -> dict[str, float]:
     """Largest |weight - plain weight| after a few float64 steps from the same start."""
     batches = _batches(spec, torch.float64)
     weights = {}
-    for variant in VARIANTS:
+    for variant in variants:
         step, model = make_step(variant, spec, strategies, torch.float64)
         for i in range(steps):
             step(*batches[i % len(batches)])
         weights[variant] = [p.detach().clone() for p in model.parameters()]
     return {variant: max((a - b).abs().max().item() for a, b in zip(weights[variant], weights["plain"]))
-            for variant in VARIANTS}
+            for variant in variants}
 
 
 def profile(name: str, variants: list[str], strategies: Strategies, steps: int = 200) -> None:
@@ -179,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="output folder (default benchmarks/out)")
     parser.add_argument("--profile", default="", metavar="WORKLOAD:VARIANT,...",
                         help="only profile these variants on a workload (e.g. D:mwms,ddp), print the tables")
+    parser.add_argument("--compression", action="store_true",
+                        help="also time unison's bf16 compression beside DDP's bf16_compress_hook")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
@@ -200,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     print(f"{'workload':<9} {'variant':<11} {'ms/step':>9} {'x plain':>8} {'x ddp':>7} {'max |w - plain|':>16}")
     for name in names:
-        results[name] = measure(name, args.rounds, strategies)
+        results[name] = measure(name, args.rounds, strategies, VARIANTS + (COMPRESSED if args.compression else ()))
         for variant, row in results[name]["summary"].items():
             print(f"{name:<9} {variant:<11} {row['median_step_ms']:>9.3f} {row['samples_per_s_vs_plain']:>8.3f} "
                   f"{row['samples_per_s_vs_ddp']:>7.3f} {results[name]['max_weight_diff_vs_plain'][variant]:>16.2e}",
