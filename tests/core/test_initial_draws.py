@@ -70,3 +70,12 @@ def test_only_gpu_strategies_open_the_mode_in_their_scope():
     assert not unison.MirroredStrategy(["cpu:0", "cpu:1"])._draws_off_the_cpu()
     with unison.OneDeviceStrategy("cpu:0").scope():
         assert not torch.overrides._get_current_function_mode_stack()
+
+
+def test_steps_run_without_the_mode():
+    strategy = unison.OneDeviceStrategy("cpu:0")
+    seen = []
+    with strategy.scope(), CpuDrawnFills():
+        strategy.run(lambda: seen.append(len(torch.overrides._get_current_function_mode_stack())))
+        seen.append(len(torch.overrides._get_current_function_mode_stack()))
+    assert seen == [0, 1]  # off during the step, back after it

@@ -26,7 +26,7 @@ from unison.input.context import ValueContext
 from unison.input.dataset import DistributedDataset, DistributedDatasetsFromFunction
 from unison.reduce import ReduceOp
 from unison.strategies.components import StrategyComponents
-from unison.strategies.initial_draws import CpuDrawnFills
+from unison.strategies.initial_draws import CpuDrawnFills, steps_without_fills
 from unison.strategies.scope_hooks import install_scope_hooks
 from unison.values.aggregation import VariableAggregation, VariableSynchronization
 from unison.values.values import DistributedValues, Mirrored, PerReplica, is_distributed, regroup, select_replica
@@ -402,6 +402,9 @@ class Strategy(abc.ABC):
         # No scope of its own: each replica runs in its replica context (pushed by the
         # runner), merge functions in cross-replica context, and variables cannot be
         # created inside run, so a scope would only cost time on every step.
+        if torch._C._len_torch_function_stack():  # a GPU scope's initial-draws mode: not in steps
+            with steps_without_fills():
+                return self._extended._call_for_each_replica(fn, args, dict(kwargs) if kwargs else {})
         return self._extended._call_for_each_replica(fn, args, dict(kwargs) if kwargs else {})
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None = None) -> torch.Tensor:

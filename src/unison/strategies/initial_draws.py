@@ -9,12 +9,14 @@ cross-replica context, this mode runs the random in-place fills (``nn.init``'s a
 tensor methods they use) on a CPU tensor of the same shape and copies the values over:
 the same numbers, from the same generator state, as plain PyTorch. A fill given a GPU
 generator explicitly is left on the GPU. Only this thread's ops in the scope pass
-through the mode; replica threads and code outside the scope never see it.
+through the mode (a Python call each, a few microseconds); replica threads, code outside
+the scope and ``strategy.run`` (``steps_without_fills``) never see it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from unison._state import STATE
 
-__all__ = ["CpuDrawnFills", "RANDOM_FILLS"]
+__all__ = ["CpuDrawnFills", "RANDOM_FILLS", "steps_without_fills"]
 
 RANDOM_FILLS = frozenset({
     torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.random_,
@@ -63,3 +65,15 @@ def _fill_on_cpu(func: Any, target: torch.Tensor, args: tuple, kwargs: dict) -> 
     with torch.no_grad():
         target.copy_(values)
     return target
+
+
+@contextlib.contextmanager
+def steps_without_fills() -> Iterator[None]:
+    """Takes the mode off this thread while a step runs (a training loop inside the scope
+    would otherwise pay the mode's Python call on every op); a no-op without it."""
+    depth = torch._C._len_torch_function_stack()
+    if depth and isinstance(torch._C._get_function_stack_at(depth - 1), CpuDrawnFills):
+        with torch.overrides._pop_mode_temporarily():
+            yield
+    else:
+        yield
