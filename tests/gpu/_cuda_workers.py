@@ -17,11 +17,8 @@ def _strategy(rank: int, world: int, devices, **options):
                                               devices=devices)
 
 
-def train_on_cuda(rank: int, world: int, implementation: str = "AUTO", compression: str = "none"):
-    """The multi-worker MLP trained on ``cuda:0`` (every worker on the one GPU); the
-    weights come back on the CPU with the group's backend and transport."""
-    chosen = unison.PowerSGD(rank=1, start_iter=2, min_compression_rate=1) if compression == "powersgd" else compression
-    strategy = _strategy(rank, world, ["cuda:0"], implementation=implementation, compression=chosen)
+def mlp_and_step(strategy: unison.Strategy):
+    """The multi-worker tests' MLP built in ``strategy``'s scope with SGD, and a training step."""
     with strategy.scope():
         model = make_mlp(2, 16)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -33,6 +30,15 @@ def train_on_cuda(rank: int, world: int, implementation: str = "AUTO", compressi
         opt.step()
         return loss
 
+    return model, step
+
+
+def train_on_cuda(rank: int, world: int, implementation: str = "AUTO", compression: str = "none"):
+    """The multi-worker MLP trained on ``cuda:0`` (every worker on the one GPU); the
+    weights come back on the CPU with the group's backend and transport."""
+    chosen = unison.PowerSGD(rank=1, start_iter=2, min_compression_rate=1) if compression == "powersgd" else compression
+    strategy = _strategy(rank, world, ["cuda:0"], implementation=implementation, compression=chosen)
+    model, step = mlp_and_step(strategy)
     for x, y in global_batches():
         strategy.run(step, args=(x.chunk(world)[rank].cuda(), y.chunk(world)[rank].cuda()))
     extended = strategy.extended

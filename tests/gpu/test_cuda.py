@@ -37,18 +37,8 @@ def _plain_weights(device: str) -> list[torch.Tensor]:
 def _train_in_process(strategy: unison.Strategy) -> nn.Module:
     """The same training under an in-process ``strategy``: each replica gets its share of
     the batch on its own device."""
-    with strategy.scope():
-        model = make_mlp(2, 16)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, step = w.mlp_and_step(strategy)
     devices = strategy.extended.worker_devices
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
     for x, y in global_batches():
         if len(devices) == 1:
             strategy.run(step, args=(x.to(devices[0]), y.to(devices[0])))
