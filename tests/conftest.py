@@ -70,16 +70,24 @@ def _restore_environ() -> Iterator[None]:
 
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
 torch.cuda.is_available()  # this process's CUDA is decided now, before a test hides GPUs from its children
+_SESSION_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.fixture
+def session_cuda_visible_devices() -> "str | None":
+    """``CUDA_VISIBLE_DEVICES`` as the test session found it (None: unset)."""
+    return _SESSION_CUDA_VISIBLE_DEVICES
 
 
 @pytest.fixture(autouse=True)
-def _cpu_only_worker_processes(request: pytest.FixtureRequest) -> None:
+def _cpu_only_worker_processes(request: pytest.FixtureRequest, _restore_environ: None) -> None:
     """Processes a test starts see no GPU, except under ``tests/gpu``.
 
     The suite's multi-process tests are CPU tests (CI has no GPU): on a machine with one,
     their workers' default devices would otherwise be the GPU, which their CPU batches
-    do not expect. Children take the test's environment (``_restore_environ`` undoes
-    this); this process decided its CUDA at import and keeps it.
+    do not expect. Children take the test's environment; ``_restore_environ`` (set up
+    first, as this fixture asks for it) undoes this after the test, so a later GPU test
+    sees the GPU again. This process decided its CUDA at import and keeps it.
     """
     if GPU_TESTS not in Path(str(request.path)).resolve().parents:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
