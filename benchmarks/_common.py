@@ -6,7 +6,7 @@ import datetime
 import os
 import platform
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -102,3 +102,38 @@ def interleaved_rounds(steps: dict, batches: list, cfg: dict[str, Any]) -> tuple
             samples[name].append(run(name, cfg["steps"]))
     dist.barrier()
     return samples, taken
+
+
+def mse_sgd_step(model: "torch.nn.Module", opt: "torch.optim.Optimizer") -> Callable[..., None]:
+    """The benchmarks' plain training step: ``zero_grad(); mse_loss(model(x), y).backward(); step()``."""
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return train
+
+
+def rotating_rounds(variants: Sequence[str], time_block: Callable[[str], float], rounds: int) -> dict[str, list[float]]:
+    """``time_block(variant)`` of every variant in each of ``rounds`` rounds, the order rotating
+    every round, so drift and outside load hit every variant alike; the samples by variant."""
+    variants = tuple(variants)
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(rounds):
+        for variant in variants[r % len(variants):] + variants[: r % len(variants)]:
+            samples[variant].append(time_block(variant))
+    return samples
+
+
+def max_weight_diffs(make_step: Callable[[str], tuple[Callable, "torch.nn.Module"]], variants: Sequence[str],
+                     batches: list, steps: int = 5, reference: str = "plain") -> dict[str, float]:
+    """Largest |weight - reference's weight| of each variant after ``steps`` steps on ``batches``;
+    ``make_step(variant)`` gives a step function and its model, all from the same weights."""
+    weights = {}
+    for variant in variants:
+        step, model = make_step(variant)
+        for i in range(steps):
+            step(*batches[i % len(batches)])
+        weights[variant] = [p.detach().clone() for p in model.parameters()]
+    return {variant: max((a - b).abs().max().item() for a, b in zip(weights[variant], weights[reference]))
+            for variant in variants}

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from _common import machine_info
+from _common import machine_info, max_weight_diffs, mse_sgd_step, rotating_rounds
 from in_process import WORKLOADS as CPU_WORKLOADS
 from torch import nn
 
@@ -108,11 +108,7 @@ def make_step(variant: str, spec: dict[str, Any], strategies: Strategies,
             model = _model(spec, dtype)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    def train(x: torch.Tensor, y: torch.Tensor) -> None:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
+    train = mse_sgd_step(model, opt)
     if strategy is None:
         return train, model
     run = strategy.run
@@ -134,11 +130,7 @@ def measure(name: str, rounds: int, strategies: Strategies, variants: tuple[str,
     steps = {variant: make_step(variant, spec, strategies)[0] for variant in variants}
     for step in steps.values():
         _time(step, batches, max(3, spec["steps"] // 2))  # warm-up: kernels, buckets, NCCL communicators
-    samples: dict[str, list[float]] = {v: [] for v in variants}
-    for r in range(rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
-        for variant in order:
-            samples[variant].append(_time(steps[variant], batches, spec["steps"] * 2))
+    samples = rotating_rounds(variants, lambda variant: _time(steps[variant], batches, spec["steps"] * 2), rounds)
     summary = {
         variant: {
             "median_step_ms": statistics.median(values) * 1e3,
@@ -154,15 +146,8 @@ def measure(name: str, rounds: int, strategies: Strategies, variants: tuple[str,
 def weight_diffs(spec: dict[str, Any], strategies: Strategies, variants: tuple[str, ...],
                  steps: int = 5) -> dict[str, float]:
     """Largest |weight - plain weight| after a few float64 steps from the same start."""
-    batches = _batches(spec, torch.float64)
-    weights = {}
-    for variant in variants:
-        step, model = make_step(variant, spec, strategies, torch.float64)
-        for i in range(steps):
-            step(*batches[i % len(batches)])
-        weights[variant] = [p.detach().clone() for p in model.parameters()]
-    return {variant: max((a - b).abs().max().item() for a, b in zip(weights[variant], weights["plain"]))
-            for variant in variants}
+    return max_weight_diffs(lambda variant: make_step(variant, spec, strategies, torch.float64), variants,
+                            _batches(spec, torch.float64), steps)
 
 
 def profile(name: str, variants: list[str], strategies: Strategies, steps: int = 200) -> None:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from _common import machine_info
+from _common import machine_info, max_weight_diffs, mse_sgd_step, rotating_rounds
 from torch import nn
 
 import unison
@@ -149,11 +149,7 @@ def make_step(variant: str, spec: dict[str, Any], dtype: torch.dtype = torch.flo
             model = _model(spec, dtype)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    def train(x: torch.Tensor, y: torch.Tensor) -> None:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
+    train = mse_sgd_step(model, opt)
     if strategy is None:
         return train, model
     if variant == "one_device":
@@ -184,11 +180,7 @@ def measure(name: str, rounds: int) -> dict[str, Any]:
     steps = {variant: make_step(variant, spec)[0] for variant in VARIANTS}
     for step in steps.values():
         _time(step, batches, max(2, spec["steps"] // 2))  # warm-up
-    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
-        for variant in order:
-            samples[variant].append(_time(steps[variant], batches, spec["steps"]))
+    samples = rotating_rounds(VARIANTS, lambda variant: _time(steps[variant], batches, spec["steps"]), rounds)
     plain = samples["plain"]
     summary = {
         variant: {
@@ -202,15 +194,8 @@ def measure(name: str, rounds: int) -> dict[str, Any]:
 
 def weight_diffs(spec: dict[str, Any], steps: int = 5) -> dict[str, float]:
     """Largest |weight - plain weight| after a few float64 steps from the same start."""
-    batches = _batches(spec, torch.float64)
-    weights = {}
-    for variant in STRATEGY_VARIANTS:
-        step, model = make_step(variant, spec, torch.float64)
-        for i in range(steps):
-            step(*batches[i % len(batches)])
-        weights[variant] = [p.detach().clone() for p in model.parameters()]
-    return {variant: max((a - b).abs().max().item() for a, b in zip(weights[variant], weights["plain"]))
-            for variant in STRATEGY_VARIANTS}
+    return max_weight_diffs(lambda variant: make_step(variant, spec, torch.float64), STRATEGY_VARIANTS,
+                            _batches(spec, torch.float64), steps)
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:
