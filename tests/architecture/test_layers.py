@@ -25,7 +25,7 @@ import grimp
 import pytest
 
 LAYERS = (
-    ("launch",),
+    ("launch", "partitioners"),
     ("placement", "checkpoint"),
     ("strategies",),
     ("ps",),

@@ -54,3 +54,38 @@ def test_public_members_of_core_classes_are_documented():
             if not inspect.getdoc(member):
                 missing.add(f"{cls.__name__}.{attr}")
     assert missing == KNOWN_UNDOCUMENTED
+
+
+LAZY_PACKAGES = ["unison", "unison.checkpoint", "unison.cluster", "unison.coordinator"]
+
+
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_a_lazy_package_exports_exactly_what_its_stub_declares(package):
+    """The run-time names (read from the stub's imports) are the stub's ``__all__``, which type checkers read."""
+    import ast
+    from pathlib import Path
+
+    module = importlib.import_module(package)
+    stub = ast.parse(Path(module.__file__).with_suffix(".pyi").read_text())
+    declared = next(ast.literal_eval(node.value) for node in stub.body
+                    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__")
+    assert sorted(module.__all__) == sorted(declared)
+    assert set(dir(module)) >= set(declared)
+    for name in declared:
+        getattr(module, name)  # AttributeError if the stub names something its module lacks
+
+
+@pytest.mark.timeout(60)
+def test_import_unison_costs_no_torch_until_a_name_is_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, unison, unison.checkpoint, unison.cluster, unison.coordinator\n"
+            "print('torch' in sys.modules)\n"
+            "unison.MirroredStrategy\n"
+            "print('torch' in sys.modules, type(unison.MirroredStrategy()).__name__)\n"
+            "import unison.partitioners as p, unison.ps.partitioners as q\n"
+            "print(p is q is unison.partitioners)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["False", "True MirroredStrategy", "True"], done.stdout + done.stderr

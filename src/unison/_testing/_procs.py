@@ -163,7 +163,7 @@ class ChildProcess:
         return data.decode("utf-8", errors="replace")
 
 
-_PRELOAD = ("torch", "torch.distributed", "cloudpickle", "unison", "unison._testing._child")
+_PRELOAD = ("torch", "torch.distributed", "cloudpickle", "unison._testing._eager_api", "unison._testing._child")
 """What the fork server imports once, so that a worker starts without importing torch."""
 _start_method_lock = threading.Lock()
 

@@ -11,27 +11,12 @@
   worker makes all of them save at the same step and exit for a restart.
 - :class:`SidecarEvaluator` (with :func:`save_step_checkpoint`, :func:`mark_final`): the
   evaluator task evaluates every checkpoint the chief writes, in step order.
+
+Each name is imported on first use (``lazy_loader``; the names and their types are in
+``__init__.pyi``), so that the launcher can read what it needs from this package without
+importing torch.
 """
 
-from unison.checkpoint.backup import BackupAndRestore
-from unison.checkpoint.files import atomic_save, load_checkpoint, save_checkpoint
-from unison.checkpoint.preemption import PREEMPTED_EXIT_CODE, PreemptionCheckpointHandler, TerminationConfig
-from unison.checkpoint.sidecar import SidecarEvaluator, mark_final, save_step_checkpoint
-from unison.checkpoint.paths import remove_temp_dir_with_filepath, remove_temp_dirpath, write_dirpath, write_filepath
+import lazy_loader as _lazy
 
-__all__ = [
-    "BackupAndRestore",
-    "PreemptionCheckpointHandler",
-    "TerminationConfig",
-    "PREEMPTED_EXIT_CODE",
-    "SidecarEvaluator",
-    "save_step_checkpoint",
-    "mark_final",
-    "atomic_save",
-    "load_checkpoint",
-    "save_checkpoint",
-    "write_dirpath",
-    "write_filepath",
-    "remove_temp_dirpath",
-    "remove_temp_dir_with_filepath",
-]
+__getattr__, __dir__, __all__ = _lazy.attach_stub(__name__, __file__)

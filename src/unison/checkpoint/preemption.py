@@ -43,13 +43,11 @@ from unison.checkpoint.collective_save import (
     restore_generators,
 )
 from unison.collectives.collective import CollectiveAllReduce
+from unison.cluster.env import PREEMPTED_EXIT_CODE
 from unison.errors import PeerLostError
 
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig", "PREEMPTED_EXIT_CODE"]
 
-#: The exit code of a worker that saved and left after a preemption signal (EX_TEMPFAIL):
-#: ``unison launch`` reports it as a preemption and restarts the cluster when it may.
-PREEMPTED_EXIT_CODE = 75
 
 _CHECKPOINT = "preemption.pt"
 

@@ -15,6 +15,7 @@ import os
 from typing import Mapping
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "TF_CONFIG",
     "UNISON_AUTHKEY",
     "UNISON_AUTHKEY_FILE",
@@ -59,6 +60,12 @@ UNISON_RENDEZVOUS = "UNISON_RENDEZVOUS"
 #: "0" on a worker keeps all its parameter-server traffic on the sockets, even with a ps
 #: task on its host (comparisons; hosts whose ``/proc`` hides a worker's memory files).
 UNISON_PS_SHARED_MEMORY = "UNISON_PS_SHARED_MEMORY"
+
+#: The exit code of a task that saved and left after a preemption signal (EX_TEMPFAIL):
+#: ``unison launch`` reports it as a preemption and restarts the cluster when it may.
+#: Defined here, beside the variables, as the other half of the launcher's contract with
+#: its tasks (``checkpoint.preemption`` exits with it; the launcher reads it without torch).
+PREEMPTED_EXIT_CODE = 75
 
 
 #: The shortest control-channel key accepted, in bytes.

@@ -1,21 +1,12 @@
 """The distribute coordinator: worker contexts, standard servers, and the control channel.
 
 tf.distribute equivalent: ``distribute_coordinator`` and ``distribute_coordinator_context``.
+
+Each name is imported on first use (``lazy_loader``; the names and their types are in
+``__init__.pyi``), so that the launcher can read what it needs from this package without
+importing torch.
 """
 
-from unison.coordinator.channel import generate_authkey, read_authkey
-from unison.coordinator.coordinator import CoordinatorMode, run_distribute_coordinator
-from unison.coordinator.server import StandardServer, run_standard_server, stop_standard_servers
-from unison.coordinator.worker_context import WorkerContext, get_current_worker_context
+import lazy_loader as _lazy
 
-__all__ = [
-    "CoordinatorMode",
-    "run_distribute_coordinator",
-    "get_current_worker_context",
-    "WorkerContext",
-    "StandardServer",
-    "run_standard_server",
-    "stop_standard_servers",
-    "generate_authkey",
-    "read_authkey",
-]
+__getattr__, __dir__, __all__ = _lazy.attach_stub(__name__, __file__)

@@ -34,9 +34,7 @@ import os
 import signal
 import sys
 import time
-from typing import IO, Callable, Mapping, Sequence
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, IO, Callable, Mapping, Sequence
 
 from unison.cluster import env
 from unison.errors import ClusterError
@@ -58,6 +56,9 @@ from unison.launch.procs import (
     reserve_ports,
     shared_environment,
 )
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = [
     "NodePlan",
@@ -350,6 +351,8 @@ def _host_worker_store(address: str, port: int, timeout: float) -> dist.Store:
     every task's heartbeat there and name the one that stopped (with the store in the
     leader, a leader that exits first would be named instead).
     """
+    import torch.distributed as dist  # here, not at the top: a one-node launch never imports torch
+
     try:
         return dist.TCPStore(address, port, None, True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
     except (RuntimeError, OSError) as e:

@@ -21,11 +21,12 @@ import datetime
 import json
 import secrets
 import time
-from typing import Any, Sequence
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Sequence
 
 from unison.errors import ClusterError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["NodeTasks", "Failure", "NodeRendezvous", "format_address"]
 
@@ -105,6 +106,8 @@ class NodeRendezvous:
         self.master = format_address(master_addr, master_port)
         self._beats: dict[int, tuple[int, float]] = {}
         self._last_beat = 0.0
+        import torch.distributed as dist  # here: a one-node launch never imports torch
+
         try:
             self._store = dist.TCPStore(
                 master_addr,

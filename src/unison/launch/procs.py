@@ -27,7 +27,6 @@ import time
 from types import FrameType
 from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
 
-from unison.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from unison.cluster import env
 
 __all__ = [
@@ -466,7 +465,7 @@ def run_local_cluster(
                 return 0
             code = exit_code(outcome.returncode)
             failure = f"task {outcome.failed.name} exited with code {code}"
-            if code == PREEMPTED_EXIT_CODE:
+            if code == env.PREEMPTED_EXIT_CODE:
                 failure = f"task {outcome.failed.name} was preempted and saved at the agreed step (exit code {code})"
             if outcome.returncode < 0:
                 failure += f" (killed by {signal_name(-outcome.returncode)})"

@@ -1,0 +1,157 @@
+"""Types of unison's public API, for type checkers; at run time ``__init__.py`` loads each name
+on first use (``lazy_loader.attach_stub`` reads this file's imports)."""
+
+from . import checkpoint, partitioners, placement
+from .checkpoint import (
+    BackupAndRestore,
+    PreemptionCheckpointHandler,
+    SidecarEvaluator,
+    TerminationConfig,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .cluster import (
+    ClusterResolver,
+    KubernetesClusterResolver,
+    SageMakerClusterResolver,
+    UnionResolver,
+    ThreadsDefaultWarning,
+    ClusterSpec,
+    SimpleClusterResolver,
+    SlurmClusterResolver,
+    TFConfigClusterResolver,
+    TorchrunClusterResolver,
+    detect_cluster_resolver,
+)
+from .collectives.base import CrossDeviceOps
+from .collectives.collective import CollectiveAllReduce
+from .collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
+from .collectives.local import (
+    AllReduceCrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+    select_cross_device_ops,
+)
+from .context import ReplicaContext
+from .coordinator import (
+    CoordinatorMode,
+    WorkerContext,
+    get_current_worker_context,
+    run_distribute_coordinator,
+    run_standard_server,
+)
+from .input import (
+    AutoShardPolicy,
+    DistributedDataset,
+    DistributedDatasetsFromFunction,
+    DistributedIterator,
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+    OptionalValue,
+    ValueContext,
+)
+
+from .strategies.cluster_coordinator import ClusterCoordinator
+from .ps.server import Server
+from .ps.values import PerWorkerValues, RemoteValue
+from .ps.variables import ShardedVariable
+from .reduce import ReduceOp
+from .strategies.base import Strategy, StrategyExtended
+from .strategies.central_storage import CentralStorageStrategy
+from .strategies.creation import Variable
+from .strategies.current import (
+    get_cross_replica_context,
+    get_replica_context,
+    experimental_set_strategy,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from .strategies.mirrored import MirroredStrategy
+from .strategies.multi_worker import CollectiveAllReduceStrategy, MultiWorkerMirroredStrategy
+from .strategies.one_device import OneDeviceStrategy
+from .strategies.parameter_server import ParameterServerStrategy
+from .values.aggregation import VariableAggregation, VariableSynchronization
+from .values.values import DistributedValues, Mirrored, PerReplica
+from .values.variables import MirroredVariable, SyncOnReadVariable
+
+__version__: str
+
+__all__ = [
+    "BackupAndRestore",
+    "PreemptionCheckpointHandler",
+    "SidecarEvaluator",
+    "TerminationConfig",
+    "checkpoint",
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
+    "OptionalValue",
+    "ValueContext",
+    "experimental_set_strategy",
+    "ClusterCoordinator",
+    "ParameterServerStrategy",
+    "PerWorkerValues",
+    "RemoteValue",
+    "Server",
+    "ShardedVariable",
+    "partitioners",
+    "ClusterResolver",
+    "UnionResolver",
+    "KubernetesClusterResolver",
+    "SageMakerClusterResolver",
+    "ThreadsDefaultWarning",
+    "ClusterSpec",
+    "CollectiveAllReduce",
+    "CollectiveAllReduceStrategy",
+    "CommunicationImplementation",
+    "Compression",
+    "PowerSGD",
+    "CommunicationOptions",
+    "CoordinatorMode",
+    "MultiWorkerMirroredStrategy",
+    "SimpleClusterResolver",
+    "SlurmClusterResolver",
+    "TFConfigClusterResolver",
+    "TorchrunClusterResolver",
+    "WorkerContext",
+    "detect_cluster_resolver",
+    "get_current_worker_context",
+    "run_distribute_coordinator",
+    "run_standard_server",
+    "save_checkpoint",
+    "load_checkpoint",
+    "AllReduceCrossDeviceOps",
+    "AutoShardPolicy",
+    "CentralStorageStrategy",
+    "CrossDeviceOps",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "Mirrored",
+    "MirroredStrategy",
+    "MirroredVariable",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "SyncOnReadVariable",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "placement",
+    "select_cross_device_ops",
+]
