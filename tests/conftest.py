@@ -20,6 +20,35 @@ import torch.distributed as dist
 from unison._testing import WorkerPool, leaks, rendezvous
 
 
+SERIAL_FILES = frozenset({
+    "tests/checkpoint/test_backup_resume.py",
+    "tests/checkpoint/test_preemption.py",
+    "tests/checkpoint/test_sidecar.py",
+    "tests/launch/test_launch.py",
+    "tests/multi_worker/test_coordinator_strategy.py",
+    "tests/multi_worker/test_launch_integration.py",
+    "tests/multi_worker/test_slurm_jobs.py",
+    "tests/multinode/test_multinode_launch.py",
+    "tests/multinode/test_node_rendezvous.py",
+    "tests/multinode/test_simulated_hosts.py",
+    "tests/placement/test_ensemble_example.py",
+    "tests/ps/test_launch_ps.py",
+})
+"""Test files that run ``unison launch`` (each launch starts several interpreters that import
+torch) or simulated hosts. Under xdist they all go to one worker, one test at a time, so
+two of them never compete for the cores: their wall-clock bounds (a failure named within
+a timeout) were sized for a machine that runs one launch at a time."""
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (``--dist loadgroup``)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.path)).resolve().relative_to(_REPO).as_posix() in SERIAL_FILES:
+            item.add_marker(pytest.mark.xdist_group("launches"))
+
+
 @pytest.fixture(scope="session")
 def worker_pool() -> Iterator[WorkerPool]:
     """A pool of 2 warm worker processes sharing a gloo process group.
