@@ -35,9 +35,11 @@ SERIAL_FILES = frozenset({
     "tests/ps/test_launch_ps.py",
 })
 """Test files that run ``unison launch`` (each launch starts several interpreters that import
-torch) or simulated hosts. Under xdist they all go to one worker, one test at a time, so
-two of them never compete for the cores: their wall-clock bounds (a failure named within
-a timeout) were sized for a machine that runs one launch at a time."""
+torch), simulated hosts, or whole SLURM-like jobs on ports derived from job ids. Under
+xdist they all go to one worker, one test at a time, so two of them never compete for the
+cores: their wall-clock bounds (a failure named within a timeout) were sized for a
+machine that runs one launch at a time. ``tests/testing`` checks that every launching
+file is listed."""
 
 _REPO = Path(__file__).resolve().parents[1]
 

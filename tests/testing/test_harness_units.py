@@ -84,3 +84,22 @@ def test_leak_check_finds_a_running_thread_and_child_process() -> None:
         child.wait()
     assert child.returncode == -9
     assert leaks.find_leaks(before, settle=0) == ([], [])
+
+
+def test_every_file_that_launches_clusters_runs_in_the_serial_group():
+    """A new test file that runs ``unison launch`` or simulated hosts must join
+    ``SERIAL_FILES``, or xdist would run it beside another launch."""
+    from pathlib import Path
+
+    from tests.conftest import SERIAL_FILES
+
+    root = Path(__file__).resolve().parents[2]
+    launching = {
+        path.relative_to(root).as_posix()
+        for path in (root / "tests").rglob("test_*.py")
+        if path != Path(__file__).resolve() and '"-m", "unison.launch"' in (text := path.read_text()) or "simulated_hosts(" in text
+    }
+    assert launching, "the scan found no launching test file: its patterns are stale"
+    assert launching <= SERIAL_FILES, sorted(launching - SERIAL_FILES)
+    assert all((root / name).is_file() for name in SERIAL_FILES), sorted(
+        name for name in SERIAL_FILES if not (root / name).is_file())
