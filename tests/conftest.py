@@ -47,7 +47,8 @@ _REPO = Path(__file__).resolve().parents[1]
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (``--dist loadgroup``)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if Path(str(item.path)).resolve().relative_to(_REPO).as_posix() in SERIAL_FILES:
+        path = Path(str(item.path)).resolve()
+        if path.is_relative_to(_REPO) and path.relative_to(_REPO).as_posix() in SERIAL_FILES:
             item.add_marker(pytest.mark.xdist_group("launches"))
 
 
