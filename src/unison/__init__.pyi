@@ -1,7 +1,7 @@
 """Types of unison's public API, for type checkers; at run time ``__init__.py`` loads each name
 on first use (``lazy_loader.attach_stub`` reads this file's imports)."""
 
-from . import checkpoint, errors, partitioners, placement
+from . import checkpoint, cluster, collectives, errors, partitioners, placement
 from .checkpoint import (
     BackupAndRestore,
     PreemptionCheckpointHandler,
@@ -85,6 +85,8 @@ __all__ = [
     "SidecarEvaluator",
     "TerminationConfig",
     "checkpoint",
+    "cluster",
+    "collectives",
     "errors",
     "DistributedDataset",
     "DistributedDatasetsFromFunction",

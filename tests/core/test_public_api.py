@@ -91,5 +91,7 @@ def test_import_unison_costs_no_torch_until_a_name_is_used():
                  "print('torch' in sys.modules, name)\n"
                  "import unison.partitioners as p, unison.ps.partitioners as q\n"
                  "print(p is q is unison.partitioners)\n") == ["False", "True MirroredStrategy", "True"]
-    # the documented exceptions, reached first thing in a fresh process
+    # the namespaces the README documents, reached first thing in a fresh process
     assert fresh("import unison\nprint(issubclass(unison.errors.PeerLostError, unison.errors.UnisonError))") == ["True"]
+    assert fresh("import unison\nprint(callable(unison.collectives.allreduce_grads), "
+                 "callable(unison.cluster.multi_worker_util.is_chief))") == ["True True"]
