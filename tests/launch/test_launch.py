@@ -285,7 +285,7 @@ def test_carriage_returns_redraw_in_place_with_the_prefix(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_one_node_launch_never_imports_torch_in_the_launcher(tmp_path):
     """The launcher only starts, watches and stops processes: without torch it starts in
-    a fraction of a second and holds ~300 MB less on every node (multi-node launches
+    a fraction of a second and holds about 200 MB less on every node (multi-node launches
     import torch for their TCPStore rendezvous)."""
     script = tmp_path / "task.py"
     script.write_text("print('task ran')\n")
