@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 import unison
 
-from tests.multi_worker._workers import global_batches, make_mlp
+from tests.multi_worker._workers import global_batches, mlp_and_step
 
 
 def _strategy(rank: int, world: int, devices, **options):
@@ -17,28 +16,12 @@ def _strategy(rank: int, world: int, devices, **options):
                                               devices=devices)
 
 
-def mlp_and_step(strategy: unison.Strategy):
-    """The multi-worker tests' MLP built in ``strategy``'s scope with SGD, and a training step."""
-    with strategy.scope():
-        model = make_mlp(2, 16)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return model, step
-
-
 def train_on_cuda(rank: int, world: int, implementation: str = "AUTO", compression: str = "none"):
     """The multi-worker MLP trained on ``cuda:0`` (every worker on the one GPU); the
     weights come back on the CPU with the group's backend and transport."""
     chosen = unison.PowerSGD(rank=1, start_iter=2, min_compression_rate=1) if compression == "powersgd" else compression
     strategy = _strategy(rank, world, ["cuda:0"], implementation=implementation, compression=chosen)
-    model, step = mlp_and_step(strategy)
+    model, step = mlp_and_step(strategy, 2, 16)
     for x, y in global_batches():
         strategy.run(step, args=(x.chunk(world)[rank].cuda(), y.chunk(world)[rank].cuda()))
     extended = strategy.extended

@@ -15,7 +15,7 @@ import unison
 from unison._testing import run_workers
 
 from tests.gpu import _cuda_workers as w
-from tests.multi_worker._workers import global_batches, make_mlp
+from tests.multi_worker._workers import global_batches, make_mlp, mlp_and_step
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(180)]
@@ -37,7 +37,7 @@ def _plain_weights(device: str) -> list[torch.Tensor]:
 def _train_in_process(strategy: unison.Strategy) -> nn.Module:
     """The same training under an in-process ``strategy``: each replica gets its share of
     the batch on its own device."""
-    model, step = w.mlp_and_step(strategy)
+    model, step = mlp_and_step(strategy, 2, 16)
     devices = strategy.extended.worker_devices
     for x, y in global_batches():
         if len(devices) == 1:

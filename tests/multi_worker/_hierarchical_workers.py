@@ -15,7 +15,7 @@ from torch import nn
 import unison
 from unison.collectives.transports import HierarchicalTransport
 
-from tests.multi_worker._workers import global_batches, make_mlp
+from tests.multi_worker._workers import global_batches, mlp_and_step
 
 HOSTS = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.2:3", "127.0.0.2:4"]  # never bound: run_workers provides the store
 
@@ -58,16 +58,7 @@ def reduce_batches(rank: int, world: int, implementation: str, hosts: list[str] 
 def train(rank: int, world: int, implementation: str):
     """The multi-worker MLP of test_two_workers_match_single_device, on 4 workers of 2 hosts."""
     strategy = strategy_on_hosts(rank, implementation)
-    with strategy.scope():
-        model = make_mlp(2, 16)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
+    model, step = mlp_and_step(strategy, 2, 16)
 
     for x, y in global_batches():
         strategy.run(step, args=(x.chunk(world)[rank], y.chunk(world)[rank]))

@@ -11,13 +11,10 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-from torch import nn
-
 import unison
 from unison.errors import ClusterError
 
-from tests.multi_worker._workers import global_batches, make_mlp
+from tests.multi_worker._workers import global_batches, mlp_and_step
 
 
 def srun_environment(job_id: int, procid: int, ntasks: int = 2, step_id: int = 0) -> dict[str, str]:
@@ -45,16 +42,7 @@ def slurm_task(rank: int, world: int, jobs: list, timeout_seconds: float, procid
         strategy = unison.MultiWorkerMirroredStrategy(
             communication_options=unison.CommunicationOptions(timeout_seconds=timeout_seconds))
         assert strategy.extended.components.cluster.environment == "slurm"
-        with strategy.scope():
-            model = make_mlp()
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-        def step(x, y):
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
+        model, step = mlp_and_step(strategy)
 
         for x, y in global_batches():
             loss = strategy.run(step, args=(x.chunk(2)[procid], y.chunk(2)[procid]))

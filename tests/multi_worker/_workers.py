@@ -28,6 +28,22 @@ def make_mlp(extra_layers: int = 0, width: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(8, width), nn.ReLU(), *hidden, nn.Linear(width, 4))
 
 
+def mlp_and_step(strategy: unison.Strategy, extra_layers: int = 0, width: int = 16, set_to_none: bool = True):
+    """The MLP built in ``strategy``'s scope with SGD (momentum), and a training step on one batch."""
+    with strategy.scope():
+        model = make_mlp(extra_layers, width)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=set_to_none)  # False: gradients stay views of the buckets
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, step
+
+
 def global_batches(steps: int = 20, batch: int = 64):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(steps)]
@@ -47,16 +63,7 @@ def train_mlp(rank: int, world: int, local_devices: int, extra_layers: int = 0, 
               width: int = 16, bytes_per_pack: int = 0, implementation: str = "AUTO"):
     options = {"bytes_per_pack": bytes_per_pack, "implementation": implementation}
     strategy = strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)], **options)
-    with strategy.scope():
-        model = make_mlp(extra_layers, width)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=set_to_none)  # False: gradients stay views of the buckets
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
+    model, step = mlp_and_step(strategy, extra_layers, width, set_to_none)
 
     for x, y in global_batches():
         xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
