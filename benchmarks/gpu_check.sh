@@ -5,12 +5,17 @@
 # its own time limit, so one that hangs cannot take the others' time. Logs go to $OUT.
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# .gpu_deps: pure-Python dependencies the lent machine may lack (lazy_loader, pytest-xdist),
+# installed here with `pip install --target .gpu_deps --no-deps ...` and carried over.
+DEPS=""; [ -d .gpu_deps ] && DEPS=":$PWD/.gpu_deps"
+export PYTHONPATH="$PWD/src:$PWD$DEPS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/unison-gpu-check}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+SKIP=" ${SKIP:-} "  # e.g. SKIP="profile suite_with_gpu": parts to leave out of a short call
 part() {  # part NAME SECONDS COMMAND...: runs it under a limit, output to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
+  if [[ "$SKIP" == *" $name "* ]]; then echo "=== $name: skipped (SKIP)"; return; fi
   echo "=== $name (limit ${limit}s)"
   local start=$SECONDS
   timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1

@@ -111,18 +111,24 @@ def session_cuda_visible_devices() -> "str | None":
     return _SESSION_CUDA_VISIBLE_DEVICES
 
 
-@pytest.fixture(autouse=True)
-def _cpu_only_worker_processes(request: pytest.FixtureRequest, _restore_environ: None) -> None:
-    """Processes a test starts see no GPU, except under ``tests/gpu``.
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_only_worker_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Processes a test module starts see no GPU, except under ``tests/gpu``.
 
     The suite's multi-process tests are CPU tests (CI has no GPU): on a machine with one,
     their workers' default devices would otherwise be the GPU, which their CPU batches
-    do not expect. Children take the test's environment; ``_restore_environ`` (set up
-    first, as this fixture asks for it) undoes this after the test, so a later GPU test
-    sees the GPU again. This process decided its CUDA at import and keeps it.
+    do not expect. Module-scoped, so that a module's own module-scoped fixtures (a
+    reference run launched once per file) start after it and hide the GPU too; a
+    function-scoped hider came after them, and on a GPU machine their reference runs
+    trained on ``cuda:0``. The module's end restores the session's value, so a later
+    GPU test sees the GPU again. This process decided its CUDA at import and keeps it.
     """
-    if GPU_TESTS not in Path(str(request.path)).resolve().parents:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if GPU_TESTS in Path(str(request.path)).resolve().parents:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -17,3 +17,13 @@ def _visible_devices(rank: int, world: int) -> "str | None":
 
 def test_a_cpu_tests_workers_see_no_gpu():
     assert run_workers(_visible_devices, 1, timeout=30) == [""]
+
+
+@pytest.fixture(scope="module")
+def workers_started_by_a_module_fixture() -> "list[str | None]":
+    return run_workers(_visible_devices, 1, timeout=30)
+
+
+def test_a_module_scoped_fixtures_workers_see_no_gpu(workers_started_by_a_module_fixture):
+    # A reference run launched once per module starts before any function-scoped fixture.
+    assert workers_started_by_a_module_fixture == [""]
