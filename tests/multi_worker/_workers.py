@@ -382,3 +382,29 @@ def bucket_order_over_gloo(rank: int, world: int):
                 hook.remove()
     return {"before": before, "after": buckets(), "gradient_order": first_order,
             "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def dropped_model_leaves_the_buckets(rank: int, world: int, implementation: str, asymmetric: bool):
+    """Trains a model, drops it (``asymmetric``: worker 1 keeps a reference), builds and trains
+    another: the dropped one is released and no longer all-reduced; the new one trains as
+    single-device. Returns (old model released, its weights unchanged by the new training,
+    the new model's weights, the parameters left in the gradient buckets)."""
+    import gc
+    import weakref
+
+    strategy = strategy_for(rank, world, implementation=implementation)
+    old, old_step = mlp_and_step(strategy, extra_layers=3)
+    batches = global_batches()
+    x, y = batches[0]
+    strategy.run(old_step, args=(x.chunk(world)[rank], y.chunk(world)[rank]))
+    released = weakref.ref(old[0].weight)
+    kept = old if asymmetric and rank == 1 else None
+    kept_weights = [p.detach().clone() for p in old.parameters()]
+    del old, old_step
+    gc.collect()
+    model, step = mlp_and_step(strategy)  # a scope that makes variables: the workers agree on what is alive
+    for x, y in batches:
+        strategy.run(step, args=(x.chunk(world)[rank], y.chunk(world)[rank]))
+    in_buckets = strategy.extended.components.gradient_sync.parameters_in_buckets
+    untouched = kept is None or all(torch.equal(p, w) for p, w in zip(kept.parameters(), kept_weights))
+    return released() is None or kept is not None, untouched, [p.detach().clone() for p in model.parameters()], in_buckets

@@ -171,3 +171,19 @@ def test_buckets_follow_backwards_gradient_order_after_the_first_step():
         assert flat_after == result["gradient_order"]
         for got, want in zip(result["weights"], reference):
             assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("implementation", ["AUTO", "RING"])
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_a_dropped_model_leaves_the_buckets_on_every_worker(implementation, asymmetric):
+    # A model built in scope and dropped was kept alive by the buckets and all-reduced (as
+    # zeros) in every later backward. It leaves at the next scope that makes variables, on
+    # every worker, even where the program still holds it (asymmetric: worker 1).
+    results = run_workers(w.dropped_model_leaves_the_buckets, 2, args=(implementation, asymmetric), timeout=60)
+    expected = w.single_device_weights()
+    for released, untouched, weights, in_buckets in results:
+        assert released and untouched
+        assert in_buckets == 4  # the new MLP's two layers, not the dropped model's ten parameters
+        for got, want in zip(weights, expected):
+            assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()

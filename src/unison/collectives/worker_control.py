@@ -138,6 +138,14 @@ class WorkerControl:
         self.call(operation, dist.all_reduce, flag, op=dist.ReduceOp.MIN)
         return int(flag.item())
 
+    def agree_min_each(self, values: list[int], operation: str) -> list[int]:
+        """For each position of ``values`` (the same length on every worker), the smallest worker's value."""
+        if not values:
+            return []
+        flags = torch.tensor(values, dtype=torch.int64, device=self.device)
+        self.call(operation, dist.all_reduce, flags, op=dist.ReduceOp.MIN)
+        return flags.tolist()
+
     def broadcast_ints(self, values: list[int], operation: str) -> list[int]:
         """Worker 0's list of ints, on every worker."""
         payload = torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import typing
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -126,7 +127,10 @@ class BucketedGradientSync:
         self.started_during_backward = 0
         """Pipelined: how many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
         self._reduce_op = reduce_op
-        self._params: list[torch.Tensor] = []
+        # Registered parameters, held weakly: a model the program dropped must not live on
+        # (nor be all-reduced every step) because it was once built in scope. The buckets
+        # hold their parameters strongly until finalize() rebuilds them (see _agreed_alive).
+        self._params: list["weakref.ref[torch.Tensor]"] = []
         self._index_of: dict[int, int] = {}  # id(param) -> its place in self._params
         # Bucket order: parameters by their place in self._params, in the order backward
         # produced their gradients in the first synchronised step (None until then: reversed
@@ -145,6 +149,11 @@ class BucketedGradientSync:
         self._settled_task = -1  # the autograd graph task whose first gradient was seen (that mode)
 
     @property
+    def parameters_in_buckets(self) -> int:
+        """How many parameters the buckets hold (for tests and diagnostics)."""
+        return sum(len(bucket.params) for bucket in self._buckets)
+
+    @property
     def buckets_in_shared_memory(self) -> list[bool]:
         """For each bucket, whether it lives in shared memory (for tests and diagnostics)."""
         return [bucket.segment is not None for bucket in self._buckets]
@@ -153,19 +162,45 @@ class BucketedGradientSync:
         """Adds a parameter; its hook is installed and buckets rebuilt by :meth:`finalize`."""
         if param.requires_grad:
             self._index_of[id(param)] = len(self._params)
-            self._params.append(param)
+            self._params.append(weakref.ref(param))
             param.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _agreed_alive(self) -> list[torch.Tensor]:
+        """The registered parameters still alive on every worker; the others are forgotten.
+
+        A model built in scope and then dropped was otherwise kept alive by the buckets,
+        and every later backward all-reduced its gradients as zeros (measured: a D step
+        1.0-1.3 ms instead of 0.6 ms on this VM once a 400-parameter model had been built
+        and deleted). Workers must agree, since the buckets' layout must match: a parameter
+        any worker dropped (its garbage collector may run later elsewhere) leaves on all.
+        """
+        params = [ref() for ref in self._params]
+        alive = self._control.agree_min_each([int(p is not None) for p in params], "gradient bucket layout")
+        kept = [k for k, ok in enumerate(alive) if ok]
+        if len(kept) == len(params):
+            return typing.cast(list, params)
+        new_index = {old: new for new, old in enumerate(kept)}
+        if self._order is not None:
+            self._order = [new_index[k] for k in self._order if k in new_index]
+        survivors: list[torch.Tensor] = [params[k] for k in kept]  # type: ignore[misc]
+        self._params = [weakref.ref(p) for p in survivors]
+        self._index_of = {id(p): k for k, p in enumerate(survivors)}
+        self._sparse &= set(self._index_of)
+        return survivors
 
     def finalize(self) -> None:
         """(Re)builds the buckets over every registered parameter.
 
-        A collective when the workers may share memory: every worker calls it at the
-        same point (after the initial broadcast of variables).
+        A collective: every worker calls it at the same point (after the initial
+        broadcast of variables, or after the first synchronised backward). Parameters the
+        program dropped on any worker leave the buckets here.
         """
-        if self._order is not None and len(self._order) != len(self._params):
+        self._buckets, self._bucket_of = [], {}  # the buckets' references must not keep a parameter alive
+        params = self._agreed_alive()
+        if self._order is not None and len(self._order) != len(params):
             self._order = None  # parameters came since: learn the order again
-        indices = self._order if self._order is not None else list(reversed(range(len(self._params))))
-        order = [self._params[i] for i in indices]
+        indices = self._order if self._order is not None else list(reversed(range(len(params))))
+        order = [params[i] for i in indices]
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for param in order:
             by_kind.setdefault((param.dtype, param.device), []).append(param)
@@ -430,7 +465,7 @@ class BucketedGradientSync:
         """
         observed, self._observed = self._observed or [], None
         seen = dict.fromkeys(observed)
-        current = list(reversed(range(len(self._params))))
+        current = list(reversed(range(len(self._params))))  # finalize() left only live parameters
         proposal = list(seen) + [i for i in current if i not in seen]
         order = self._control.broadcast_ints(proposal, "gradient bucket order")
         self._order = order
