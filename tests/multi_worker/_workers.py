@@ -408,3 +408,31 @@ def dropped_model_leaves_the_buckets(rank: int, world: int, implementation: str,
     in_buckets = strategy.extended.components.gradient_sync.parameters_in_buckets
     untouched = kept is None or all(torch.equal(p, w) for p, w in zip(kept.parameters(), kept_weights))
     return released() is None or kept is not None, untouched, [p.detach().clone() for p in model.parameters()], in_buckets
+
+
+def _train_freezing_the_first_layer(model, run_step, rank: int, world: int):
+    """AdamW with weight decay; after 5 steps the first layer is frozen (requires_grad_(False))."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.5)
+
+    def step(x, y):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for i, (x, y) in enumerate(global_batches()):
+        if i == 5:
+            model[0].requires_grad_(False)
+        run_step(step, x.chunk(world)[rank], y.chunk(world)[rank])
+    return [p.detach().clone() for p in model.parameters()], model[0].weight.grad is None
+
+
+def frozen_layer_training(rank: int, world: int, implementation: str):
+    """The frozen layer must get no gradient (AdamW's decay would move it): as on one device."""
+    strategy = strategy_for(rank, world, implementation=implementation)
+    with strategy.scope():
+        model = make_mlp(extra_layers=10)  # 24 small gradients: the bucket's flat slots are in use by step 5
+    return _train_freezing_the_first_layer(model, lambda step, x, y: strategy.run(step, args=(x, y)), rank, world)
+
+
+def single_device_frozen_layer_training():
+    return _train_freezing_the_first_layer(make_mlp(extra_layers=10), lambda step, x, y: step(x, y), 0, 1)

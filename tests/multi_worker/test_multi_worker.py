@@ -187,3 +187,16 @@ def test_a_dropped_model_leaves_the_buckets_on_every_worker(implementation, asym
         assert in_buckets == 4  # the new MLP's two layers, not the dropped model's ten parameters
         for got, want in zip(weights, expected):
             assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("implementation", ["AUTO", "RING"])
+def test_a_frozen_layer_gets_no_gradient_and_stays_put(implementation):
+    # Every bucketed parameter used to be handed the workers' mean, zeros for a layer frozen
+    # with requires_grad_(False): AdamW's weight decay then moved the frozen layer.
+    expected, expected_none = w.single_device_frozen_layer_training()
+    assert expected_none
+    for weights, grad_is_none in run_workers(w.frozen_layer_training, 2, args=(implementation,), timeout=60):
+        assert grad_is_none
+        for got, want in zip(weights, expected):
+            assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()

@@ -11,7 +11,9 @@ while backward goes on. When the backward pass ends (an autograd engine callback
 in DDP) the buckets not yet launched go too — zeros for parameters that got no
 gradient this step, so no worker waits for one that never comes — and each parameter
 gets a view of the reduced buffer as its gradient, before any code after backward()
-(gradient clipping, AMP unscaling) reads it.
+(gradient clipping, AMP unscaling) reads it. A frozen parameter (``requires_grad``
+False, on every worker as the program is the same) gets none: no worker computes one,
+and an optimizer must skip it, as on one device (AdamW's decay would move it).
 
 When every worker is on this host (gloo, ``implementation=AUTO``), each bucket's buffer
 is this worker's slot of a shared-memory file instead (``shared_memory.py``). There is
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import typing
 import weakref
 from typing import Any, Callable, Iterator
@@ -92,6 +95,7 @@ class _Bucket:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_requires_grad = operator.attrgetter("requires_grad")
 _current_graph_task_id = torch._C._current_graph_task_id
 
 
@@ -324,6 +328,9 @@ class BucketedGradientSync:
         for bucket in self._buckets:
             if not bucket.in_slots_next:
                 continue
+            if not all(map(_requires_grad, bucket.params)):  # frozen since: a slot would give it a gradient
+                bucket.slots, bucket.in_slots_next = None, False
+                continue
             grads = grads_of(bucket.params)
             slots = bucket.slots
             if slots is not None and slots.in_slots(grads):
@@ -494,6 +501,8 @@ class BucketedGradientSync:
                     if id(param) in self._sparse:
                         continue
                     if param.grad is None:
+                        if not param.requires_grad:
+                            continue  # frozen: no worker computed one, and the optimizer must skip it
                         param.grad = torch.zeros_like(param)
                     grads.append(param.grad)
             divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
@@ -527,7 +536,8 @@ class BucketedGradientSync:
             if id(param) in self._sparse:
                 continue
             if grad is None:
-                param.grad = result.clone()  # no gradient here this step; the peers' mean still applies
+                if param.requires_grad:  # frozen: no worker computed one, and the optimizer must skip it
+                    param.grad = result.clone()  # no gradient here this step; the peers' mean still applies
             elif grad.is_contiguous() and grad.layout == torch.strided:
                 targets.append(grad)
                 sources.append(result)
@@ -539,8 +549,9 @@ class BucketedGradientSync:
     def _hand_out(self, bucket: _Bucket) -> None:
         for param, view in zip(bucket.params, bucket.views):
             # still the view when zero_grad(set_to_none=False) kept it: setting .grad costs more
-            if param.grad is not view and id(param) not in self._sparse:
-                param.grad = view
+            grad = param.grad
+            if grad is not view and id(param) not in self._sparse and (grad is not None or param.requires_grad):
+                param.grad = view  # not to a frozen parameter without one: the optimizer must skip it
 
     # -- optimizer step ---------------------------------------------------------------
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
