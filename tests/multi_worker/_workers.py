@@ -155,7 +155,8 @@ def check_worker_1_named(results: list, timeout: float, killed_at: int) -> tuple
 
 
 def grad_accumulation_and_unused(rank: int, world: int, implementation: str = "AUTO"):
-    """no_sync accumulation equals one big batch; an unused parameter does not hang."""
+    """no_sync accumulation equals one big batch; an unused parameter does not hang, and keeps
+    no gradient (no worker computed one), as on one device."""
     strategy = strategy_for(rank, world, timeout_seconds=20, implementation=implementation)
     with strategy.scope():
         model = make_mlp()
@@ -170,7 +171,7 @@ def grad_accumulation_and_unused(rank: int, world: int, implementation: str = "A
     (nn.functional.cross_entropy(model(halves[1][0]), halves[1][1]) / 2).backward()
     opt.step()
     buckets = strategy.extended.components.gradient_sync._buckets
-    return ([p.detach().clone() for p in model.parameters()], unused.weight.grad.abs().sum().item(),
+    return ([p.detach().clone() for p in model.parameters()], unused.weight.grad is None,
             all(b.segment is not None for b in buckets))
 
 
@@ -436,3 +437,48 @@ def frozen_layer_training(rank: int, world: int, implementation: str):
 
 def single_device_frozen_layer_training():
     return _train_freezing_the_first_layer(make_mlp(extra_layers=10), lambda step, x, y: step(x, y), 0, 1)
+
+
+class TwoHeads(nn.Module):
+    """A trunk of 11 small layers and two heads (enough gradients for a bucket's flat slots)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        layers = [nn.Linear(8, 16)] + [nn.Linear(16, 16) for _ in range(9)]
+        self.trunk = nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())])
+        self.heads = nn.ModuleList([nn.Linear(16, 4), nn.Linear(16, 4)])
+
+    def forward(self, x, heads):
+        features = self.trunk(x)
+        return sum(self.heads[h](features) for h in heads)
+
+
+def _train_two_heads(model, run_step, rank: int, world: int):
+    """AdamW with weight decay; steps 0-4 use both heads, then one head per step, alternating
+    (on every worker): a head a step skips must keep no gradient, as on one device, or
+    AdamW's decay and moments would move it."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.5)
+
+    def step(x, y, heads):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x, heads), y).backward()
+        opt.step()
+        return [h for h in (0, 1) if model.heads[h].weight.grad is None]
+
+    skipped = []
+    for i, (x, y) in enumerate(global_batches()):
+        heads = (0, 1) if i < 5 else (i % 2,)
+        skipped.append(run_step(step, x.chunk(world)[rank], y.chunk(world)[rank], heads))
+    return [p.detach().clone() for p in model.parameters()], skipped
+
+
+def two_heads_training(rank: int, world: int, implementation: str):
+    strategy = strategy_for(rank, world, implementation=implementation)
+    with strategy.scope():
+        model = TwoHeads()
+    return _train_two_heads(model, lambda step, x, y, h: strategy.run(step, args=(x, y, h)), rank, world)
+
+
+def single_device_two_heads_training():
+    return _train_two_heads(TwoHeads(), lambda step, x, y, h: step(x, y, h), 0, 1)

@@ -83,7 +83,7 @@ def test_no_sync_accumulation_and_unused_parameters(implementation):
     opt.step()
     for got0, got1, want in zip(weights0, weights1, model.parameters()):
         assert torch.allclose(got0, want.detach(), atol=1e-6) and torch.equal(got0, got1)
-    assert unused0 == unused1 == 0.0
+    assert unused0 is unused1 is True  # no gradient on either worker: none after the reduction
 
 
 @pytest.mark.timeout(90)
@@ -198,5 +198,18 @@ def test_a_frozen_layer_gets_no_gradient_and_stays_put(implementation):
     assert expected_none
     for weights, grad_is_none in run_workers(w.frozen_layer_training, 2, args=(implementation,), timeout=60):
         assert grad_is_none
+        for got, want in zip(weights, expected):
+            assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("implementation", ["AUTO", "RING"])
+def test_a_head_no_worker_used_keeps_no_gradient(implementation):
+    # A parameter no worker computed a gradient for got the workers' mean of zeros, where
+    # one device leaves None and the optimizer skips it (DDP's find_unused_parameters the same).
+    expected, expected_skipped = w.single_device_two_heads_training()
+    assert expected_skipped[:5] == [[]] * 5 and expected_skipped[5:7] == [[0], [1]]
+    for weights, skipped in run_workers(w.two_heads_training, 2, args=(implementation,), timeout=60):
+        assert skipped == expected_skipped
         for got, want in zip(weights, expected):
             assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()

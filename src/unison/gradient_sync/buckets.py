@@ -11,9 +11,12 @@ while backward goes on. When the backward pass ends (an autograd engine callback
 in DDP) the buckets not yet launched go too — zeros for parameters that got no
 gradient this step, so no worker waits for one that never comes — and each parameter
 gets a view of the reduced buffer as its gradient, before any code after backward()
-(gradient clipping, AMP unscaling) reads it. A frozen parameter (``requires_grad``
-False, on every worker as the program is the same) gets none: no worker computes one,
-and an optimizer must skip it, as on one device (AdamW's decay would move it).
+(gradient clipping, AMP unscaling) reads it. Each bucket carries one flag per parameter
+after its gradients (1 where this worker has one), summed with them: a parameter no
+worker computed a gradient for (a frozen layer, a head this step skipped) keeps none, as
+on one device and under DDP's ``find_unused_parameters``, so an optimizer skips it
+(AdamW's decay and moments would move it); one that some worker computed gets the
+workers' mean everywhere.
 
 When every worker is on this host (gloo, ``implementation=AUTO``), each bucket's buffer
 is this worker's slot of a shared-memory file instead (``shared_memory.py``). There is
@@ -92,10 +95,36 @@ class _Bucket:
     slots: GradSlots | None = None  # one host's shared memory: the gradients' own flat buffer
     in_slots_next: bool = False  # the last step's gradients could all live in `slots` (none sparse or missing)
     launched_from_slots: bool = False  # this step's gradients went to the shared file from `slots`
+    unwritten: tuple[int, ...] = ()  # from slots: the parameters whose slot autograd left unwritten this step
+
+    # After the gradients, `flat` holds one flag per parameter: 1 where this worker has a
+    # gradient for it (before the division for MEAN). Summed with the gradients, they say
+    # which parameters no worker computed one for; those keep no gradient (see _used_sums).
+    @property
+    def size(self) -> int:
+        """The gradients' elements in ``flat`` (the flags follow)."""
+        return self.flat.numel() - len(self.params)
+
+    @property
+    def used(self) -> torch.Tensor:
+        """This worker's flags: the tail of its ``flat``."""
+        return self.flat[self.size:]
+
+    def used_sums(self) -> list[float]:
+        """The flags summed over the workers (in the reduced ``flat`` or the shared result)."""
+        reduced = self.segment.result if self.segment is not None else self.flat
+        return reduced[self.size:].tolist()
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _requires_grad = operator.attrgetter("requires_grad")
+
+
+def _set_flags(used: torch.Tensor, missing: "list[int] | tuple[int, ...]") -> None:
+    """This worker's flags: 1 for each parameter of the bucket, 0 for those in ``missing``."""
+    used.fill_(1)
+    if missing:
+        used[list(missing)] = 0
 _current_graph_task_id = torch._C._current_graph_task_id
 
 
@@ -217,8 +246,9 @@ class BucketedGradientSync:
         for params in by_kind.values():
             for group in group_by_size([p.detach() for p in params], bucket_bytes):
                 members = [params[i] for i in group]
-                flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
-                views = views_of(flat, members)
+                size = sum(p.numel() for p in members)  # then one "has a gradient" flag per parameter
+                flat = torch.zeros(size + len(members), dtype=members[0].dtype, device=members[0].device)
+                views = views_of(flat[:size], members)
                 for p in members:
                     self._bucket_of[id(p)] = len(self._buckets)
                 self._buckets.append(_Bucket(members, views, flat, plain=all(type(p) in _PLAIN_TYPES for p in members)))
@@ -257,8 +287,9 @@ class BucketedGradientSync:
         for bucket, segment in zip(self._buckets, segments):
             flat = transport.my_slot(segment)
             flat.zero_()
-            bucket.flat, bucket.views, bucket.segment = flat, views_of(flat, bucket.params), segment
-            bucket.results = views_of(segment.result, bucket.params)
+            size = bucket.size
+            bucket.flat, bucket.views, bucket.segment = flat, views_of(flat[:size], bucket.params), segment
+            bucket.results = views_of(segment.result[:size], bucket.params)
         self._transport, self._sharing = transport, sharing
 
     @contextlib.contextmanager
@@ -334,12 +365,13 @@ class BucketedGradientSync:
             grads = grads_of(bucket.params)
             slots = bucket.slots
             if slots is not None and slots.in_slots(grads):
-                continue  # accumulating into the slots already (zero_grad(set_to_none=False))
+                slots.untouched = []  # zero_grad(set_to_none=False): every gradient is a tensor already
+                continue  # accumulating into the slots already
             if slots is None or slots.held_elsewhere(grads):  # never overwrite a gradient someone kept
                 slots = bucket.slots = GradSlots(bucket.params)
             try:
-                # every gradient gets the workers' mean at the end, so a slot never written stays
-                slots.point_grads(grads, track_unwritten=False)
+                # a slot autograd never writes is a gradient this worker did not compute (see unwritten)
+                slots.point_grads(grads, track_unwritten=True)
             except RuntimeError:  # a parameter resized since (param.data = ...): its own tensors from now on
                 bucket.slots, bucket.in_slots_next = None, False
 
@@ -372,13 +404,16 @@ class BucketedGradientSync:
         fused = divisor != 1 and len(bucket.params) <= _FUSED_DIVIDE_MAX_PARAMS
         targets, sources = [], []
         at_end = self._reduces_at_end_in_memory
-        for param, view in zip(bucket.params, bucket.views):
+        missing = []  # parameters without a dense gradient here
+        for k, (param, view) in enumerate(zip(bucket.params, bucket.views)):
             grad = param.grad
             if at_end and grad is not None and grad.layout != torch.strided:
                 self._reduce_sparse(param)  # not in its hook: only a backward's first gradient has one here
                 view.zero_()
+                missing.append(k)
             elif grad is None or id(param) in self._sparse:
                 view.zero_()
+                missing.append(k)
             elif grad.data_ptr() == view.data_ptr():
                 if fused:
                     view.div_(divisor)
@@ -389,6 +424,7 @@ class BucketedGradientSync:
                 sources.append(grad)
         if targets:
             torch._foreach_copy_(targets, sources)
+        _set_flags(bucket.used, missing)
         if divisor != 1 and not fused:
             flat.div_(divisor)
         compressor = self._compressor
@@ -415,10 +451,14 @@ class BucketedGradientSync:
                 g is not None and fits(g, v) for g, v in zip(grads, bucket.views))
             return False
         (gradients,) = slots.flats.values()  # a bucket holds one dtype
+        body = bucket.flat[:bucket.size]
         if divisor != 1:
-            torch.div(gradients, divisor, out=bucket.flat)
+            torch.div(gradients, divisor, out=body)
         else:
-            bucket.flat.copy_(gradients)
+            body.copy_(gradients)
+        bucket.unwritten = tuple(sorted(slots.never_written())) if slots.untouched else ()
+        slots.untouched = []
+        _set_flags(bucket.used, bucket.unwritten)
         assert self._sharing is not None
         bucket.work = self._sharing.announce(bucket.written)
         return True
@@ -528,15 +568,24 @@ class BucketedGradientSync:
         if bucket.launched_from_slots:  # no user code ran since: the gradients are still the slots
             assert bucket.slots is not None and bucket.segment is not None
             (gradients,) = bucket.slots.flats.values()
-            gradients.copy_(bucket.segment.result)
+            gradients.copy_(bucket.segment.result[:bucket.size])
+            if bucket.unwritten:  # slots this worker left unwritten: None again where no worker wrote one
+                sums = bucket.used_sums()
+                for k in bucket.unwritten:
+                    if sums[k] == 0:
+                        bucket.params[k].grad = None
             return
         targets, sources = [], []
-        for param, result in zip(bucket.params, bucket.results):
+        sums: list[float] | None = None
+        for k, (param, result) in enumerate(zip(bucket.params, bucket.results)):
             grad = param.grad
             if id(param) in self._sparse:
                 continue
             if grad is None:
-                if param.requires_grad:  # frozen: no worker computed one, and the optimizer must skip it
+                if sums is None:
+                    sums = bucket.used_sums()
+                # none where no worker computed one (a frozen layer, a head this step skipped)
+                if sums[k] != 0 and param.requires_grad:
                     param.grad = result.clone()  # no gradient here this step; the peers' mean still applies
             elif grad.is_contiguous() and grad.layout == torch.strided:
                 targets.append(grad)
@@ -547,11 +596,18 @@ class BucketedGradientSync:
             torch._foreach_copy_(targets, sources)
 
     def _hand_out(self, bucket: _Bucket) -> None:
-        for param, view in zip(bucket.params, bucket.views):
+        sums: list[float] | None = None
+        for k, (param, view) in enumerate(zip(bucket.params, bucket.views)):
             # still the view when zero_grad(set_to_none=False) kept it: setting .grad costs more
             grad = param.grad
-            if grad is not view and id(param) not in self._sparse and (grad is not None or param.requires_grad):
-                param.grad = view  # not to a frozen parameter without one: the optimizer must skip it
+            if grad is view or id(param) in self._sparse:
+                continue
+            if grad is None:
+                if sums is None:
+                    sums = bucket.used_sums()
+                if sums[k] == 0 or not param.requires_grad:
+                    continue  # no worker computed one (a frozen layer, a head this step skipped): the optimizer skips it
+            param.grad = view
 
     # -- optimizer step ---------------------------------------------------------------
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
