@@ -174,8 +174,7 @@ def test_buckets_follow_backwards_gradient_order_after_the_first_step():
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("implementation", ["AUTO", "RING"])
-@pytest.mark.parametrize("asymmetric", [False, True])
+@pytest.mark.parametrize("implementation, asymmetric", [("AUTO", False), ("RING", True)])
 def test_a_dropped_model_leaves_the_buckets_on_every_worker(implementation, asymmetric):
     # A model built in scope and dropped was kept alive by the buckets and all-reduced (as
     # zeros) in every later backward. It leaves at the next scope that makes variables, on

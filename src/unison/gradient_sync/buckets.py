@@ -99,7 +99,7 @@ class _Bucket:
 
     # After the gradients, `flat` holds one flag per parameter: 1 where this worker has a
     # gradient for it (before the division for MEAN). Summed with the gradients, they say
-    # which parameters no worker computed one for; those keep no gradient (see _used_sums).
+    # which parameters no worker computed one for; those keep no gradient (see used_sums).
     @property
     def size(self) -> int:
         """The gradients' elements in ``flat`` (the flags follow)."""
@@ -118,6 +118,7 @@ class _Bucket:
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _requires_grad = operator.attrgetter("requires_grad")
+_current_graph_task_id = torch._C._current_graph_task_id
 
 
 def _set_flags(used: torch.Tensor, missing: "list[int] | tuple[int, ...]") -> None:
@@ -125,7 +126,6 @@ def _set_flags(used: torch.Tensor, missing: "list[int] | tuple[int, ...]") -> No
     used.fill_(1)
     if missing:
         used[list(missing)] = 0
-_current_graph_task_id = torch._C._current_graph_task_id
 
 
 @typing.final
@@ -570,9 +570,9 @@ class BucketedGradientSync:
             (gradients,) = bucket.slots.flats.values()
             gradients.copy_(bucket.segment.result[:bucket.size])
             if bucket.unwritten:  # slots this worker left unwritten: None again where no worker wrote one
-                sums = bucket.used_sums()
+                everywhere = bucket.used_sums()
                 for k in bucket.unwritten:
-                    if sums[k] == 0:
+                    if everywhere[k] == 0:
                         bucket.params[k].grad = None
             return
         targets, sources = [], []
@@ -582,10 +582,11 @@ class BucketedGradientSync:
             if id(param) in self._sparse:
                 continue
             if grad is None:
+                if not param.requires_grad:
+                    continue  # frozen: no worker computed one
                 if sums is None:
                     sums = bucket.used_sums()
-                # none where no worker computed one (a frozen layer, a head this step skipped)
-                if sums[k] != 0 and param.requires_grad:
+                if sums[k] != 0:  # else no worker computed one (a head this step skipped)
                     param.grad = result.clone()  # no gradient here this step; the peers' mean still applies
             elif grad.is_contiguous() and grad.layout == torch.strided:
                 targets.append(grad)
@@ -603,10 +604,12 @@ class BucketedGradientSync:
             if grad is view or id(param) in self._sparse:
                 continue
             if grad is None:
+                if not param.requires_grad:
+                    continue  # frozen: no worker computed one (and no look at the sums: on a GPU, a sync)
                 if sums is None:
                     sums = bucket.used_sums()
-                if sums[k] == 0 or not param.requires_grad:
-                    continue  # no worker computed one (a frozen layer, a head this step skipped): the optimizer skips it
+                if sums[k] == 0:
+                    continue  # no worker computed one (a head this step skipped): the optimizer skips it
             param.grad = view
 
     # -- optimizer step ---------------------------------------------------------------
