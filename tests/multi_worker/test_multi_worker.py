@@ -216,3 +216,16 @@ def test_a_head_no_worker_used_keeps_no_gradient(implementation):
     for weights, skipped in run_workers(w.two_heads_training, 2, args=(implementation,), timeout=60):
         assert skipped == expected_skipped
         _assert_weights_close(weights, expected)
+
+
+@pytest.mark.timeout(90)
+def test_several_local_replicas_reduce_a_layer_only_one_worker_used():
+    # Each worker reduced only the variables its replicas had gradients for: the workers'
+    # lists differed and the reduction failed with a CollectiveMismatchError.
+    (weights0, none0, c_kept0), (weights1, none1, c_kept1) = run_workers(w.used_on_one_worker, 2, timeout=60)
+    assert none0 and none1 and c_kept0 and c_kept1  # used nowhere: no gradient, not moved
+    for got0, got1 in zip(weights0, weights1):
+        assert torch.equal(got0, got1)  # b's gradient from worker 0 reached worker 1 too
+    torch.manual_seed(0)
+    b_initial = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)][1]
+    assert not torch.equal(weights1[2], b_initial.weight.detach())  # b trained on worker 1 as well

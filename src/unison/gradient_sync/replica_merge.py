@@ -98,16 +98,22 @@ class ReplicaGradientSync:
         reduce_op: returns the current gradient ReduceOp (MEAN or SUM).
         storage: where the variables keep their components; under central storage only
             replica 0 steps.
+        across_workers: ``cross_device_ops`` also reduces across workers (a multi-worker
+            strategy with several local devices): every worker then reduces every
+            variable, since a gradient this worker lacks may exist on another (see
+            ``_aggregate``).
     """
 
     def __init__(self, owner: Any, devices: Sequence[str], cross_device_ops: CrossDeviceOps,
-                 reduce_op: Callable[[], ReduceOp], *, storage: VariableStorage = MIRRORED):
+                 reduce_op: Callable[[], ReduceOp], *, storage: VariableStorage = MIRRORED,
+                 across_workers: bool = False):
         self._owner = weakref.ref(owner)
         self._devices = tuple(devices)
         self._num_replicas = len(self._devices)
         self._cross_device_ops = cross_device_ops
         self._reduce_op = reduce_op
         self._storage = storage
+        self._across_workers = across_workers
         self._shadows: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
         self._shadows_lock = threading.Lock()
         self._watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # load_state_dict hooked
@@ -252,11 +258,22 @@ class ReplicaGradientSync:
         self._aggregate(strategy, variables)
 
     def _aggregate(self, strategy: Any, params: list) -> None:
+        """Reduces the variables' gradients across replicas (and workers).
+
+        A variable no local replica has a gradient for is left alone, unless the reduction
+        spans workers: then another worker may have one, and every worker must reduce the
+        same tensors, so its gradients go as zeros, with a flag per variable and replica
+        (1 where a gradient existed) reduced in the same call. A variable whose flags sum
+        to zero had a gradient nowhere and keeps none, as on one device.
+        """
         devices = self._devices
         n = self._num_replicas
+        across = self._across_workers
         targets: list[DistributedVariable] = []
         per_param: list[tuple[torch.Tensor, ...]] = []
         made: list[int] = []
+        nowhere_here: list[int] = []  # across workers: targets no local replica had a gradient for
+        present: list[list[float]] = [[] for _ in range(n)]
         # One subclass-dispatch switch for the whole walk (not one per component): this
         # runs every step, on every variable.
         with torch._C.DisableTorchFunctionSubclass():
@@ -266,9 +283,14 @@ class ReplicaGradientSync:
             by_replica = [[v._component(i).grad for v in variables] for i in range(n)]
             missing = {k for grads in by_replica for k, g in enumerate(grads) if g is None}
             for k, maybe_grads in enumerate(zip(*by_replica)):
+                if across:
+                    for i, g in enumerate(maybe_grads):
+                        present[i].append(0.0 if g is None else 1.0)
                 if k in missing:
                     if all(g is None for g in maybe_grads):
-                        continue
+                        if not across:
+                            continue
+                        nowhere_here.append(len(targets))
                     made.append(len(targets))
                     param = variables[k]
                     maybe_grads = tuple(g if g is not None else torch.zeros_like(param._component(i).detach())
@@ -284,8 +306,19 @@ class ReplicaGradientSync:
                         targets[k]._set_component_grad(i, grad)
             return
         pairs = [(PerReplica(grads), devices) for grads in per_param]
+        if across:  # the same on every worker: the flags go whether or not this one needs them
+            flags = [torch.tensor(present[i], dtype=torch.float32, device=devices[i]) for i in range(n)]
+            pairs.append((PerReplica(flags), devices))
         reduced = self._cross_device_ops.batch_reduce(self._reduce_op(), pairs)
-        for param, result in zip(targets, reduced):
+        nowhere: set[int] = set()
+        if across:
+            summed = reduced.pop()
+            if nowhere_here:  # read only when needed: on a GPU the read waits for the reduction
+                sums = (summed.values[0] if isinstance(summed, Mirrored) else summed).tolist()
+                nowhere = {t for t in nowhere_here if sums[t] == 0}
+        for t, (param, result) in enumerate(zip(targets, reduced)):
+            if t in nowhere:
+                continue  # no replica of any worker had a gradient: none, as on one device
             reduced_grads = result.values if isinstance(result, Mirrored) else (result,)
             for i in range(self._num_replicas):
                 param._set_component_grad(i, reduced_grads[i])

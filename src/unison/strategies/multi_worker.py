@@ -131,7 +131,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             sync = BucketedGradientSync(ops.control, ops.transport, self._options.bytes_per_pack, reduce_op,
                                         ops.all_reduce_sparse)
         else:
-            sync = ReplicaGradientSync(self, devices, ops, reduce_op)
+            sync = ReplicaGradientSync(self, devices, ops, reduce_op, across_workers=True)
 
         def on_finish(variables: list) -> None:
             primaries = [v.values[0] if isinstance(v, DistributedVariable) else v for v in variables]
