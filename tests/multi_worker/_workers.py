@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -390,9 +392,6 @@ def dropped_model_leaves_the_buckets(rank: int, world: int, implementation: str,
     another: the dropped one is released and no longer all-reduced; the new one trains as
     single-device. Returns (old model released, its weights unchanged by the new training,
     the new model's weights, the parameters left in the gradient buckets)."""
-    import gc
-    import weakref
-
     strategy = strategy_for(rank, world, implementation=implementation)
     old, old_step = mlp_and_step(strategy, extra_layers=3)
     batches = global_batches()
