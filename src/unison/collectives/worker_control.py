@@ -134,9 +134,7 @@ class WorkerControl:
 
     def agree_min(self, value: int, operation: str) -> int:
         """The smallest of every worker's ``value``."""
-        flag = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self.call(operation, dist.all_reduce, flag, op=dist.ReduceOp.MIN)
-        return int(flag.item())
+        return self.agree_min_each([value], operation)[0]
 
     def agree_min_each(self, values: list[int], operation: str) -> list[int]:
         """For each position of ``values`` (the same length on every worker), the smallest worker's value."""

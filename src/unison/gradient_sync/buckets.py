@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 import typing
 import weakref
 from typing import Any, Callable, Iterator
@@ -117,7 +116,6 @@ class _Bucket:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_requires_grad = operator.attrgetter("requires_grad")
 _current_graph_task_id = torch._C._current_graph_task_id
 
 
@@ -358,9 +356,6 @@ class BucketedGradientSync:
         a sparse gradient added into a dense slot would stop being sparse."""
         for bucket in self._buckets:
             if not bucket.in_slots_next:
-                continue
-            if not all(map(_requires_grad, bucket.params)):  # frozen since: a slot would give it a gradient
-                bucket.slots, bucket.in_slots_next = None, False
                 continue
             grads = grads_of(bucket.params)
             slots = bucket.slots
