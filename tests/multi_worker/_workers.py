@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -507,3 +508,45 @@ def used_on_one_worker(rank: int, world: int):
     none = [strategy.run(step, args=(torch.full((4, 4), 0.5),)) for _ in range(3)]
     return ([p.detach().clone() for p in [*a.parameters(), *b.parameters()]],
             all(v for n in none for v in strategy.experimental_local_results(n)), torch.equal(c.weight.detach(), c_before))
+
+
+def _train_with_grad_scaler(strategy, rank: int, world: int, local_devices: int):
+    """Mixed-precision style training with ``torch.amp.GradScaler`` (unscale, clip, step,
+    update); step 7's batch overflows in its last rows (the last worker's, last replica's
+    share). Returns the weights and the scale after each step."""
+    torch.manual_seed(0)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+
+    def step(x, y):
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    batches = global_batches(steps=12, batch=16)
+    batches[7][0][-1, 0] = float("inf")
+    scales = []
+    for x, y in batches:
+        if strategy is None:
+            step(x, y)
+        else:
+            xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+            if local_devices > 1:
+                xs, ys = unison.PerReplica(list(xs.chunk(local_devices))), unison.PerReplica(list(ys.chunk(local_devices)))
+            strategy.run(step, args=(xs, ys))
+        scales.append(scaler.get_scale())
+    return [p.detach().clone() for p in model.parameters()], scales
+
+
+def grad_scaler_training(rank: int, world: int, local_devices: int):
+    return _train_with_grad_scaler(strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)]),
+                                   rank, world, local_devices)
+
+
+def single_device_grad_scaler_training():
+    return _train_with_grad_scaler(None, 0, 1, 1)

@@ -219,6 +219,18 @@ def test_a_head_no_worker_used_keeps_no_gradient(implementation):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("local_devices", [1, 2])
+def test_grad_scaler_trains_as_on_one_device(local_devices):
+    # With two local replicas the replica threads shared the scaler's per-optimizer state
+    # and failed the step; an overflow on worker 1 must skip the step on both workers.
+    expected, expected_scales = w.single_device_grad_scaler_training()
+    assert expected_scales[7] == expected_scales[6] / 2
+    for weights, scales in run_workers(w.grad_scaler_training, 2, args=(local_devices,), timeout=60):
+        assert scales == expected_scales
+        _assert_weights_close(weights, expected)
+
+
+@pytest.mark.timeout(90)
 def test_several_local_replicas_reduce_a_layer_only_one_worker_used():
     # Each worker reduced only the variables its replicas had gradients for: the workers'
     # lists differed and the reduction failed with a CollectiveMismatchError.

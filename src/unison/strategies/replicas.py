@@ -23,6 +23,7 @@ from unison._state import STATE, ContextEntry
 from unison.context import ReplicaContext
 from unison.devices import is_cuda, torch_device
 from unison.errors import MergeCallError
+from unison.gradient_sync.grad_scaler import install_grad_scaler_replicas
 from unison.strategies.switch_interval import SHORT_SWITCH_INTERVAL
 from unison.values.values import may_hold_components, regroup, select_replica
 
@@ -281,6 +282,7 @@ class ThreadedReplicaRunner:
     """
 
     def __init__(self, strategy: "Strategy", devices: Sequence[str]):
+        install_grad_scaler_replicas()  # a step's one GradScaler serves every replica (grad_scaler.py)
         self._strategy = strategy
         self._devices = tuple(devices)
         self._queues: list["queue.SimpleQueue[Any]"] = []
