@@ -21,11 +21,18 @@ ROOT = Path(__file__).resolve().parents[2]
 BIG = 50_000_000  # float32 elements: 200 MB
 
 WRITER = """
-import sys, torch
+import os, sys, torch
 from unison.checkpoint import atomic_save
-print("ready", flush=True)
-atomic_save({"big": torch.ones(%d), "tag": "new"}, sys.argv[1])
-print("done", flush=True)
+torch.set_num_threads(1)  # no OpenMP team before a fork
+big = torch.ones(%d)
+for line in sys.stdin:  # one forked writer per line: torch is imported once, not once per try
+    pid = os.fork()
+    if pid == 0:
+        atomic_save({"big": big, "tag": "new"}, sys.argv[1])
+        os._exit(0)
+    print(pid, flush=True)
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
 """ % BIG
 
 
@@ -38,15 +45,22 @@ def test_a_kill_during_a_200_mb_save_always_leaves_the_previous_checkpoint(tmp_p
     target = tmp_path / "big.pt"
     atomic_save({"tag": "old"}, target)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    for attempt in range(10):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(target)], env=env, stdout=subprocess.PIPE, text=True)
-        assert writer.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 60  # kill once the temporary is being written (or at once, on odd tries)
-        while attempt % 2 == 0 and not _temporaries(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        writer.send_signal(signal.SIGKILL)
-        writer.wait(timeout=30)
-        assert load_checkpoint(target)["tag"] == "old"  # never a half-written file
+    forker = subprocess.Popen([sys.executable, "-c", WRITER, str(target)], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        for attempt in range(10):
+            forker.stdin.write("save\n")
+            forker.stdin.flush()
+            writer = int(forker.stdout.readline())
+            deadline = time.monotonic() + 60  # kill once the temporary is being written (or at once, on odd tries)
+            while attempt % 2 == 0 and not _temporaries(tmp_path) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            os.kill(writer, signal.SIGKILL)
+            assert forker.stdout.readline().strip() == "reaped"
+            assert load_checkpoint(target)["tag"] == "old"  # never a half-written file
+    finally:
+        forker.kill()
+        forker.wait(timeout=30)
     atomic_save({"tag": "newer"}, target)  # the next save of this file removes what the killed writers left
     assert load_checkpoint(target)["tag"] == "newer"
     assert _temporaries(tmp_path) == []
