@@ -34,6 +34,7 @@ import torch
 
 from unison.gradient_sync.grad_access import grads_of
 from unison.gradient_sync.grad_slots import GradSlots, fits, slot_eligible
+from unison.gradient_sync.replica_reduction import InPlaceReduction
 
 __all__ = ["ReplicaGradBuffers"]
 
@@ -109,11 +110,13 @@ class ReplicaGradBuffers:
         for r in self._replicas:
             r.restore_untouched()
 
-    def reduce(self, variables: Sequence[Any], key: Any, mean: bool) -> "list[Any] | None":
+    def reduce(self, variables: Sequence[Any], key: Any, mean: bool,
+               reduction: "InPlaceReduction | None" = None) -> "list[Any] | None":
         """Reduces every replica's gradients of the variables in the buffers, out of
         ``variables`` (all the registered ones), and returns the others, for the general
         path. None, when they cannot be: then the gradients are as autograd left them
-        (slots it never wrote are None again) and all take the general path."""
+        (slots it never wrote are None again) and all take the general path. With a
+        ``reduction``, the buffers join it instead of being reduced here."""
         replicas = self._replicas
         if not replicas:
             return None
@@ -132,7 +135,7 @@ class ReplicaGradBuffers:
                 unwritten = r.never_written()
                 never_written = unwritten if never_written is None else never_written & unwritten
                 r.untouched = []
-            self._reduce_flats(mean)
+            self._reduce_flats(mean, reduction)
             for k in never_written or ():
                 for r in replicas:
                     r.components[k].grad = None
@@ -163,20 +166,12 @@ class ReplicaGradBuffers:
             r.versions = [a._version for a in r.aliases]
         return True
 
-    def _reduce_flats(self, mean: bool) -> None:
-        """Replica 0's buffers become the sum (the mean) of all replicas', copied into the others'."""
+    def _reduce_flats(self, mean: bool, reduction: "InPlaceReduction | None" = None) -> None:
+        """Replica 0's buffers become the sum (the mean) of all replicas', copied into the
+        others' (here, or as part of ``reduction``)."""
         replicas = self._replicas
-        firsts = replicas[0].flats
-        for other in replicas[1:]:
-            for dtype, flat in other.flats.items():
-                firsts[dtype].add_(flat)
-        if mean:
-            n = self._num_replicas
-            for flat in firsts.values():
-                if n & (n - 1) == 0:  # x * (1 / 2**k) is x / 2**k exactly, and multiplies faster
-                    flat.mul_(1.0 / n)
-                else:
-                    flat.div_(float(n))
-        for other in replicas[1:]:
-            for dtype, flat in other.flats.items():
-                flat.copy_(firsts[dtype])
+        local = reduction if reduction is not None else InPlaceReduction(self._num_replicas, mean)
+        for dtype in replicas[0].flats:
+            local.add([r.flats[dtype] for r in replicas])
+        if reduction is None:
+            local.run()

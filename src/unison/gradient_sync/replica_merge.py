@@ -38,6 +38,7 @@ from unison.context import ReplicaContext
 from unison.errors import GradientSyncError
 from unison.gradient_sync.primary_shadow import PrimaryShadow
 from unison.gradient_sync.replica_grad_buffers import ReplicaGradBuffers
+from unison.gradient_sync.replica_reduction import InPlaceReduction
 from unison.gradient_sync.replica_zero_grad import install_replica_zero_grad
 from unison.gradient_sync.shadow_optimizers import follow_hyperparameters, shadow_optimizer
 from unison.reduce import ReduceOp
@@ -201,7 +202,10 @@ class ReplicaGradientSync:
 
     def _end_of_backward(self, context: ReplicaContext, state: _ReplicaStepState) -> None:
         state.backward_sync_queued = False
-        context.merge_call(self._aggregate_registered, args=(self._live_variables(),))
+        reduction = context.merge_call(self._aggregate_registered, args=(self._live_variables(),))
+        if reduction is not None:  # large gradients: every replica reduces its slice (replica_reduction.py)
+            reduction.run(context.local_replica_id)
+            context.merge_call(_every_slice_reduced)
         state.grads_reduced = True
 
     def _replica_id(self) -> "int | None":
@@ -247,18 +251,27 @@ class ReplicaGradientSync:
         """Ends the step's writes to this replica's own components."""
         OWN_COMPONENT_WRITES.end()
 
-    def _aggregate_registered(self, strategy: Any, variables: list) -> None:
+    def _aggregate_registered(self, strategy: Any, variables: list) -> "InPlaceReduction | None":
         """Reduces the gradients of every live registered variable (``_live_variables()``):
-        those in the replicas' flat buffers there, the others through ``_aggregate``."""
+        those in the replicas' flat buffers there, the others through ``_aggregate``.
+
+        Reductions in place are collected and run here, or, when they are large, returned
+        for every replica to run its slice of after the merge."""
+        reduction = InPlaceReduction(self._num_replicas, self._reduce_op() is ReduceOp.MEAN) if self._in_place else None
         if self._buffers is not None:
             rest = self._buffers.reduce(variables, (self._registrations, len(variables)),
-                                        self._reduce_op() is ReduceOp.MEAN)
+                                        self._reduce_op() is ReduceOp.MEAN, reduction)
             if rest is not None:
                 variables = rest  # the variables the buffers do not hold (large gradients)
-        self._aggregate(strategy, variables)
+        self._aggregate(strategy, variables, reduction)
+        if reduction is None or reduction.split:
+            return reduction
+        reduction.run()
+        return None
 
-    def _aggregate(self, strategy: Any, params: list) -> None:
-        """Reduces the variables' gradients across replicas (and workers).
+    def _aggregate(self, strategy: Any, params: list, reduction: "InPlaceReduction | None" = None) -> None:
+        """Reduces the variables' gradients across replicas (and workers); those reduced in
+        place join ``reduction`` when one is given.
 
         A variable no local replica has a gradient for is left alone, unless the reduction
         spans workers: then another worker may have one, and every worker must reduce the
@@ -299,7 +312,7 @@ class ReplicaGradientSync:
                 per_param.append(maybe_grads)
         if not targets:
             return
-        if self._in_place and self._aggregate_in_place(per_param):
+        if self._in_place and self._aggregate_in_place(per_param, reduction):
             for k in made:  # gradients made as zeros above become the components'
                 for i, grad in enumerate(per_param[k]):
                     if targets[k]._component_grad(i) is not grad:
@@ -323,15 +336,18 @@ class ReplicaGradientSync:
             for i in range(self._num_replicas):
                 param._set_component_grad(i, reduced_grads[i])
 
-    def _aggregate_in_place(self, per_param: list[tuple[torch.Tensor, ...]]) -> bool:
+    def _aggregate_in_place(self, per_param: list[tuple[torch.Tensor, ...]],
+                            reduction: "InPlaceReduction | None" = None) -> bool:
         """Reduces CPU replicas' gradients into the gradients themselves; False if it cannot.
 
         The replicas share the host's memory, so there is nothing to move: replica 0's
         gradient becomes the sum (in replica order, as ReductionToOneDevice adds), is
         divided for MEAN, and is copied into the others' gradients -- three foreach calls
         whatever the number of parameters, no allocation, two passes fewer over the bytes
-        than packing into new buffers. Gradients that require grad (``create_graph``), are
-        sparse or not floating point, or share a tensor, take the general path.
+        than packing into new buffers (``replica_reduction.py``; as part of ``reduction``
+        when one is given and every gradient is contiguous). Gradients that require grad
+        (``create_graph``), are sparse or not floating point, or share a tensor, take the
+        general path.
         """
         grads = [g for values in per_param for g in values]
         if any(g.requires_grad or g.layout != torch.strided or not g.is_cpu
@@ -339,17 +355,14 @@ class ReplicaGradientSync:
             return False
         if len({id(g) for g in grads}) != len(grads):
             return False
-        firsts = [values[0] for values in per_param]
-        for k in range(1, self._num_replicas):
-            torch._foreach_add_(firsts, [values[k] for values in per_param])
-        if self._reduce_op() is ReduceOp.MEAN:
-            n = self._num_replicas
-            if n & (n - 1) == 0:  # x * (1 / 2**k) is x / 2**k exactly, and multiplies faster
-                torch._foreach_mul_(firsts, 1.0 / n)
-            else:
-                torch._foreach_div_(firsts, float(n))
-        for k in range(1, self._num_replicas):
-            torch._foreach_copy_([values[k] for values in per_param], firsts)
+        if reduction is not None and all(g.is_contiguous() for g in grads):
+            for values in per_param:
+                reduction.add([g.view(-1) for g in values])  # sliced by the replicas when large
+            return True
+        here = InPlaceReduction(self._num_replicas, self._reduce_op() is ReduceOp.MEAN)
+        for values in per_param:
+            here.add(values)
+        here.run()
         return True
 
     def _shadows_of(self, optimizer: torch.optim.Optimizer) -> list:
@@ -405,6 +418,10 @@ class ReplicaGradientSync:
                         state[component] = _state_copy(optimizer.state[variable], variable.device, component.device)
                 groups.append({**group, "params": params})
         return shadow_optimizer(optimizer, groups, state)
+
+
+def _every_slice_reduced(strategy: Any) -> None:
+    """The merge after the replicas reduced their slices: none reads its gradients before all are written."""
 
 
 @typing.final
