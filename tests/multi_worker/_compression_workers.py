@@ -43,3 +43,32 @@ def train(rank: int, world: int, compression: str, scale: float = 1.0):
     return {"weights": [p.detach().clone() for p in model.parameters()],
             "compressed_buckets": sum(b.wire is not None for b in sync._buckets),
             "shared_buckets": sum(sync.buckets_in_shared_memory)}
+
+
+def powersgd_with_grad_scaler(rank: int, world: int, overflow_step: "int | None", drop_step: "int | None" = None):
+    """PowerSGD with ``torch.amp.GradScaler``; the batch of ``overflow_step`` (if any) holds
+    an inf in worker 1's half, the batch of ``drop_step`` (if any) is left out and the
+    scale halved in its place, as an overflow would. Returns the weights and the steps
+    the scaler skipped."""
+    strategy = strategy_with(rank, world, unison.PowerSGD(rank=2, start_iter=2))
+    with strategy.scope():
+        model = make_mlp(2, 16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    batches = global_batches(steps=14, batch=16)
+    if overflow_step is not None:
+        batches[overflow_step][0][-1, 0] = float("inf")
+    if drop_step is not None:
+        del batches[drop_step]
+    skipped = []
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank])).backward()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() < scale:
+            skipped.append(step)
+        if step + 1 == drop_step:  # the scale the skipped step would leave: PowerSGD compresses scaled gradients
+            scaler.update(new_scale=scale / 2)
+    return {"weights": [p.detach().clone() for p in model.parameters()], "skipped": skipped}

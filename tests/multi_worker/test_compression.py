@@ -102,3 +102,17 @@ def test_powersgd_training_keeps_workers_equal_and_close_to_exact(exact_weights)
     assert all(torch.equal(a, b) for a, b in zip(results[0]["weights"], results[1]["weights"]))
     difference = max((g - e).abs().max().item() for g, e in zip(results[0]["weights"], exact))
     assert 0 < difference < 0.1
+
+
+@pytest.mark.timeout(120)
+def test_powersgd_skips_only_the_step_that_overflowed():
+    # Error feedback kept the overflowed step's inf: every later step overflowed too and
+    # the GradScaler skipped all of them (its scale fell to 0.0156 in 14 steps). The
+    # skipped step must leave PowerSGD's state as if its batch never came.
+    overflowed = run_workers(c.powersgd_with_grad_scaler, 2, args=(6,), timeout=100)
+    assert [r["skipped"] for r in overflowed] == [[6], [6]]
+    without = run_workers(c.powersgd_with_grad_scaler, 2, args=(None, 6), timeout=100)
+    assert without[0]["skipped"] == []
+    for a, b, c_ in zip(overflowed[0]["weights"], overflowed[1]["weights"], without[0]["weights"]):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, c_, rtol=0, atol=1e-6), (a - c_).abs().max()

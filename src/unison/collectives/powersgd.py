@@ -15,6 +15,7 @@ every compressed matrix's ``P`` factor, one of every ``Q`` factor. For a gradien
 the *sum* of the workers' ``M``, so each keeps its own ``M`` less its share of ``M'``:
 the workers' errors then add up to exactly what the step's update missed, and the next
 step's all-reduce pays it back (DDP keeps ``M - M'`` on an undivided ``M``: the same).
+A step whose factors are not finite keeps the errors and ``Q`` it started with.
 """
 
 from __future__ import annotations
@@ -84,10 +85,17 @@ class PowerSGDReducer:
         ps = self._all_reduce([matrices[i] @ self._q(i, matrices[i]) for i in compressed])
         ps = [torch.linalg.qr(p.to(torch.float32)).Q.to(p.dtype) for p in ps]
         qs = self._all_reduce([matrices[i].t() @ p for i, p in zip(compressed, ps)])
+        # A gradient that overflowed on any worker (under a GradScaler, whose step then
+        # skips) makes every all-reduced Q inf or NaN: such a step leaves the errors and
+        # the Qs as they were, else error feedback carried the inf into every later step
+        # and the scaler skipped all of them. The Qs are the same on every worker, and so
+        # is the decision.
+        finite = bool(torch.stack([torch.isfinite(q).all() for q in qs]).all())
         for i, p, q in zip(compressed, ps, qs):
             approximation = p @ q.t()
-            self._errors[i] = matrices[i] - approximation / self._world_size
-            self._qs[i] = q
+            if finite:
+                self._errors[i] = matrices[i] - approximation / self._world_size
+                self._qs[i] = q
             grads[i].copy_(approximation.view_as(grads[i]))
 
     def _q(self, index: int, matrix: torch.Tensor) -> torch.Tensor:
