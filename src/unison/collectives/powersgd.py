@@ -68,6 +68,7 @@ class PowerSGDReducer:
             i for i, g in enumerate(grads) if self._compresses(g)]
         chosen = set(compressed)
         exact = [i for i in range(len(grads)) if i not in chosen]
+        sums: list[torch.Tensor] = []
         if exact:
             sums = self._all_reduce([grads[i] / divisor if divisor != 1 else grads[i] for i in exact])
             for i, total in zip(exact, sums):
@@ -86,11 +87,11 @@ class PowerSGDReducer:
         ps = [torch.linalg.qr(p.to(torch.float32)).Q.to(p.dtype) for p in ps]
         qs = self._all_reduce([matrices[i].t() @ p for i, p in zip(compressed, ps)])
         # A gradient that overflowed on any worker (under a GradScaler, whose step then
-        # skips) makes every all-reduced Q inf or NaN: such a step leaves the errors and
-        # the Qs as they were, else error feedback carried the inf into every later step
-        # and the scaler skipped all of them. The Qs are the same on every worker, and so
-        # is the decision.
-        finite = bool(torch.stack([torch.isfinite(q).all() for q in qs]).all())
+        # skips) makes an all-reduced Q or sum inf or NaN: such a step leaves the errors
+        # and the Qs as they were, as if it never came; else error feedback carried the
+        # inf into every later step and the scaler skipped all of them. The all-reduced
+        # tensors are the same on every worker, and so is the decision.
+        finite = bool(torch.stack([torch.isfinite(t).all() for t in (*qs, *sums)]).all())
         for i, p, q in zip(compressed, ps, qs):
             approximation = p @ q.t()
             if finite:
