@@ -161,3 +161,28 @@ def test_a_disabled_scaler_is_a_plain_step_in_replicas():
         reference_opt.step()
     for got, want in zip(_weights(model), _weights(reference_model)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_update_after_run_reads_every_replicas_checks():
+    # The replicas step inside run; the caller updates once per iteration, outside it.
+    reference, expected_scales, _ = _train(None, OPTIMIZERS["sgd_momentum"], unscale_and_clip=False)
+    strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"])
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = OPTIMIZERS["sgd_momentum"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+
+    def step(x, y):
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+
+    scales = []
+    for x, y in _data():
+        strategy.run(step, args=(unison.PerReplica(list(x.chunk(2))), unison.PerReplica(list(y.chunk(2)))))
+        scaler.update()
+        scales.append(scaler.get_scale())
+    assert scales == expected_scales
+    for got, want in zip(_weights(model), _weights(reference)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -16,7 +16,8 @@ scaler is PyTorch's, untouched):
 - ``step()`` all-reduces the replicas' inf checks first, so every replica (of every
   worker) steps or skips alike; an inf in one replica's gradients skips the step
   everywhere, as an inf in one device's batch does;
-- ``update()`` is a merge: the scale moves once per step, from every replica's checks.
+- ``update()`` is a merge: the scale moves once per step, from every replica's checks
+  (called after ``strategy.run`` instead, it reads every replica's checks as well).
 
 The scale itself stays one tensor, shared by the replicas. This patches the class
 (the state is an attribute PyTorch reads in each method; there is no hook for it), once,
@@ -119,11 +120,20 @@ def _step(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
 
 
 def _update(self: Any, new_scale: Any = None) -> None:
-    """``GradScaler.update`` that, in a replica, moves the shared scale once per step."""
+    """``GradScaler.update`` that, in a replica, moves the shared scale once per step.
+
+    Called after ``strategy.run`` instead (the replicas stepped, the caller updates once
+    per iteration), it consumes the replicas' inf checks the same way.
+    """
     context = _replica_of_several()
-    if context is None or not self._enabled:
+    if not self._enabled:
         return _original_update(self, new_scale)
-    context.merge_call(_update_once, args=(self, new_scale))
+    if context is not None:
+        context.merge_call(_update_once, args=(self, new_scale))
+    elif _replica_states.get(self):  # no replica runs now: nothing else touches them
+        _update_once(None, self, new_scale)
+    else:
+        _original_update(self, new_scale)
     return None
 
 
