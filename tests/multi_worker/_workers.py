@@ -550,3 +550,42 @@ def grad_scaler_training(rank: int, world: int, local_devices: int):
 
 def single_device_grad_scaler_training():
     return _train_with_grad_scaler(None, 0, 1, 1)
+
+
+def lazy_model_training(rank: int, world: int, local_devices: int, dry_run_in_scope: bool):
+    """A model of lazy layers, each worker drawing other weights (a seed per rank), its dry
+    run inside or after scope: every worker must train the chief's weights."""
+    strategy = strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)])
+    torch.manual_seed(rank)
+    with strategy.scope():
+        model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(4))
+        if dry_run_in_scope:
+            model(torch.zeros(1, 8))
+    if not dry_run_in_scope:
+        model(torch.zeros(1, 8))
+    with strategy.scope():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for x, y in global_batches(steps=8, batch=16):
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        if local_devices > 1:
+            xs, ys = unison.PerReplica(list(xs.chunk(local_devices))), unison.PerReplica(list(ys.chunk(local_devices)))
+        strategy.run(step, args=(xs, ys))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def single_device_lazy_model_training():
+    torch.manual_seed(0)  # the chief's seed
+    model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(4))
+    model(torch.zeros(1, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in global_batches(steps=8, batch=16):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]

@@ -231,6 +231,15 @@ def test_grad_scaler_trains_as_on_one_device(local_devices):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("local_devices, dry_run_in_scope", [(1, True), (2, False)])
+def test_a_lazy_model_starts_from_the_chiefs_weights_and_trains_as_on_one_device(local_devices, dry_run_in_scope):
+    # Uninitialised parameters reached the variable policy, which failed on them.
+    expected = w.single_device_lazy_model_training()
+    for weights in run_workers(w.lazy_model_training, 2, args=(local_devices, dry_run_in_scope), timeout=60):
+        _assert_weights_close(weights, expected)
+
+
+@pytest.mark.timeout(90)
 def test_several_local_replicas_reduce_a_layer_only_one_worker_used():
     # Each worker reduced only the variables its replicas had gradients for: the workers'
     # lists differed and the reduction failed with a CollectiveMismatchError.

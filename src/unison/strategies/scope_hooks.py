@@ -6,7 +6,8 @@ parameter or buffer is handed to ``strategy.extended.create_parameter`` /
 ``create_buffer``, whose variable policy decides what it becomes: a distributed
 variable, a tensor moved to the strategy's device, or itself. Elsewhere the hooks
 return at once. A module that gets a mirrored variable as a parameter reads it, in a
-replica, as the replica's plain component (``values/replica_parameters.py``).
+replica, as the replica's plain component (``values/replica_parameters.py``). A lazy
+module's uninitialised parameters are taken at its first forward (``lazy_parameters.py``).
 """
 
 from __future__ import annotations
@@ -17,23 +18,27 @@ from torch import nn
 
 from unison._once import Once
 from unison._state import STATE
+from unison.strategies.lazy_parameters import defer_until_materialized, is_lazy
 from unison.values.replica_parameters import resolve_in_replicas
 from unison.values.variables import MirroredVariable
 
 __all__ = ["install_scope_hooks"]
 
 
-def _extended_in_scope() -> Any:
+def _strategy_in_scope() -> Any:
+    """The (non-default) strategy whose scope this thread is in, in cross-replica context; else None."""
     entry = STATE.top()
     if entry is None or entry.replica_context is not None:
         return None
-    extended = entry.strategy.extended
-    return None if extended.components.is_default else extended
+    return None if entry.strategy.extended.components.is_default else entry.strategy
 
 
 def _on_parameter_registered(module: nn.Module, name: str, param: Any) -> Any:
-    extended = _extended_in_scope() if param is not None else None
-    replacement = None if extended is None else extended.create_parameter(param, name)
+    strategy = _strategy_in_scope() if param is not None else None
+    if strategy is not None and is_lazy(param):  # a lazy module's: taken at its first forward
+        defer_until_materialized(module, name, "parameter", strategy)
+        return None
+    replacement = None if strategy is None else strategy.extended.create_parameter(param, name)
     registered = param if replacement is None else replacement
     if isinstance(registered, MirroredVariable):
         registered._follow_own_tensor()  # registered again after a `set_` (parametrize does both)
@@ -42,8 +47,11 @@ def _on_parameter_registered(module: nn.Module, name: str, param: Any) -> Any:
 
 
 def _on_buffer_registered(module: nn.Module, name: str, buffer: Any) -> Any:
-    extended = _extended_in_scope() if buffer is not None else None
-    return None if extended is None else extended.create_buffer(buffer, name)
+    strategy = _strategy_in_scope() if buffer is not None else None
+    if strategy is not None and is_lazy(buffer):
+        defer_until_materialized(module, name, "buffer", strategy)
+        return None
+    return None if strategy is None else strategy.extended.create_buffer(buffer, name)
 
 
 def _install() -> None:
