@@ -40,14 +40,14 @@ from unison.context import ReplicaContext
 from unison.reduce import ReduceOp
 from unison.values.values import PerReplica
 
-__all__ = ["install_grad_scaler_replicas"]
+__all__ = ["install_grad_scaler_replicas", "replica_of_several"]
 
 _STATE_NAME = "_per_optimizer_states"
 _replica_states: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
 _replica_states_lock = threading.Lock()
 
 
-def _replica_of_several() -> "ReplicaContext | None":
+def replica_of_several() -> "ReplicaContext | None":
     """The current replica's context, when its strategy runs several replicas in this process."""
     entry = STATE.top()
     context = entry.replica_context if entry is not None else None
@@ -71,7 +71,7 @@ def _states_of(scaler: Any) -> dict[int, Any]:
 
 
 def _get_states(scaler: Any) -> Any:
-    context = _replica_of_several()
+    context = replica_of_several()
     if context is None:
         try:
             return scaler.__dict__[_STATE_NAME]
@@ -86,7 +86,7 @@ def _get_states(scaler: Any) -> Any:
 
 
 def _set_states(scaler: Any, value: Any) -> None:
-    context = _replica_of_several()
+    context = replica_of_several()
     if context is None:
         scaler.__dict__[_STATE_NAME] = value
     else:
@@ -99,7 +99,7 @@ _original_update = torch_grad_scaler.GradScaler.update
 
 def _step(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     """``GradScaler.step`` that, in a replica, agrees with every replica on skipping."""
-    context = _replica_of_several()
+    context = replica_of_several()
     if context is None or not self._enabled or "closure" in kwargs:
         return _original_step(self, optimizer, *args, **kwargs)
     state = self._per_optimizer_states[id(optimizer)]
@@ -125,7 +125,7 @@ def _update(self: Any, new_scale: Any = None) -> None:
     Called after ``strategy.run`` instead (the replicas stepped, the caller updates once
     per iteration), it consumes the replicas' inf checks the same way.
     """
-    context = _replica_of_several()
+    context = replica_of_several()
     if not self._enabled:
         return _original_update(self, new_scale)
     if context is not None:
