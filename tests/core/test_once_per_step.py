@@ -1,7 +1,8 @@
-"""``scheduler.step()`` inside ``strategy.run`` advances the schedule once per step, as on one device.
+"""``scheduler.step()`` and ``ema.update_parameters()`` inside ``strategy.run`` run once per step, as on one device.
 
-Every replica thread used to step the scheduler: the schedule ran once per replica (2x
-fast on two replicas, a 0.03 weight difference after 8 steps of StepLR).
+Every replica thread used to make the call: the schedule ran once per replica (2x fast
+on two replicas, a 0.03 weight difference after 8 steps of StepLR), and the average of an
+``AveragedModel`` took each step twice (n_averaged 15 after 8 steps, 0.01 off).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 from torch.optim import lr_scheduler
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import unison
 from unison.errors import MergeCallError
@@ -109,3 +111,44 @@ def test_a_replica_that_skips_the_scheduler_is_named():
 
     with pytest.raises(MergeCallError, match="returned without calling it"):
         strategy.run(step, args=(unison.PerReplica([torch.ones(2, 4), torch.ones(2, 4)]),))
+
+
+AVERAGES = {
+    "ema": lambda model: AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9)),
+    "swa": lambda model: AveragedModel(model),
+    "ema_with_buffers": lambda model: AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True),
+}
+
+
+def _train_with_average(strategy, average: str, replicas: int = 2):
+    torch.manual_seed(0)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        averaged = AVERAGES[average](model)
+
+    def step(x, y):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        averaged.update_parameters(model)
+
+    for x, y in _data(8):
+        if strategy is None:
+            step(x, y)
+        else:
+            strategy.run(step, args=(unison.PerReplica(list(x.chunk(replicas))), unison.PerReplica(list(y.chunk(replicas)))))
+    return [p.detach().clone() for p in averaged.module.parameters()], int(averaged.n_averaged)
+
+
+@pytest.mark.parametrize("average", list(AVERAGES))
+@pytest.mark.parametrize("strategy_factory", [
+    lambda: unison.MirroredStrategy(["cpu:0", "cpu:1"]),
+    lambda: unison.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+], ids=["mirrored", "central_storage"])
+def test_an_average_updated_in_the_step_takes_each_step_once(average, strategy_factory):
+    expected, expected_count = _train_with_average(None, average)
+    got, count = _train_with_average(strategy_factory(), average)
+    assert count == expected_count == 8
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
