@@ -3,12 +3,12 @@
 A training step often ends with ``scheduler.step()`` (warm-up, OneCycle, cosine per
 iteration) or ``ema.update_parameters(model)`` (``torch.optim.swa_utils.AveragedModel``).
 Run by every replica thread, the schedule advanced once per replica (2x fast on two
-replicas) and the average took every step twice (its copy of the model, a deep copy, is
-one set of plain tensors that every replica shares), and one replica's change could reach another's
-optimizer step of the same iteration. In a replica of a strategy with several local
-replicas these calls are merges: once every replica made the call (each past its
-``opt.step()``), it runs once, in cross-replica context, as TensorFlow's schedules advance
-once per applied step. Per-replica arguments (``ReduceLROnPlateau``'s metric) arrive as
+replicas), the average took every step twice (its copy of the model, a deep copy, is one
+set of plain tensors that every replica shares), and one replica's change could reach
+another's optimizer step of the same iteration. In a replica of a strategy with several
+local replicas these calls are merges: once every replica made the call (each past its
+``opt.step()``), it runs once, in cross-replica context, as TensorFlow's schedules
+advance once per applied step. Per-replica arguments (``ReduceLROnPlateau``'s metric) arrive as
 their mean over the replicas: for equal shares of a batch, the whole batch's metric.
 
 The methods of ``LRScheduler`` and ``AveragedModel``, and of every subclass that defines
