@@ -20,6 +20,10 @@ from unison.errors import MergeCallError
 
 pytestmark = pytest.mark.timeout(60)
 
+SEVERAL_REPLICAS = {
+    "mirrored": lambda: unison.MirroredStrategy(["cpu:0", "cpu:1"]),
+    "central_storage": lambda: unison.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+}
 SCHEDULERS = {
     "step": lambda opt: lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
     "one_cycle": lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=10),
@@ -64,10 +68,7 @@ def _train(strategy, scheduler: str, replicas: int = 2):
 
 
 @pytest.mark.parametrize("scheduler", list(SCHEDULERS))
-@pytest.mark.parametrize("strategy_factory", [
-    lambda: unison.MirroredStrategy(["cpu:0", "cpu:1"]),
-    lambda: unison.CentralStorageStrategy(["cpu:0", "cpu:1"]),
-], ids=["mirrored", "central_storage"])
+@pytest.mark.parametrize("strategy_factory", list(SEVERAL_REPLICAS.values()), ids=list(SEVERAL_REPLICAS))
 def test_a_scheduler_stepped_in_the_step_follows_one_devices_schedule(scheduler, strategy_factory):
     expected_weights, expected_lrs = _train(None, scheduler)
     assert len(set(expected_lrs)) > 2  # the schedule moves
@@ -77,7 +78,8 @@ def test_a_scheduler_stepped_in_the_step_follows_one_devices_schedule(scheduler,
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_scheduler_stepped_after_run_is_untouched():
+def _mirrored_step_lr(step_scheduler_in_replica) -> tuple:
+    """A Mirrored linear model whose step steps a StepLR in the replicas ``step_scheduler_in_replica(id)`` names."""
     strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
         model = nn.Linear(4, 2)
@@ -88,29 +90,27 @@ def test_a_scheduler_stepped_after_run_is_untouched():
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
+        if step_scheduler_in_replica(unison.get_replica_context().local_replica_id):
+            sched.step()
 
-    for _ in range(3):
+    def run():
         strategy.run(step, args=(unison.PerReplica([torch.ones(2, 4), torch.ones(2, 4)]),))
+
+    return run, opt, sched
+
+
+def test_a_scheduler_stepped_after_run_is_untouched():
+    run, opt, sched = _mirrored_step_lr(lambda replica: False)
+    for _ in range(3):
+        run()
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / 8)
 
 
 def test_a_replica_that_skips_the_scheduler_is_named():
-    strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"])
-    with strategy.scope():
-        model = nn.Linear(4, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        sched = lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-    def step(x):
-        opt.zero_grad()
-        model(x).sum().backward()
-        opt.step()
-        if unison.get_replica_context().local_replica_id == 0:
-            sched.step()
-
+    run, _, _ = _mirrored_step_lr(lambda replica: replica == 0)
     with pytest.raises(MergeCallError, match="returned without calling it"):
-        strategy.run(step, args=(unison.PerReplica([torch.ones(2, 4), torch.ones(2, 4)]),))
+        run()
 
 
 AVERAGES = {
@@ -142,10 +142,7 @@ def _train_with_average(strategy, average: str, replicas: int = 2):
 
 
 @pytest.mark.parametrize("average", list(AVERAGES))
-@pytest.mark.parametrize("strategy_factory", [
-    lambda: unison.MirroredStrategy(["cpu:0", "cpu:1"]),
-    lambda: unison.CentralStorageStrategy(["cpu:0", "cpu:1"]),
-], ids=["mirrored", "central_storage"])
+@pytest.mark.parametrize("strategy_factory", list(SEVERAL_REPLICAS.values()), ids=list(SEVERAL_REPLICAS))
 def test_an_average_updated_in_the_step_takes_each_step_once(average, strategy_factory):
     expected, expected_count = _train_with_average(None, average)
     got, count = _train_with_average(strategy_factory(), average)
