@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how gradients travel between workers (multi_worker only; CommunicationOptions.compression; "
                              "powersgd: unison.PowerSGD(rank=--powersgd-rank))")
     parser.add_argument("--powersgd-rank", type=int, default=1, help="the rank of --compression powersgd (default 1)")
+    parser.add_argument("--amp", action="store_true",
+                        help="mixed precision: bfloat16 autocast and a torch.amp.GradScaler in the step")
     parser.add_argument("--fail-at-step", type=int, default=None,
                         help="worker 1 kills itself at this global step on the first attempt (to see a resume)")
     return parser.parse_args(argv)
@@ -114,12 +116,18 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, global_batch_size=args.batch_size, shuffle=True, seed=args.seed)
     test_data = strategy.experimental_distribute_dataset(test_set, global_batch_size=args.batch_size)
 
+    # one scaler for the process, as on one device: unison makes every replica thread share it
+    device_type = torch.device(strategy.extended.worker_devices[0]).type
+    scaler = torch.amp.GradScaler(device_type, enabled=args.amp)
+
     def train_step(batch):
         images, labels = batch
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(images), labels)
-        loss.backward()
-        optimizer.step()
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = nn.functional.cross_entropy(model(images), labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         return loss.detach()
 
     def eval_step(batch):
