@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import unison
+from unison.errors import UsageError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,7 +91,7 @@ def test_a_first_call_inside_run_with_several_replicas_is_refused_before_anythin
     strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
         model = _lazy_model()
-    with pytest.raises(RuntimeError, match=r"LazyLinear was first called inside strategy.run .* 2 replicas.*"
+    with pytest.raises(UsageError, match=r"LazyLinear was first called inside strategy.run .* 2 replicas.*"
                                            r"model\(example_batch\)"):
         strategy.run(model, args=(unison.PerReplica([torch.zeros(2, 8), torch.zeros(2, 8)]),))
     assert all(nn.parameter.is_lazy(p) for p in model.parameters())

@@ -25,8 +25,9 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from unison._state import STATE
+from unison.errors import UsageError
 
-__all__ = ["defer_until_materialized", "is_lazy"]
+__all__ = ["defer_until_materialized"]
 
 _PENDING = "_unison_lazy_tensors"
 
@@ -47,7 +48,7 @@ class _Pending:
         if strategy is None or entry is None or entry.replica_context is None:
             return
         if strategy.num_replicas_in_sync > 1:
-            raise RuntimeError(
+            raise UsageError(
                 f"{type(module).__name__} was first called inside strategy.run of {type(strategy).__name__} "
                 f"with {strategy.num_replicas_in_sync} replicas: its lazy parameters would be drawn by every "
                 f"replica at once. Run one forward pass first, outside strategy.run (inside or after "

@@ -15,10 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from unison._once import Once
 from unison._state import STATE
-from unison.strategies.lazy_parameters import defer_until_materialized, is_lazy
+from unison.strategies.lazy_parameters import defer_until_materialized
 from unison.values.replica_parameters import resolve_in_replicas
 from unison.values.variables import MirroredVariable
 
