@@ -149,3 +149,27 @@ def test_an_average_updated_in_the_step_takes_each_step_once(average, strategy_f
     assert count == expected_count == 8
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scheduler_class_defined_after_the_strategy_is_wrapped_too():
+    strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"])  # wraps the classes that exist now
+
+    class CountingSteps(lr_scheduler.LRScheduler):
+        def step(self, epoch=None):  # a step of its own, not calling LRScheduler's
+            self.calls = getattr(self, "calls", 0) + 1
+            self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    with strategy.scope():
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = CountingSteps(opt)
+
+    def step(x):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        sched.step()
+
+    for _ in range(3):
+        strategy.run(step, args=(unison.PerReplica([torch.ones(2, 4), torch.ones(2, 4)]),))
+    assert sched.calls == 1 + 3  # LRScheduler.__init__'s, then once per step, not once per replica

@@ -12,9 +12,9 @@ advance once per applied step. Per-replica arguments (``ReduceLROnPlateau``'s me
 their mean over the replicas: for equal shares of a batch, the whole batch's metric.
 
 The methods of ``LRScheduler`` and ``AveragedModel``, and of every subclass that defines
-its own (PyTorch's, and those defined before the first strategy with several local
-replicas), are wrapped, once; elsewhere they are PyTorch's. A call outside
-``strategy.run`` is untouched.
+its own (PyTorch's, yours, and those defined later), are wrapped, once, when the first
+strategy with several local replicas is made; elsewhere they are PyTorch's. A call
+outside ``strategy.run`` is untouched.
 """
 
 from __future__ import annotations
@@ -66,15 +66,29 @@ def _once_per_step(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _wrap_own(cls: type, name: str) -> None:
+    own = cls.__dict__.get(name)
+    if own is not None and not getattr(own, _WRAPPED, False):
+        setattr(cls, name, _once_per_step(own))
+
+
 def _wrap_everywhere(base: type, name: str) -> None:
-    """Wraps ``name`` of ``base`` and of every subclass that defines its own."""
+    """Wraps ``name`` of ``base`` and of every subclass that defines its own, now and later."""
     pending: list[type] = [base]
     while pending:
         cls = pending.pop()
-        own = cls.__dict__.get(name)
-        if own is not None and not getattr(own, _WRAPPED, False):
-            setattr(cls, name, _once_per_step(own))
+        _wrap_own(cls, name)
         pending.extend(cls.__subclasses__())
+    previous = base.__dict__.get("__init_subclass__")
+
+    def init_subclass(cls: type, **kwargs: Any) -> None:  # a subclass defined from now on
+        if previous is not None:
+            previous.__func__(cls, **kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type,misc]
+        _wrap_own(cls, name)
+
+    base.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
 
 
 def _install() -> None:
