@@ -345,9 +345,8 @@ class ReplicaGradientSync:
         divided for MEAN, and is copied into the others' gradients -- three foreach calls
         whatever the number of parameters, no allocation, two passes fewer over the bytes
         than packing into new buffers (``replica_reduction.py``; as part of ``reduction``
-        when one is given and every gradient is contiguous). Gradients that require grad
-        (``create_graph``), are sparse or not floating point, or share a tensor, take the
-        general path.
+        when one is given). Gradients that require grad (``create_graph``), are sparse or
+        not floating point, or share a tensor, take the general path.
         """
         grads = [g for values in per_param for g in values]
         if any(g.requires_grad or g.layout != torch.strided or not g.is_cpu
@@ -355,14 +354,12 @@ class ReplicaGradientSync:
             return False
         if len({id(g) for g in grads}) != len(grads):
             return False
-        if reduction is not None and all(g.is_contiguous() for g in grads):
-            for values in per_param:
-                reduction.add([g.view(-1) for g in values])  # sliced by the replicas when large
-            return True
-        here = InPlaceReduction(self._num_replicas, self._reduce_op() is ReduceOp.MEAN)
+        here = reduction if reduction is not None else InPlaceReduction(self._num_replicas,
+                                                                         self._reduce_op() is ReduceOp.MEAN)
         for values in per_param:
             here.add(values)
-        here.run()
+        if reduction is None:
+            here.run()
         return True
 
     def _shadows_of(self, optimizer: torch.optim.Optimizer) -> list:

@@ -29,7 +29,7 @@ halving a memory-bound pass over a few MB saves."""
 
 @typing.final
 class InPlaceReduction:
-    """The gradients of one merge, each as every replica's flat (1-D, contiguous) tensor.
+    """The gradients of one merge, each as every replica's tensor of it.
 
     Args:
         num_replicas: the replicas whose tensors each ``add`` gets, in replica order.
@@ -41,16 +41,20 @@ class InPlaceReduction:
         self._mean = mean
         self._groups: list[Sequence[torch.Tensor]] = []
         self._elements = 0
+        self._contiguous = True
 
     def add(self, per_replica: Sequence[torch.Tensor]) -> None:
-        """Adds one gradient: every replica's 1-D contiguous tensor of it, in replica order."""
+        """Adds one gradient: every replica's tensor of it (same shape), in replica order."""
         self._groups.append(per_replica)
         self._elements += per_replica[0].numel()
+        if self._contiguous:
+            self._contiguous = all(t.is_contiguous() for t in per_replica)
 
     @property
     def split(self) -> bool:
-        """Whether the replicas should reduce slices each (enough elements to pay the meeting)."""
-        return self._elements >= SPLIT_MIN_ELEMENTS
+        """Whether the replicas should reduce slices each: enough elements to pay the meeting,
+        and every tensor contiguous (a slice is a range of its flat view)."""
+        return self._elements >= SPLIT_MIN_ELEMENTS and self._contiguous
 
     def run(self, replica_id: "int | None" = None) -> None:
         """Reduces replica ``replica_id``'s slice of every gradient, or all of them for None."""
@@ -64,7 +68,7 @@ class InPlaceReduction:
                 size = group[0].numel()
                 start, end = size * replica_id // n, size * (replica_id + 1) // n
                 if end > start:
-                    parts.append([t[start:end] for t in group])
+                    parts.append([t.view(-1)[start:end] for t in group])
             groups = parts
             if not groups:
                 return
