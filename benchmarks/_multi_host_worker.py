@@ -5,8 +5,9 @@ three times from one seed -- under ``MultiWorkerMirroredStrategy`` with its defa
 two hosts of two workers: the hierarchical transport), under the same with
 ``implementation="RING"`` (flat gloo), and as ``DistributedDataParallel`` on the group
 unison formed -- then times interleaved rounds of each (the order rotating) and writes
-``OUT/worker:<i>.json``: every step time, which transport each strategy chose, and the
-largest weight difference to DDP after the same steps on the same data.
+``OUT/worker:<i>.json``: every step time, which transport each strategy chose, the
+largest weight difference to DDP after the same steps on the same data, and the share of
+the machine's CPU time that was busy while each variant's steps ran.
 """
 
 from __future__ import annotations
@@ -39,6 +40,29 @@ def _transport(strategy: unison.MultiWorkerMirroredStrategy) -> str:
     return type(strategy.extended.cross_device_ops.transport).__name__
 
 
+def _machine_ticks() -> tuple[int, int]:
+    """The whole machine's busy and idle CPU ticks so far (``/proc/stat``; both simulated hosts share it)."""
+    with open("/proc/stat") as stat:
+        user, nice, system, idle, iowait, irq, softirq, *_ = map(int, stat.readline().split()[1:])
+    return user + nice + system + irq + softirq, idle + iowait
+
+
+def _counting_busy(step: Callable, ticks: list[int]) -> Callable:
+    """``step``, adding the machine's busy and idle ticks during each call to ``ticks``.
+
+    Where every core is busy whichever transport runs, the step time is the workers' CPU
+    work, not the time on the wire: this says which regime a run was in.
+    """
+    def counted(x: torch.Tensor, y: torch.Tensor) -> None:
+        busy, idle = _machine_ticks()
+        step(x, y)
+        busy_after, idle_after = _machine_ticks()
+        ticks[0] += busy_after - busy
+        ticks[1] += idle_after - idle
+
+    return counted
+
+
 def _train(workload: str, cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     hierarchical, ring = _strategy("AUTO", cfg["timeout"]), _strategy("RING", cfg["timeout"])
     batches, loss_fn = _make_batches(workload, cfg["num_batches"])
@@ -55,11 +79,13 @@ def _train(workload: str, cfg: dict[str, Any], rank: int, world: int) -> dict[st
     steps["ddp"] = _make_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), loss_fn)
     alone = _make_model(workload)  # never reduced: what 4 workers cost with no gradient exchange at all
     steps["no_sync"] = _make_step(alone, torch.optim.SGD(alone.parameters(), lr=0.01), loss_fn)
-    samples, taken = interleaved_rounds({name: steps[name] for name in VARIANTS}, local, cfg)
+    ticks = {name: [0, 0] for name in VARIANTS}
+    samples, taken = interleaved_rounds({name: _counting_busy(steps[name], ticks[name]) for name in VARIANTS}, local, cfg)
     with torch.no_grad():
         diffs = {name: max((a - b).abs().max().item() for a, b in zip(models[name].parameters(), ddp.module.parameters()))
                  for name in ("hierarchical", "ring")}
-    return {"samples": samples, "weight_diff_vs_ddp": diffs, "steps_taken": taken,
+    busy = {name: busy / max(busy + idle, 1) for name, (busy, idle) in ticks.items()}
+    return {"samples": samples, "weight_diff_vs_ddp": diffs, "steps_taken": taken, "cores_busy": busy,
             "transports": {"hierarchical": _transport(hierarchical), "ring": _transport(ring)}}
 
 
