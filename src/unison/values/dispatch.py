@@ -16,7 +16,8 @@ import torch
 
 from unison._state import STATE
 
-__all__ = ["is_plain_read", "is_grad_access", "is_own_attribute_write", "is_mutation", "map_variables",
+__all__ = ["is_plain_read", "is_grad_access", "is_own_attribute_write", "requires_grad_written", "is_mutation",
+           "map_variables",
            "find_variables", "call_plain", "replica_of"]
 
 _GRAD_DESCRIPTOR = torch.Tensor.grad
@@ -44,6 +45,17 @@ def is_own_attribute_write(func: Callable[..., Any], args: tuple, tensor: Any) -
         return True
     owner = getattr(func, "__self__", None)
     return _func_name(func) == "__set__" and any(owner is attribute for attribute in _OWN_ATTRIBUTES)
+
+
+def requires_grad_written(func: Callable[..., Any], args: tuple, kwargs: dict, tensor: Any) -> bool | None:
+    """The flag ``func`` sets on ``tensor`` when it is ``t.requires_grad_(b)`` or ``t.requires_grad = b``; else None."""
+    if not args or args[0] is not tensor:
+        return None
+    if func is _REQUIRES_GRAD_:
+        return bool(args[1]) if len(args) > 1 else bool(kwargs.get("requires_grad", True))
+    if _func_name(func) == "__set__" and getattr(func, "__self__", None) is _OWN_ATTRIBUTES[1] and len(args) == 2:
+        return bool(args[1])
+    return None
 
 
 _PLAIN_READS: dict[Any, bool] = {}

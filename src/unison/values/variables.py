@@ -32,7 +32,7 @@ from torch import nn
 from unison.values.aggregation import VariableAggregation
 from unison._state import STATE
 from unison.values.dispatch import (call_plain, find_variables, is_grad_access, is_mutation, is_own_attribute_write,
-                                    is_plain_read, map_variables, replica_of)
+                                    is_plain_read, map_variables, replica_of, requires_grad_written)
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import DistributedValues, PerReplica
 
@@ -345,7 +345,21 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
         handled = super()._replica_op(func, args, kwargs, context, replica_id)
         if handled is not NotImplemented or OWN_COMPONENT_WRITES.active or not is_mutation(func, args, kwargs, self):
             return handled
+        flag = requires_grad_written(func, args, kwargs, self)
+        if flag is not None:
+            self._require_grad_in_replica(replica_id, flag)
+            return None if func.__name__ == "__set__" else self
         return self._aggregated_write(func, args, kwargs, context)
+
+    def _require_grad_in_replica(self, replica_id: int, flag: bool) -> None:
+        """``p.requires_grad_(b)`` inside a replica (freezing a layer, a GAN toggling its
+        discriminator): the replica's own component, which its autograd records on, and the
+        variable's own flag that cross-replica reads see. Not the other replicas' components:
+        they may be in the middle of a forward pass, and each sets its own when it gets here
+        (a step runs the same code in every replica)."""
+        self._component(replica_id).requires_grad_(flag)
+        with torch._C.DisableTorchFunctionSubclass():
+            torch.Tensor.requires_grad_(self, flag)
 
     def _aggregated_write(self, func: Callable, args: tuple, kwargs: dict, context: Any) -> "MirroredVariable":
         name = getattr(func, "__name__", repr(func))
