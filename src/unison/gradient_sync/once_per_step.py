@@ -10,8 +10,10 @@ local replicas these calls are merges: once every replica made the call (each pa
 ``opt.step()``), it runs once, in cross-replica context, as TensorFlow's schedules
 advance once per applied step. Per-replica arguments (``ReduceLROnPlateau``'s metric) arrive as
 their mean over the replicas: for equal shares of a batch, the whole batch's metric.
+``optimizer.add_param_group(group)`` in the step (unfreezing a layer midway) is one too:
+the replicas share the optimizer, and a second call would add the group twice.
 
-The methods of ``LRScheduler`` and ``AveragedModel``, and of every subclass that defines
+The methods of ``LRScheduler``, ``AveragedModel`` and ``Optimizer``, and of every subclass that defines
 its own (PyTorch's, yours, and those defined later), are wrapped, once, when the first
 strategy with several local replicas is made; elsewhere they are PyTorch's. A call
 outside ``strategy.run`` is untouched.
@@ -94,6 +96,7 @@ def _wrap_everywhere(base: type, name: str) -> None:
 def _install() -> None:
     _wrap_everywhere(LRScheduler, "step")
     _wrap_everywhere(AveragedModel, "update_parameters")
+    _wrap_everywhere(torch.optim.Optimizer, "add_param_group")
 
 
 install_once_per_step = Once(_install)
