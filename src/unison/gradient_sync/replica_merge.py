@@ -248,8 +248,16 @@ class ReplicaGradientSync:
         return (self._shadow(optimizer, replica_id), *args[1:]), kwargs
 
     def post_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Ends the step's writes to this replica's own components."""
+        """Ends the step's writes to this replica's own components; with central storage, waits
+        until replica 0 has stepped the one copy every replica reads.
+
+        Without that wait, a replica whose (empty) step returned first would go on reading
+        the variables while replica 0 writes them: a GAN's discriminator step saw the
+        generator before its update (0.01 off with Adam, a whole step's change).
+        """
         OWN_COMPONENT_WRITES.end()
+        if not self._storage.replicas_step:
+            self._context().merge_call(_stepped)
 
     def _aggregate_registered(self, strategy: Any, variables: list) -> "InPlaceReduction | None":
         """Reduces the gradients of every live registered variable (``_live_variables()``):
@@ -415,6 +423,10 @@ class ReplicaGradientSync:
                         state[component] = _state_copy(optimizer.state[variable], variable.device, component.device)
                 groups.append({**group, "params": params})
         return shadow_optimizer(optimizer, groups, state)
+
+
+def _stepped(strategy: Any) -> None:
+    """The merge after a central-storage optimizer step: every replica has returned from it."""
 
 
 def _every_slice_reduced(strategy: Any) -> None:
