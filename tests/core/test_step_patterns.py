@@ -41,12 +41,16 @@ def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(steps)]
 
 
-def _train(strategy: unison.Strategy | None, build: Build, body: Body, steps: int = 6) -> dict[str, Any]:
-    """``body(state, x, y, step)`` on one device (whole batches) or in every replica (halves)."""
+def _train(strategy: unison.Strategy | None, build: Build, body: Body, steps: int = 6,
+           between: Callable[[dict[str, Any], int], None] | None = None) -> dict[str, Any]:
+    """``body(state, x, y, step)`` on one device (whole batches) or in every replica (halves);
+    ``between(state, step)`` before each step, outside ``strategy.run``."""
     torch.manual_seed(0)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         state = build()
     for i, (x, y) in enumerate(_data(steps)):
+        if between is not None:
+            between(state, i)
         if strategy is None:
             body(state, x, y, i)
         else:
@@ -55,10 +59,11 @@ def _train(strategy: unison.Strategy | None, build: Build, body: Body, steps: in
     return state
 
 
-def _assert_same_training(strategy_factory: Callable[[], unison.Strategy], build: Build, body: Body) -> dict[str, Any]:
-    expected = _train(None, build, body)["model"]
+def _assert_same_training(strategy_factory: Callable[[], unison.Strategy], build: Build, body: Body,
+                          between: Callable[[dict[str, Any], int], None] | None = None) -> dict[str, Any]:
+    expected = _train(None, build, body, between=between)["model"]
     strategy = strategy_factory()
-    state = _train(strategy, build, body)
+    state = _train(strategy, build, body, between=between)
     for got, want in zip(state["model"].parameters(), expected.parameters()):
         assert isinstance(got, unison.MirroredVariable)  # still the variable, not a replica's tensor
         for component in components(strategy, got):
@@ -206,3 +211,36 @@ def test_a_parameter_deleted_inside_a_replica_is_refused_with_the_fix():
     assert isinstance(model.weight, unison.MirroredVariable)  # nothing was removed
     del model.bias  # outside run: as in PyTorch
     assert "bias" not in dict(model.named_parameters())
+
+
+class _WithFrozenScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.full((4,), 0.5), requires_grad=False)  # made frozen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * self.scale
+
+
+@pytest.mark.parametrize("strategy_factory", list(SEVERAL_REPLICAS.values()), ids=list(SEVERAL_REPLICAS))
+@pytest.mark.parametrize("where", ["in_step", "between_steps"])
+def test_a_parameter_made_frozen_and_unfrozen_later_is_reduced(strategy_factory, where):
+    """It was never registered for reduction: once unfrozen, each replica stepped it with its own gradient."""
+    unfreeze_at = 2
+
+    def build() -> dict[str, Any]:
+        model = _WithFrozenScale()
+        return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+    def body(s: dict[str, Any], x: torch.Tensor, y: torch.Tensor, i: int) -> None:
+        if where == "in_step" and i == unfreeze_at:
+            s["model"].scale.requires_grad_(True)
+        _plain_step(s["model"], s["opt"], x, y)
+
+    def between(s: dict[str, Any], i: int) -> None:  # cross-replica context
+        if where == "between_steps" and i == unfreeze_at:
+            s["model"].scale.requires_grad_(True)
+
+    state = _assert_same_training(strategy_factory, build, body, between=between)
+    assert not torch.equal(state["model"].scale.detach(), torch.full((4,), 0.5))

@@ -589,3 +589,50 @@ def single_device_lazy_model_training():
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+class _WithFrozenScale(nn.Module):
+    """A layer and a scale made frozen (``requires_grad=False`` at construction), unfrozen at step 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.full((4,), 0.5), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * self.scale
+
+
+def _train_unfreezing(strategy: Any, rank: int, world: int, local_devices: int, in_step: bool):
+    torch.manual_seed(0)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = _WithFrozenScale()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y, unfreeze):
+        if unfreeze and in_step:
+            model.scale.requires_grad_(True)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for i, (x, y) in enumerate(global_batches(steps=8, batch=16)):
+        if i == 3 and not in_step:
+            model.scale.requires_grad_(True)
+        if strategy is None:
+            step(x, y, i == 3)
+            continue
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        if local_devices > 1:
+            xs, ys = unison.PerReplica(list(xs.chunk(local_devices))), unison.PerReplica(list(ys.chunk(local_devices)))
+        strategy.run(step, args=(xs, ys, i == 3))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def unfreezing_training(rank: int, world: int, local_devices: int, in_step: bool):
+    return _train_unfreezing(strategy_for(rank, world, devices=[f"cpu:{i}" for i in range(local_devices)]),
+                             rank, world, local_devices, in_step)
+
+
+def single_device_unfreezing_training():
+    return _train_unfreezing(None, 0, 1, 1, True)

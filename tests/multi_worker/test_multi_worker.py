@@ -240,6 +240,17 @@ def test_a_lazy_model_starts_from_the_chiefs_weights_and_trains_as_on_one_device
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("local_devices, in_step", [(1, True), (1, False), (2, True)])
+def test_a_parameter_made_frozen_and_unfrozen_later_trains_as_on_one_device(local_devices, in_step):
+    # A parameter created with requires_grad=False was never registered for reduction:
+    # once unfrozen, each worker stepped it with its own gradient and the workers drifted apart.
+    expected = w.single_device_unfreezing_training()
+    assert not torch.equal(expected[-1], torch.full((4,), 0.5))  # the scale trained after step 3
+    for weights in run_workers(w.unfreezing_training, 2, args=(local_devices, in_step), timeout=60):
+        _assert_weights_close(weights, expected)
+
+
+@pytest.mark.timeout(90)
 def test_several_local_replicas_reduce_a_layer_only_one_worker_used():
     # Each worker reduced only the variables its replicas had gradients for: the workers'
     # lists differed and the reduction failed with a CollectiveMismatchError.

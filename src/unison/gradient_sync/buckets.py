@@ -163,6 +163,7 @@ class BucketedGradientSync:
         # hold their parameters strongly until finalize() rebuilds them (see _agreed_alive).
         self._params: list["weakref.ref[torch.Tensor]"] = []
         self._index_of: dict[int, int] = {}  # id(param) -> its place in self._params
+        self._dormant: list["weakref.ref[torch.Tensor]"] = []  # made frozen: registered once trainable
         # Bucket order: parameters by their place in self._params, in the order backward
         # produced their gradients in the first synchronised step (None until then: reversed
         # registration order). _observed records that step's order.
@@ -190,11 +191,19 @@ class BucketedGradientSync:
         return [bucket.segment is not None for bucket in self._buckets]
 
     def register(self, param: torch.Tensor) -> None:
-        """Adds a parameter; its hook is installed and buckets rebuilt by :meth:`finalize`."""
-        if param.requires_grad:
-            self._index_of[id(param)] = len(self._params)
-            self._params.append(weakref.ref(param))
-            param.register_post_accumulate_grad_hook(self._on_grad)
+        """Adds a parameter; its hook is installed and buckets rebuilt by :meth:`finalize`.
+
+        A parameter made frozen (``nn.Parameter(t, requires_grad=False)``) waits aside
+        until it is trainable (see ``_wake_dormant``): in the buckets it would cost an
+        all-reduce of zeros every step, and left out for good, the workers drifted apart
+        once it was unfrozen.
+        """
+        if not param.requires_grad:
+            self._dormant.append(weakref.ref(param))
+            return
+        self._index_of[id(param)] = len(self._params)
+        self._params.append(weakref.ref(param))
+        param.register_post_accumulate_grad_hook(self._on_grad)
 
     def _agreed_alive(self) -> list[torch.Tensor]:
         """The registered parameters still alive on every worker; the others are forgotten.
@@ -464,6 +473,8 @@ class BucketedGradientSync:
             return
         if self._powersgd is not None:
             self._finish_powersgd()
+            if self._dormant:
+                self._wake_dormant()
             return
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
@@ -476,6 +487,38 @@ class BucketedGradientSync:
             self._next, self._started, self._fired = 0, 0, False
         if self._observed:
             self._follow_gradient_order()
+        if self._dormant:
+            self._wake_dormant()
+
+    def _wake_dormant(self) -> None:
+        """Parameters made frozen that are trainable now: this step's gradients are
+        all-reduced one by one (zeros where this worker has none), and from the next step
+        on they are in the buckets. A collective: every worker unfreezes the same
+        parameters at the same step, as the same program does."""
+        woken: list[torch.Tensor] = []
+        dormant: list[torch.Tensor] = []
+        for ref in self._dormant:
+            param = ref()
+            if param is not None:
+                (woken if param.requires_grad else dormant).append(param)
+        if not woken:
+            return
+        self._dormant = [weakref.ref(p) for p in dormant]
+        divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
+        for param in woken:
+            grad = param.grad
+            if grad is not None and grad.layout != torch.strided:
+                reduced = self._sparse_all_reduce(grad)
+                param.grad = reduced / divisor if divisor != 1 else reduced
+                continue
+            if grad is None:  # none here this step: the peers' mean still applies, as in the buckets
+                grad = torch.zeros_like(param.detach())
+            self._control.call(_OPERATION, dist.all_reduce, grad)
+            if divisor != 1:
+                grad.div_(divisor)
+            param.grad = grad
+            self.register(param)
+        self.finalize()
 
     def _reduce_buckets(self) -> None:
         """Waits for every launched bucket and hands out (or copies out) the reduced gradients."""
@@ -616,6 +659,8 @@ class BucketedGradientSync:
                 "would diverge; leave no_sync() for the last micro-batch's backward, then step"
             )
         self._finish()  # normally a no-op: the end-of-backward callback already ran
+        if self._dormant:  # a backward in which no bucketed parameter had a gradient
+            self._wake_dormant()
         return None
 
     def post_step(self, optimizer: torch.optim.Optimizer) -> None:

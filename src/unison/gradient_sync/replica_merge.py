@@ -121,6 +121,7 @@ class ReplicaGradientSync:
         # replica 0 steps the variables' plain components 0 with the user's state (primary_shadow.py)
         self._primaries: "weakref.WeakKeyDictionary[torch.optim.Optimizer, PrimaryShadow]" = weakref.WeakKeyDictionary()
         self._variables: list["weakref.ref[DistributedVariable]"] = []
+        self._dormant: list["weakref.ref[DistributedVariable]"] = []  # made frozen: registered once trainable
         self._registrations = 0  # with the live count, identifies the variables to the buffers
         self._no_sync_outside_run = 0
         self._states: "weakref.WeakKeyDictionary[ReplicaContext, _ReplicaStepState]" = weakref.WeakKeyDictionary()
@@ -149,8 +150,17 @@ class ReplicaGradientSync:
         return context if context is not None and context.strategy is self._owner() else None
 
     def register(self, param: torch.Tensor) -> None:
-        """Watches a trainable variable's components so their backward ends in a reduction."""
-        if not param.requires_grad or not isinstance(param, DistributedVariable):
+        """Watches a trainable variable's components so their backward ends in a reduction.
+
+        A variable made frozen (``nn.Parameter(t, requires_grad=False)``) waits aside
+        until a backward finds it trainable (see ``_take_woken``): reducing it before
+        would cost every step, and never reducing it let the replicas drift apart once
+        it was unfrozen.
+        """
+        if not isinstance(param, DistributedVariable):
+            return
+        if not param.requires_grad:
+            self._dormant.append(weakref.ref(param))
             return
         variable = param
         self._variables.append(weakref.ref(variable))
@@ -271,11 +281,27 @@ class ReplicaGradientSync:
                                         self._reduce_op() is ReduceOp.MEAN, reduction)
             if rest is not None:
                 variables = rest  # the variables the buffers do not hold (large gradients)
-        self._aggregate(strategy, variables, reduction)
+        woken = self._take_woken() if self._dormant else []
+        self._aggregate(strategy, [*variables, *woken] if woken else variables, reduction)
         if reduction is None or reduction.split:
             return reduction
         reduction.run()
         return None
+
+    def _take_woken(self) -> list[DistributedVariable]:
+        """Variables made frozen that are trainable now (unfrozen in or before this step):
+        registered from here on, and returned so that this step reduces them too. In a merge."""
+        woken: list[DistributedVariable] = []
+        dormant: list[DistributedVariable] = []
+        for ref in self._dormant:
+            variable = ref()
+            if variable is None:
+                continue
+            (woken if typing.cast(torch.Tensor, variable).requires_grad else dormant).append(variable)
+        self._dormant = [weakref.ref(v) for v in dormant]
+        for variable in woken:
+            self.register(typing.cast(torch.Tensor, variable))
+        return woken
 
     def _aggregate(self, strategy: Any, params: list, reduction: "InPlaceReduction | None" = None) -> None:
         """Reduces the variables' gradients across replicas (and workers); those reduced in
