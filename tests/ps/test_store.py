@@ -22,6 +22,35 @@ def test_dense_sgd_momentum_matches_local_optimizer():
     torch.testing.assert_close(store.read("w"), local.detach())
 
 
+class _NeedsLr(torch.optim.SGD):
+    """An optimizer whose constructor requires lr (no default), as custom ones often do."""
+
+    def __init__(self, params, lr, momentum=0.0):
+        super().__init__(params, lr=lr, momentum=momentum)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, _NeedsLr])
+def test_a_group_with_a_schedulers_initial_lr_and_a_name_is_applied_as_the_local_step(cls):
+    # An LR scheduler adds "initial_lr" to every group, and users add keys such as "name":
+    # the ps task built the optimizer with them as constructor arguments, a TypeError.
+    store = ParameterStore()
+    w0 = torch.randn(4, 3)
+    store.create("w", w0)
+    local = w0.clone().requires_grad_(True)
+    opt = cls([{"params": [local], "name": "w"}], lr=0.1, momentum=0.9) if cls is _NeedsLr else \
+        cls([{"params": [local], "name": "w"}], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        g = torch.randn(4, 3)
+        local.grad = g.clone()
+        hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        assert {"initial_lr", "name"} <= hyper.keys()
+        opt.step()
+        store.apply("w", g, None, cls, hyper)
+        scheduler.step()
+    torch.testing.assert_close(store.read("w"), local.detach())
+
+
 def test_plain_sgd_shortcut_matches_the_optimizer():
     store = ParameterStore()
     w0 = torch.randn(4, 3)

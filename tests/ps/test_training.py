@@ -160,3 +160,44 @@ def test_batchnorm_statistics_live_on_the_ps_and_every_workers_updates_add_up():
         plain.load_state_dict(state)
         coordinator.shutdown()
         assert cluster.stop() == {name: 0 for name in cluster.procs}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_a_scheduler_stepped_on_the_coordinator_trains_as_on_one_device():
+    # The scheduler's "initial_lr" in the optimizer's groups reached the ps task as a
+    # constructor argument of the optimizer: every push failed with a TypeError.
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(6)]
+    with ps_cluster(1, 1) as cluster:
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 1))
+        coordinator = unison.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model, optimizer, scheduler = make()
+
+        def step(x, y):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+
+        reference, ref_optimizer, ref_scheduler = make()
+        for x, y in batches:  # one function at a time: the same steps as one device
+            coordinator.schedule(step, args=(x, y))
+            coordinator.join()
+            scheduler.step()
+            ref_optimizer.zero_grad()
+            F.mse_loss(reference(x), y).backward()
+            ref_optimizer.step()
+            ref_scheduler.step()
+        assert optimizer.param_groups[0]["lr"] == ref_optimizer.param_groups[0]["lr"] == 0.0125
+        state = model.state_dict()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6)
+        coordinator.shutdown()
+        assert cluster.stop() == {name: 0 for name in cluster.procs}

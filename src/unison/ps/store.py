@@ -14,6 +14,8 @@ tf.distribute equivalent: the variables a ``ParameterServerStrategy`` places on
 
 from __future__ import annotations
 
+import inspect
+
 import threading
 import traceback
 from typing import Any
@@ -33,6 +35,19 @@ class _Slot:
         self.tensor = tensor
         self.lock = threading.Lock()
         self.optimizers: dict[type, torch.optim.Optimizer] = {}
+
+
+def _make_optimizer(cls: type, tensor: torch.Tensor, hyper: dict) -> torch.optim.Optimizer:
+    """``cls`` over ``tensor``, its one group holding the worker's group's hyper-parameters.
+
+    The group carries every key, also those that are no constructor argument: the
+    ``initial_lr`` an LR scheduler adds, a user's ``"name"``. The constructor gets the
+    arguments it names, for an optimizer that requires one (a custom ``lr`` without default).
+    """
+    names = [name for name, parameter in inspect.signature(cls.__init__).parameters.items()
+             if parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    arguments = {name: hyper[name] for name in names[2:] if name in hyper}  # after self and params
+    return cls([{**hyper, "params": [tensor]}], **arguments)
 
 
 def _plain_sgd(cls: type, hyper: dict) -> bool:
@@ -126,7 +141,7 @@ class ParameterStore:
                 return
             optimizer = slot.optimizers.get(cls)
             if optimizer is None:
-                optimizer = slot.optimizers[cls] = cls([tensor], **hyper)
+                optimizer = slot.optimizers[cls] = _make_optimizer(cls, tensor, hyper)
             else:
                 optimizer.param_groups[0].update(hyper)  # schedulers change lr between steps
             if ids is None:
