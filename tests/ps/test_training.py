@@ -1,11 +1,14 @@
 """Chief + 2 workers + 2 ps: training, placement, sharding, reads on the coordinator."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import unison
+from unison.errors import UsageError
 from unison.ps.worker_runtime import RUNTIME
 
 from tests.ps._cluster import ps_cluster
@@ -199,5 +202,53 @@ def test_a_scheduler_stepped_on_the_coordinator_trains_as_on_one_device():
         state = model.state_dict()
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6)
+        coordinator.shutdown()
+        assert cluster.stop() == {name: 0 for name in cluster.procs}
+
+
+@pytest.mark.timeout(60)
+def test_the_optimizer_state_round_trips_through_a_checkpoint_as_on_one_device():
+    # The moments live on the ps tasks; the coordinator's optimizer.state_dict() had no state,
+    # so a resumed run restarted Adam's moments at zero.
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 4))
+        return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 10, (16, 2), generator=g), torch.randn(16, 4, generator=g)) for _ in range(6)]
+    reference, ref_optimizer = make()
+
+    def train(model, optimizer, x, y):
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    for x, y in batches[:3]:
+        train(reference, ref_optimizer, x, y)
+    checkpoint = copy.deepcopy({"model": reference.state_dict(), "optimizer": ref_optimizer.state_dict()})
+    with ps_cluster(1, 2) as cluster:
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 2),
+                                                  variable_partitioner=unison.partitioners.FixedShardsPartitioner(2))
+        coordinator = unison.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model, optimizer = make()
+            with pytest.raises(UsageError, match="after the `with strategy.scope\\(\\):` block"):
+                optimizer.load_state_dict(checkpoint["optimizer"])
+        assert all(isinstance(p, unison.ShardedVariable) for p in model.parameters())  # state split over 2 ps
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])  # one device's moments onto the ps tasks
+        for x, y in batches[3:]:
+            coordinator.schedule(train, args=(model, optimizer, x, y))
+            coordinator.join()
+            train(reference, ref_optimizer, x, y)
+        state = model.state_dict()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6)
+        saved, expected = optimizer.state_dict(), ref_optimizer.state_dict()  # and back, for a plain optimizer
+        assert saved["state"].keys() == expected["state"].keys() == {0, 1, 2}
+        for index, entries in expected["state"].items():
+            for name, value in entries.items():
+                torch.testing.assert_close(saved["state"][index][name], value, rtol=0, atol=1e-6)
         coordinator.shutdown()
         assert cluster.stop() == {name: 0 for name in cluster.procs}

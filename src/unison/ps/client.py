@@ -19,7 +19,7 @@ import torch
 
 from unison.errors import ParameterServerError
 from unison.ps.shared_arena import Place, SharedArena
-from unison.ps.transport import TensorLink, open_link
+from unison.ps.transport import TensorLink, open_link, pickled, unpickled
 
 __all__ = ["PSClient", "Request"]
 
@@ -206,6 +206,27 @@ class PSClient:
                       places)
             requests[i] = (header, list(tensors), None)
         self.exchange(requests)
+
+    def optimizer_states(self, placed: Sequence[tuple[int, str]]) -> list[dict[type, dict[str, Any]]]:
+        """Per ``(ps index, key)``: the state each optimizer class keeps for it on its ps task."""
+        by_ps: dict[int, list[int]] = {}
+        for position, (index, _) in enumerate(placed):
+            by_ps.setdefault(index, []).append(position)
+        replies = self.exchange({i: (("optimizer_states", [placed[p][1] for p in ps]), (), None)
+                                 for i, ps in by_ps.items()})
+        out: list[Any] = [None] * len(placed)
+        for i, positions in by_ps.items():
+            for p, state in zip(positions, unpickled(replies[i][0])):
+                out[p] = state
+        return out
+
+    def load_optimizer_states(self, entries: Sequence[tuple[int, str, type, dict, dict[str, Any]]]) -> None:
+        """Sets optimizer states: ``(ps index, key, optimizer class, hyper-parameters, state)``."""
+        by_ps: dict[int, list[tuple[str, type, dict, dict[str, Any]]]] = {}
+        for index, key, cls, hyper, state in entries:
+            by_ps.setdefault(index, []).append((key, cls, hyper, state))
+        self.exchange({i: (("load_optimizer_states", [k for k, _, _, _ in items], [(c, h) for _, c, h, _ in items]),
+                           [pickled([s for _, _, _, s in items])], None) for i, items in by_ps.items()})
 
     def ping(self, index: int) -> None:
         """Raises ParameterServerError unless ps task ``index`` answers."""

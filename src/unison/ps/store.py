@@ -14,8 +14,8 @@ tf.distribute equivalent: the variables a ``ParameterServerStrategy`` places on
 
 from __future__ import annotations
 
+import copy
 import inspect
-
 import threading
 import traceback
 from typing import Any
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from unison.ps.shared_arena import MappedSegments
-from unison.ps.transport import TensorLink
+from unison.ps.transport import TensorLink, pickled, unpickled
 
 __all__ = ["ParameterStore", "serve_ps_session"]
 
@@ -44,9 +44,9 @@ def _make_optimizer(cls: type, tensor: torch.Tensor, hyper: dict) -> torch.optim
     ``initial_lr`` an LR scheduler adds, a user's ``"name"``. The constructor gets the
     arguments it names, for an optimizer that requires one (a custom ``lr`` without default).
     """
-    names = [name for name, parameter in inspect.signature(cls.__init__).parameters.items()
+    names = [name for name, parameter in inspect.signature(cls).parameters.items()
              if parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
-    arguments = {name: hyper[name] for name in names[2:] if name in hyper}  # after self and params
+    arguments = {name: hyper[name] for name in names[1:] if name in hyper}  # after params
     return cls([{**hyper, "params": [tensor]}], **arguments)
 
 
@@ -156,6 +156,27 @@ class ParameterStore:
                 tensor.grad = None
 
 
+    def optimizer_states(self, key: str) -> dict[type, dict[str, Any]]:
+        """A copy of the state each optimizer class keeps for ``key`` here (momentum, Adam's moments)."""
+        slot = self._slot(key)
+        with slot.lock:
+            return {cls: copy.deepcopy(dict(optimizer.state.get(slot.tensor, {})))
+                    for cls, optimizer in slot.optimizers.items()}
+
+    def load_optimizer_state(self, key: str, cls: type, hyper: dict, state: dict[str, Any]) -> None:
+        """Makes ``state`` the state of optimizer ``cls`` for ``key`` (a checkpoint's, on resume)."""
+        slot = self._slot(key)
+        with slot.lock:
+            optimizer = slot.optimizers.get(cls)
+            if optimizer is None:
+                optimizer = slot.optimizers[cls] = _make_optimizer(cls, slot.tensor, hyper)
+            else:
+                optimizer.param_groups[0].update(hyper)
+            device = slot.tensor.device
+            optimizer.state[slot.tensor] = {name: value.to(device, copy=True) if isinstance(value, torch.Tensor)
+                                            else copy.deepcopy(value) for name, value in state.items()}
+
+
 def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
     """Answers one peer's requests (a worker's or the coordinator's) until it disconnects.
 
@@ -170,6 +191,8 @@ def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
         ("pull_shared", keys, places) -> ("ok",), each value copied into the worker's place
         ("assign", keys) + values -> ("ok",)
         ("add", keys) + deltas -> ("ok",)
+        ("optimizer_states", keys) -> ("ok",) + one uint8 tensor: the pickled ``optimizer_states`` per key
+        ("load_optimizer_states", keys, [(cls, hyper)]) + one uint8 tensor (the pickled states) -> ("ok",)
         ("ping",) -> ("ok",)
     Errors come back as ("error", exception, traceback text).
     """
@@ -220,6 +243,11 @@ def _serve(store: ParameterStore, link: TensorLink, replies: dict[int, torch.Ten
             elif kind == "add":
                 for key, delta in zip(header[1], tensors):
                     store.add(key, delta)
+            elif kind == "optimizer_states":
+                reply = [pickled([store.optimizer_states(key) for key in header[1]])]
+            elif kind == "load_optimizer_states":
+                for key, (cls, hyper), state in zip(header[1], header[2], unpickled(tensors[0])):
+                    store.load_optimizer_state(key, cls, hyper, state)
             elif kind != "ping":
                 raise ValueError(f"unknown ps request {kind!r}")
             message: Any = ("ok",)

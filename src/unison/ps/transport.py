@@ -26,7 +26,17 @@ import torch
 
 from unison.coordinator.channel import Channel, connect
 
-__all__ = ["TensorLink", "open_link", "set_nodelay"]
+__all__ = ["TensorLink", "open_link", "set_nodelay", "pickled", "unpickled"]
+
+
+def pickled(value: Any) -> torch.Tensor:
+    """``value`` pickled into a uint8 tensor, for what travels best as bytes (optimizer states)."""
+    return torch.frombuffer(bytearray(cloudpickle.dumps(value)), dtype=torch.uint8)
+
+
+def unpickled(data: torch.Tensor) -> Any:
+    """The value ``pickled`` made."""
+    return pickle.loads(data.numpy().tobytes())
 
 
 def set_nodelay(channel: Channel) -> None:

@@ -21,6 +21,7 @@ from unison.cluster.multi_worker_util import TASK_TYPES
 from unison.cluster.resolved import ResolvedCluster
 from unison.collectives.local import ReductionToOneDevice
 from unison.coordinator.channel import require_authkey
+from unison.ps.optimizer_state import install_optimizer_state_on_ps
 from unison.ps.policy import PSVariablePolicy
 from unison.ps.specs import task_device
 from unison.strategies.base import Strategy
@@ -95,6 +96,7 @@ class ParameterServerStrategy(Strategy):
             cluster_resolver = TFConfigClusterResolver()
         if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
             raise ValueError(f"timeout_seconds must be a positive number, got {timeout_seconds!r}")
+        install_optimizer_state_on_ps()
         self._init_args = (cluster_resolver, variable_partitioner, timeout_seconds, variable_placer, authkey)
         self._ps_info = _cluster_info(cluster_resolver, float(timeout_seconds), authkey)
         self._cluster_resolver = cluster_resolver
