@@ -506,6 +506,7 @@ class BucketedGradientSync:
         self._dormant = [weakref.ref(p) for p in dormant]
         divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
         for param in woken:
+            self.register(param)
             grad = param.grad
             if grad is not None and grad.layout != torch.strided:
                 reduced = self._sparse_all_reduce(grad)
@@ -517,7 +518,6 @@ class BucketedGradientSync:
             if divisor != 1:
                 grad.div_(divisor)
             param.grad = grad
-            self.register(param)
         self.finalize()
 
     def _reduce_buckets(self) -> None:

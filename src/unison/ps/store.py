@@ -155,7 +155,6 @@ class ParameterStore:
             finally:
                 tensor.grad = None
 
-
     def optimizer_states(self, key: str) -> dict[type, dict[str, Any]]:
         """A copy of the state each optimizer class keeps for ``key`` here (momentum, Adam's moments)."""
         slot = self._slot(key)

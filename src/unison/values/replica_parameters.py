@@ -56,9 +56,11 @@ class ReplicaParameters(dict):
 
     def __getitem__(self, name: str) -> Any:
         value = _lookup(self, name)
-        if isinstance(value, MirroredVariable):
-            replica = _replica_of(value)
-            if replica is not None:
+        if isinstance(value, MirroredVariable):  # inline, not _replica_of: a forward's every parameter read
+            entry = STATE.top()
+            context = entry.replica_context if entry is not None else None
+            if context is not None and context.strategy is value._strategy:
+                replica = context.local_replica_id
                 if self._overlays:  # rare: only while a replica has a parameter replaced
                     own = self._overlays.get(replica)
                     if own is not None and name in own:
