@@ -636,3 +636,21 @@ def unfreezing_training(rank: int, world: int, local_devices: int, in_step: bool
 
 def single_device_unfreezing_training():
     return _train_unfreezing(None, 0, 1, 1, True)
+
+
+def unfreezing_on_one_worker_only(rank: int, world: int) -> str:
+    """Worker 0 alone unfreezes a parameter made frozen: the workers' collectives differ."""
+    strategy = strategy_for(rank, world, timeout_seconds=5)
+    with strategy.scope():
+        model = _WithFrozenScale()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for i, (x, y) in enumerate(global_batches(steps=4, batch=16)):
+            if i == 1 and rank == 0:
+                model.scale.requires_grad_(True)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+    except unison.errors.PeerLostError as e:
+        return str(e)
+    return "no error"

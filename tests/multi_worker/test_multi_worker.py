@@ -251,6 +251,13 @@ def test_a_parameter_made_frozen_and_unfrozen_later_trains_as_on_one_device(loca
 
 
 @pytest.mark.timeout(90)
+def test_a_parameter_unfrozen_on_one_worker_only_fails_every_worker_with_the_likely_cause():
+    # Every heartbeat is alive: the error used to say only "a peer crashed, was killed or did not answer".
+    for message in run_workers(w.unfreezing_on_one_worker_only, 2, timeout=60):
+        assert "every heartbeat is alive" in message and "unfroze a parameter the others did not" in message
+
+
+@pytest.mark.timeout(90)
 def test_several_local_replicas_reduce_a_layer_only_one_worker_used():
     # Each worker reduced only the variables its replicas had gradients for: the workers'
     # lists differed and the reduction failed with a CollectiveMismatchError.

@@ -77,11 +77,18 @@ class WorkerGroup:
         """A PeerLostError for a failed collective, naming the tasks that stopped and how
         the scheduler in use restarts them."""
         missing = self.liveness.missing() if self.liveness is not None else []
-        who = ", ".join(missing) if missing else "unknown (every heartbeat is alive)"
+        if missing:
+            who = f"{', '.join(missing)}; a peer crashed, was killed or did not answer"
+        elif self.liveness is not None:  # alive, yet absent: stuck, or in another collective
+            who = ("none, every heartbeat is alive: a peer is stuck, or the workers called different "
+                   "collectives (one stepped, built a model or unfroze a parameter the others did not), "
+                   "and it did not answer")
+        else:
+            who = "unknown; a peer crashed, was killed or did not answer"
         return PeerLostError(
             f"{operation} over the {self.backend} group of {self.world_size} workers failed on "
-            f"{self.names[self.rank]}: missing task(s): {who}; a peer crashed, was killed or did not "
-            f"answer within timeout_seconds={self.timeout:g}. {restart_advice(self.environment)} Cause: {cause}"
+            f"{self.names[self.rank]}: missing task(s): {who} within timeout_seconds={self.timeout:g}. "
+            f"{restart_advice(self.environment)} Cause: {cause}"
         )
 
 
