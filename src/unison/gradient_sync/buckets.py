@@ -65,6 +65,7 @@ from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegmen
 from unison.collectives.transports import BucketSharing, CrossWorkerTransport, HierarchicalTransport
 from unison.collectives.worker_control import WorkerControl
 from unison.errors import GradientSyncError
+from unison.gradient_sync.dormant import DormantParameters
 from unison.gradient_sync.grad_access import grads_of
 from unison.gradient_sync.grad_slots import GradSlots, fits
 from unison.reduce import ReduceOp
@@ -163,7 +164,7 @@ class BucketedGradientSync:
         # hold their parameters strongly until finalize() rebuilds them (see _agreed_alive).
         self._params: list["weakref.ref[torch.Tensor]"] = []
         self._index_of: dict[int, int] = {}  # id(param) -> its place in self._params
-        self._dormant: list["weakref.ref[torch.Tensor]"] = []  # made frozen: registered once trainable
+        self._dormant = DormantParameters()  # made frozen: registered once trainable
         # Bucket order: parameters by their place in self._params, in the order backward
         # produced their gradients in the first synchronised step (None until then: reversed
         # registration order). _observed records that step's order.
@@ -199,7 +200,7 @@ class BucketedGradientSync:
         once it was unfrozen.
         """
         if not param.requires_grad:
-            self._dormant.append(weakref.ref(param))
+            self._dormant.add(param)
             return
         self._index_of[id(param)] = len(self._params)
         self._params.append(weakref.ref(param))
@@ -495,15 +496,9 @@ class BucketedGradientSync:
         all-reduced one by one (zeros where this worker has none), and from the next step
         on they are in the buckets. A collective: every worker unfreezes the same
         parameters at the same step, as the same program does."""
-        woken: list[torch.Tensor] = []
-        dormant: list[torch.Tensor] = []
-        for ref in self._dormant:
-            param = ref()
-            if param is not None:
-                (woken if param.requires_grad else dormant).append(param)
+        woken = self._dormant.take_trainable()
         if not woken:
             return
-        self._dormant = [weakref.ref(p) for p in dormant]
         divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
         for param in woken:
             self.register(param)

@@ -36,6 +36,7 @@ from unison.collectives.local import ReductionToOneDevice
 from unison.devices import is_cuda
 from unison.context import ReplicaContext
 from unison.errors import GradientSyncError
+from unison.gradient_sync.dormant import DormantParameters
 from unison.gradient_sync.primary_shadow import PrimaryShadow
 from unison.gradient_sync.replica_grad_buffers import ReplicaGradBuffers
 from unison.gradient_sync.replica_reduction import InPlaceReduction
@@ -121,7 +122,7 @@ class ReplicaGradientSync:
         # replica 0 steps the variables' plain components 0 with the user's state (primary_shadow.py)
         self._primaries: "weakref.WeakKeyDictionary[torch.optim.Optimizer, PrimaryShadow]" = weakref.WeakKeyDictionary()
         self._variables: list["weakref.ref[DistributedVariable]"] = []
-        self._dormant: list["weakref.ref[DistributedVariable]"] = []  # made frozen: registered once trainable
+        self._dormant = DormantParameters()  # made frozen: registered once trainable
         self._registrations = 0  # with the live count, identifies the variables to the buffers
         self._no_sync_outside_run = 0
         self._states: "weakref.WeakKeyDictionary[ReplicaContext, _ReplicaStepState]" = weakref.WeakKeyDictionary()
@@ -160,7 +161,7 @@ class ReplicaGradientSync:
         if not isinstance(param, DistributedVariable):
             return
         if not param.requires_grad:
-            self._dormant.append(weakref.ref(param))
+            self._dormant.add(param)
             return
         variable = param
         self._variables.append(weakref.ref(variable))
@@ -288,19 +289,12 @@ class ReplicaGradientSync:
         reduction.run()
         return None
 
-    def _take_woken(self) -> list[DistributedVariable]:
+    def _take_woken(self) -> list[torch.Tensor]:
         """Variables made frozen that are trainable now (unfrozen in or before this step):
         registered from here on, and returned so that this step reduces them too. In a merge."""
-        woken: list[DistributedVariable] = []
-        dormant: list[DistributedVariable] = []
-        for ref in self._dormant:
-            variable = ref()
-            if variable is None:
-                continue
-            (woken if typing.cast(torch.Tensor, variable).requires_grad else dormant).append(variable)
-        self._dormant = [weakref.ref(v) for v in dormant]
+        woken = self._dormant.take_trainable()
         for variable in woken:
-            self.register(typing.cast(torch.Tensor, variable))
+            self.register(variable)
         return woken
 
     def _aggregate(self, strategy: Any, params: list, reduction: "InPlaceReduction | None" = None) -> None:

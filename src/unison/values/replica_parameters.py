@@ -69,7 +69,7 @@ class ReplicaParameters(dict):
         return value
 
     def __setitem__(self, name: str, value: Any) -> None:
-        current = _lookup(self, name) if dict.__contains__(self, name) else None
+        current = dict.get(self, name)
         replica = _replica_of(current) if isinstance(current, MirroredVariable) else None
         if replica is None:
             dict.__setitem__(self, name, value)
@@ -85,7 +85,7 @@ class ReplicaParameters(dict):
         self._overlays.setdefault(replica, {})[name] = value
 
     def __delitem__(self, name: str) -> None:
-        current = _lookup(self, name) if dict.__contains__(self, name) else None
+        current = dict.get(self, name)
         if isinstance(current, MirroredVariable) and _replica_of(current) is not None:
             raise UsageError(
                 f"`del module._parameters[{name!r}]` inside a replica: every replica thread shares the "
