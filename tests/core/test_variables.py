@@ -166,8 +166,9 @@ def test_variable_pickles_as_plain_parameter(mirrored2):
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
     assert type(loaded) is nn.Parameter and torch.equal(loaded, layer.weight.values[0])
-    copied = copy.deepcopy(layer.weight)
-    assert type(copied) is nn.Parameter and torch.equal(copied, layer.weight.values[0])
+    copied = copy.deepcopy(layer.weight)  # a deep copy stays a variable of the strategy (as in TF)
+    assert type(copied) is unison.MirroredVariable and copied is not layer.weight
+    assert all(torch.equal(a, b) for a, b in zip(copied.values, layer.weight.values))
 
 
 # --- reads ----------------------------------------------------------------------------------

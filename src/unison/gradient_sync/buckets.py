@@ -164,7 +164,8 @@ class BucketedGradientSync:
         # hold their parameters strongly until finalize() rebuilds them (see _agreed_alive).
         self._params: list["weakref.ref[torch.Tensor]"] = []
         self._index_of: dict[int, int] = {}  # id(param) -> its place in self._params
-        self._dormant = DormantParameters()  # made frozen: registered once trainable
+        self._dormant = DormantParameters()  # made frozen, or came late: registered once trainable
+        self._built = False  # whether finalize() has built the buckets (later parameters wait in _dormant)
         # Bucket order: parameters by their place in self._params, in the order backward
         # produced their gradients in the first synchronised step (None until then: reversed
         # registration order). _observed records that step's order.
@@ -197,11 +198,19 @@ class BucketedGradientSync:
         A parameter made frozen (``nn.Parameter(t, requires_grad=False)``) waits aside
         until it is trainable (see ``_wake_dormant``): in the buckets it would cost an
         all-reduce of zeros every step, and left out for good, the workers drifted apart
-        once it was unfrozen.
+        once it was unfrozen. So does one registered after the buckets were built: the
+        first backward (or step) that finds it reduces its gradient on its own and
+        rebuilds the buckets with it, collectively, as every worker made it too.
         """
-        if not param.requires_grad:
+        if not param.requires_grad or self._built:
+            # frozen, or come after the buckets were built (a module deep-copied, a parameter
+            # replaced by load_state_dict(assign=True)): it joins at the next end of backward
             self._dormant.add(param)
             return
+        self._enroll(param)
+
+    def _enroll(self, param: torch.Tensor) -> None:
+        """Puts ``param`` among the parameters the next :meth:`finalize` buckets."""
         self._index_of[id(param)] = len(self._params)
         self._params.append(weakref.ref(param))
         param.register_post_accumulate_grad_hook(self._on_grad)
@@ -237,6 +246,7 @@ class BucketedGradientSync:
         program dropped on any worker leave the buckets here.
         """
         self._buckets, self._bucket_of = [], {}  # the buckets' references must not keep a parameter alive
+        self._built = True
         params = self._agreed_alive()
         if self._order is not None and len(self._order) != len(params):
             self._order = None  # parameters came since: learn the order again
@@ -501,7 +511,7 @@ class BucketedGradientSync:
             return
         divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
         for param in woken:
-            self.register(param)
+            self._enroll(param)
             grad = param.grad
             if grad is not None and grad.layout != torch.strided:
                 reduced = self._sparse_all_reduce(grad)

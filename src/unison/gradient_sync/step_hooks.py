@@ -10,16 +10,23 @@ attribute lookup per step.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch.optim import optimizer as torch_optimizer
 
 from unison._once import Once
+from unison._state import STATE
+from unison.errors import UsageError
+from unison.values.variables import DistributedVariable
 
 __all__ = ["SYNC_ATTRIBUTE", "attach", "install_step_hooks"]
 
 SYNC_ATTRIBUTE = "_unison_gradient_sync"
+
+# optimizer -> its parameter count when their owners were last checked
+_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 
 
 def attach(param: torch.Tensor, gradient_sync: Any) -> None:
@@ -34,8 +41,53 @@ def _gradient_sync_of(optimizer: torch.optim.Optimizer) -> Any:
     return None
 
 
+def _owner_sync(param: torch.Tensor) -> Any:
+    """The synchroniser of ``param``: attached, or its distributed variable's strategy's (``unison.Variable``)."""
+    sync = getattr(param, SYNC_ATTRIBUTE, None)
+    if sync is None and isinstance(param, DistributedVariable) and param._strategy is not None:
+        sync = param._strategy.extended.components.gradient_sync
+    return sync
+
+
+def _param_count(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
+def _check_owners(optimizer: torch.optim.Optimizer, sync: Any) -> None:
+    """Refuses a step whose parameters are not all synchronised by ``sync`` (None: by nothing),
+    or that steps unsynchronised parameters in a run of several replicas: their gradients
+    would never be reduced, so replicas or workers would part silently."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    strays = [k for k, p in enumerate(params) if _owner_sync(p) is not sync]
+    if sync is None:
+        entry = STATE.top()
+        context = entry.replica_context if entry is not None else None
+        strategy = context.strategy if context is not None else None
+        if (strategy is None or strategy.extended.components.gradient_sync is None
+                or strategy.num_replicas_in_sync == 1):
+            return
+        strays = list(range(len(params)))
+        owner = f"{type(strategy).__name__} ({strategy.num_replicas_in_sync} replicas in sync)"
+    elif not strays:
+        return
+    else:
+        owner = "the strategy of the optimizer's first parameter"
+    shown = ", ".join(f"#{k} {tuple(params[k].shape)}" for k in strays[:3]) + (" ..." if len(strays) > 3 else "")
+    raise UsageError(
+        f"opt.step(): {len(strays)} of the optimizer's {len(params)} parameters ({shown}) are not synchronised "
+        f"by {owner}: their gradients would never be reduced and the replicas would part silently. They were "
+        f"made outside `strategy.scope()` (a module built there, or a parameter added to a module after it); "
+        f"build or add them inside `with strategy.scope():` (deep copies and parameters replaced with "
+        f"load_state_dict(..., assign=True) join the original's strategy by themselves)"
+    )
+
+
 def _on_step_pre(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
     sync = _gradient_sync_of(optimizer)
+    count = _param_count(optimizer)
+    if _CHECKED.get(optimizer) != count:  # once per optimizer and set of parameters
+        _check_owners(optimizer, sync)
+        _CHECKED[optimizer] = count
     return None if sync is None else sync.pre_step(optimizer, args, kwargs)
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from unison._state import STATE
 from unison.ps.specs import VariableSpec, is_metadata_function, task_device
 
 __all__ = ["PSVariable", "ShardedVariable"]
@@ -126,8 +127,16 @@ class _RemoteParameter(nn.Parameter):
         return rebuild_variable, (self._ps_spec,)
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
-        # A copy is a local snapshot: a plain parameter holding the current values.
+        # In the strategy's scope (a module that clones its layers there, like
+        # nn.TransformerEncoder), the copy is a new ps variable; elsewhere it is a local
+        # snapshot: a plain parameter holding the current values (for evaluation or export).
         copy = nn.Parameter(self.read_value(), requires_grad=self.requires_grad)
+        entry = STATE.top()
+        if (entry is not None and entry.replica_context is None
+                and entry.strategy.extended.components.variable_policy is self._ps_owner):
+            extended, name = entry.strategy.extended, self._ps_spec.name
+            # a trainable copy may be partitioned like a parameter; a buffer's stays whole
+            copy = extended.create_parameter(copy, name) if self.requires_grad else extended.create_buffer(copy, name)
         memo[id(self)] = copy
         return copy
 

@@ -4,8 +4,10 @@ PyTorch's global parameter- and buffer-registration hooks are installed once per
 process. Inside a (non-default) strategy's scope, in cross-replica context, a new
 parameter or buffer is handed to ``strategy.extended.create_parameter`` /
 ``create_buffer``, whose variable policy decides what it becomes: a distributed
-variable, a tensor moved to the strategy's device, or itself. Elsewhere the hooks
-return at once. A module that gets a mirrored variable as a parameter reads it, in a
+variable, a tensor moved to the strategy's device, or itself. Outside every scope, a
+parameter or buffer that replaces one of a strategy's (``load_state_dict(...,
+assign=True)``) joins that strategy (``joining.py``, which also makes deep copies join).
+In a replica, the hooks return at once. A module that gets a mirrored variable as a parameter reads it, in a
 replica, as the replica's plain component (``values/replica_parameters.py``). A lazy
 module's uninitialised parameters are taken at its first forward (``lazy_parameters.py``).
 """
@@ -19,6 +21,7 @@ from torch.nn.parameter import is_lazy
 
 from unison._once import Once
 from unison._state import STATE
+from unison.strategies.joining import install_copy_hook, join_like
 from unison.strategies.lazy_parameters import defer_until_materialized
 from unison.values.replica_parameters import resolve_in_replicas
 from unison.values.variables import MirroredVariable
@@ -39,7 +42,12 @@ def _on_parameter_registered(module: nn.Module, name: str, param: Any) -> Any:
     if strategy is not None and is_lazy(param):  # a lazy module's: taken at its first forward
         defer_until_materialized(module, name, "parameter", strategy)
         return None
-    replacement = None if strategy is None else strategy.extended.create_parameter(param, name)
+    if strategy is not None:
+        replacement = strategy.extended.create_parameter(param, name)
+    elif param is not None and STATE.top() is None:  # outside any scope: it may replace a strategy's parameter
+        replacement = join_like(param, module.__dict__.get("_parameters", {}).get(name), name, "parameter")
+    else:
+        replacement = None
     registered = param if replacement is None else replacement
     if isinstance(registered, MirroredVariable):
         registered._follow_own_tensor()  # registered again after a `set_` (parametrize does both)
@@ -52,12 +60,17 @@ def _on_buffer_registered(module: nn.Module, name: str, buffer: Any) -> Any:
     if strategy is not None and is_lazy(buffer):
         defer_until_materialized(module, name, "buffer", strategy)
         return None
-    return None if strategy is None else strategy.extended.create_buffer(buffer, name)
+    if strategy is not None:
+        return strategy.extended.create_buffer(buffer, name)
+    if buffer is not None and STATE.top() is None:  # outside any scope: it may replace a strategy's buffer
+        return join_like(buffer, module.__dict__.get("_buffers", {}).get(name), name, "buffer")
+    return None
 
 
 def _install() -> None:
     nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
     nn.modules.module.register_module_buffer_registration_hook(_on_buffer_registered)
+    install_copy_hook()
 
 
 install_scope_hooks = Once(_install)

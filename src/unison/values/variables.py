@@ -31,6 +31,7 @@ from torch import nn
 
 from unison.values.aggregation import VariableAggregation
 from unison._state import STATE
+from unison.errors import UsageError
 from unison.values.dispatch import (call_plain, find_variables, is_grad_access, is_mutation, is_own_attribute_write,
                                     is_plain_read, map_variables, replica_of, requires_grad_written)
 from unison.values.storage import MIRRORED, VariableStorage
@@ -293,8 +294,17 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
             return nn.Parameter(self._primary.detach().clone(), self._primary.requires_grad).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        # A new variable of the same strategy (as TensorFlow's DistributedVariable.__deepcopy__):
+        # a module deep-copied in scope (nn.TransformerEncoder's cloned layers), or an EMA or
+        # teacher copy taken later, trains like the original (see strategies/joining.py).
         with torch._C.DisableTorchFunctionSubclass():
-            return nn.Parameter(self._primary.detach().clone(), self._primary.requires_grad)
+            value = nn.Parameter(self._primary.detach().clone(), self._primary.requires_grad)
+        if self._strategy is not None:
+            _check_copy_context(self, "parameter")
+            variable = self._strategy.extended.create_parameter(value, self._var_name)
+            value = value if variable is None else variable
+        memo[id(self)] = value
+        return value
 
     def _make_primary(self) -> torch.Tensor:
         return torch.Tensor.detach(self).requires_grad_(self.requires_grad)
@@ -418,6 +428,25 @@ def _merge_aggregated_write(strategy: Any, var: MirroredVariable, value: Any, ki
         strategy.extended.update(var, lambda component, v: component.add_(v), args=(reduced,))
 
 
+def _check_copy_context(variable: DistributedVariable, kind: str) -> None:
+    """A distributed variable is deep-copied in cross-replica context, outside other strategies' scopes."""
+    entry = STATE.top()
+    if entry is None:
+        return
+    if entry.replica_context is not None:
+        raise UsageError(
+            f"copy.deepcopy of a distributed {kind} ({variable._var_name!r}) inside strategy.run: every replica "
+            f"would make its own copy; copy the module outside strategy.run (in or out of the scope: the "
+            f"copy is a variable of the same strategy)"
+        )
+    if entry.strategy is not variable._strategy and not entry.strategy.extended.components.is_default:
+        raise ValueError(
+            f"copy.deepcopy of a {kind} of {type(variable._strategy).__name__} ({variable._var_name!r}) inside "
+            f"the scope of another strategy ({type(entry.strategy).__name__}): the copy belongs to the "
+            f"original's strategy; take it outside `with other_strategy.scope():`"
+        )
+
+
 @typing.final
 class SyncOnReadVariable(DistributedVariable, torch.Tensor):
     """A variable each replica writes on its own; a cross-replica read aggregates (``tf.distribute.SyncOnReadVariable``).
@@ -445,6 +474,21 @@ class SyncOnReadVariable(DistributedVariable, torch.Tensor):
 
     def __reduce_ex__(self, protocol: int) -> Any:
         return self._cross_replica_value().clone().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        # A new variable of the same strategy, each component copied (a module's buffer: the
+        # copy's replicas keep their own running statistics, as the original's do).
+        if self._strategy is None:
+            return self._cross_replica_value().clone()
+        _check_copy_context(self, "buffer")
+        values = self.values
+        copied = self._strategy.extended.create_buffer(values[0].clone(), self._var_name)
+        if isinstance(copied, SyncOnReadVariable):
+            with torch.no_grad():
+                for mine, theirs in zip(copied.values, values):
+                    mine.copy_(theirs)
+        memo[id(self)] = copied
+        return copied
 
     def _cross_replica_value(self) -> torch.Tensor:
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
