@@ -48,6 +48,31 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as ``torch.empty(shape).stride()``)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _own_tensor(data: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The contiguous ``shape``/``dtype`` tensor at byte ``offset`` of the bytes ``data``, with
+    its own autograd version counter.
+
+    A view (``data[a:b].view(dtype)``) would share ``data``'s counter with every other
+    tensor of the segment: an in-place write to one (BatchNorm's running statistics in
+    forward) would then look to autograd like a write to all of them, and backward would
+    refuse a weight it saved ("modified by an inplace operation"). ``set_`` onto the
+    storage makes a tensor that is no view: its version moves only when it is written.
+    """
+    if offset % dtype.itemsize:
+        raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size {dtype.itemsize}")
+    return torch.empty(0, dtype=dtype).set_(data.untyped_storage(), offset // dtype.itemsize, shape,
+                                            _contiguous_strides(shape))
+
+
 @final
 class _Segment:
     """One memory file, mapped, with a bump allocator."""
@@ -92,7 +117,7 @@ class SharedArena:
         return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
 
     def tensor(self, shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
-        """A new tensor (zeros) in shared memory."""
+        """A new tensor (zeros) in shared memory, not a view: it has its own autograd version counter."""
         numel = math.prod(shape)
         nbytes = max(numel * dtype.itemsize, 1)
         with self._lock:
@@ -105,7 +130,7 @@ class SharedArena:
                 self._segments.append(segment)
                 offset = segment.take(nbytes)
         assert segment is not None and offset is not None
-        return segment.bytes[offset:offset + numel * dtype.itemsize].view(dtype).view(tuple(shape))
+        return _own_tensor(segment.bytes, offset, tuple(shape), dtype)
 
     def segments(self) -> list[SegmentInfo]:
         """Every segment's opening information."""
@@ -183,7 +208,7 @@ class MappedSegments:
         end = offset + math.prod(shape) * dtype.itemsize
         if offset < _TOKEN_BYTES or end > len(mapped):
             raise ValueError(f"place {offset}..{end} is outside the worker's segment of {len(mapped)} bytes")
-        return data[offset:end].view(dtype).view(shape)
+        return _own_tensor(data, offset, tuple(shape), dtype)
 
     def close(self) -> None:
         """Unmaps every segment (no tensor of this object may be in use)."""
