@@ -41,3 +41,35 @@ def test_other_workers_write_into_their_own_temporary_directory_and_remove_it(tm
 def test_local_strategies_and_no_strategy_are_the_chief(tmp_path):
     assert write_filepath(tmp_path / "m.pt", None) == str(tmp_path / "m.pt")
     assert write_filepath(tmp_path / "m.pt", unison.MirroredStrategy(["cpu:0", "cpu:1"])) == str(tmp_path / "m.pt")
+
+
+def test_the_returned_file_path_removes_the_workers_temporary_directory(tmp_path):
+    worker = _worker("worker", 1)
+    for given in ("original", "returned"):
+        path = write_filepath(tmp_path / "ckpt" / "model.pt", worker)
+        with open(path, "w") as f:
+            f.write("temporary")
+        remove_temp_dir_with_filepath(tmp_path / "ckpt" / "model.pt" if given == "original" else path, worker)
+        assert os.listdir(tmp_path / "ckpt") == [], given
+
+
+def test_the_returned_directory_removes_itself_and_is_not_nested_again(tmp_path):
+    worker = _worker("worker", 1)
+    directory = write_dirpath(tmp_path, worker)
+    assert write_dirpath(directory, worker) == directory  # TF's _get_temp_dir: no workertemp_1/workertemp_1
+    assert write_filepath(os.path.join(directory, "m.pt"), worker) == os.path.join(directory, "m.pt")
+    (tmp_path / "workertemp_1" / "sub").mkdir()
+    remove_temp_dirpath(directory + os.sep, worker)
+    assert os.listdir(tmp_path) == []
+    # Another task's directory is not this worker's: it gets its own inside, as in TensorFlow.
+    assert write_dirpath(tmp_path / "workertemp_2", worker) == str(tmp_path / "workertemp_2" / "workertemp_1")
+
+
+def test_the_chief_removes_nothing_given_the_returned_paths(tmp_path):
+    chief = _worker("chief", 0)
+    path = write_filepath(tmp_path / "model.pt", chief)
+    with open(path, "w") as f:
+        f.write("kept")
+    remove_temp_dir_with_filepath(path, chief)
+    remove_temp_dirpath(write_dirpath(tmp_path, chief), chief)
+    assert os.listdir(tmp_path) == ["model.pt"]

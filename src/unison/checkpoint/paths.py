@@ -30,7 +30,17 @@ def _task_id(strategy: Any) -> int:
 
 
 def _temp_dir(dirpath: str, strategy: Any) -> str:
-    return os.path.join(dirpath, f"workertemp_{_task_id(strategy)}")
+    """This worker's temporary directory for ``dirpath``: ``dirpath`` itself when it already is one.
+
+    A path that :func:`write_dirpath` or :func:`write_filepath` returned may come back
+    (to remove it, or to write under it again); as in TensorFlow's ``_get_temp_dir``, a
+    directory named ``workertemp_<task_id>`` of this worker is recognised instead of
+    nesting another one inside it, so the removal reaches the directory the worker wrote.
+    """
+    name = f"workertemp_{_task_id(strategy)}"
+    if os.path.basename(os.path.normpath(dirpath)) == name:
+        return dirpath
+    return os.path.join(dirpath, name)
 
 
 def write_dirpath(dirpath: "str | os.PathLike[str]", strategy: Any) -> str:
@@ -54,12 +64,18 @@ def write_filepath(filepath: "str | os.PathLike[str]", strategy: Any) -> str:
 
 
 def remove_temp_dirpath(dirpath: "str | os.PathLike[str]", strategy: Any) -> None:
-    """Removes this worker's temporary directory under ``dirpath`` (nothing on the chief)."""
+    """Removes this worker's temporary directory under ``dirpath`` (nothing on the chief).
+
+    ``dirpath`` is the original directory or the one :func:`write_dirpath` returned.
+    """
     if _is_chief(strategy):
         return
     shutil.rmtree(_temp_dir(os.fspath(dirpath), strategy), ignore_errors=True)
 
 
 def remove_temp_dir_with_filepath(filepath: "str | os.PathLike[str]", strategy: Any) -> None:
-    """Removes the temporary directory that :func:`write_filepath` gave this worker for ``filepath``."""
+    """Removes the temporary directory that :func:`write_filepath` gave this worker for ``filepath``.
+
+    ``filepath`` is the original path or the one :func:`write_filepath` returned.
+    """
     remove_temp_dirpath(os.path.dirname(os.fspath(filepath)), strategy)

@@ -1,7 +1,8 @@
 """Distributed input: shard datasets across workers and split batches across replicas.
 
 The strategies build :class:`DistributedDataset` (``experimental_distribute_dataset``)
-and :class:`DistributedDatasetsFromFunction` (``distribute_datasets_from_function``);
+and :class:`DistributedDatasetsFromFunction` (``distribute_datasets_from_function``), both
+instances of :class:`DistributedDataset` as in tf.distribute;
 users meet :class:`InputContext`, :class:`InputOptions` and :class:`AutoShardPolicy`.
 """
 

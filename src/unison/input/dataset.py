@@ -13,6 +13,7 @@ cluster, so each replica's batch has ``global_batch_size / num_replicas_in_sync`
 
 from __future__ import annotations
 
+import abc
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -36,7 +37,7 @@ __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction"]
 _LOADER_KEYS_WE_SET = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 
 
-class DistributedDataset:
+class DistributedDataset(metaclass=abc.ABCMeta):
     """A dataset of global batches, sharded across workers and split across local replicas.
 
     Accepts (1) any iterable that yields batches of the *global* batch size (a
@@ -56,6 +57,14 @@ class DistributedDataset:
     Equivalent: the result of ``tf.distribute.Strategy.experimental_distribute_dataset``.
     Differences: map-style Datasets are accepted with ``global_batch_size``; ``set_epoch``
     reshuffles them; one-shot iterators can be iterated once.
+
+    ``isinstance(ds, DistributedDataset)`` is also True for the result of
+    ``distribute_datasets_from_function``, as ``tf.distribute.DistributedDataset`` is for
+    both: :class:`DistributedDatasetsFromFunction` is registered as a virtual subclass
+    (``abc.ABCMeta.register``), since this class is constructed directly and so cannot be
+    an abstract base, and only abstract classes are subclassed here. What both kinds
+    offer: iteration (a :class:`~unison.input.iterator.DistributedIterator`),
+    ``set_epoch`` and ``options``; ``shard_policy`` and ``len`` are this kind's only.
 
     Args:
         dataset: an iterable of global batches, or a map-style Dataset (with
@@ -301,3 +310,7 @@ class DistributedDataset:
                 UserWarning,
                 stacklevel=4,
             )
+
+
+# tf.distribute.DistributedDataset covers both kinds; see the class docstring.
+DistributedDataset.register(DistributedDatasetsFromFunction)

@@ -34,6 +34,8 @@ class DistributedDatasetsFromFunction:
     ``options.auto_shard_policy`` does not apply: the function shards.
 
     Equivalent: the result of ``tf.distribute.Strategy.distribute_datasets_from_function``.
+    As there, it is an instance of :class:`~unison.input.dataset.DistributedDataset`
+    (a registered virtual subclass: it shares iteration, ``set_epoch`` and ``options``).
 
     Args:
         dataset_fn: ``dataset_fn(InputContext) -> iterable of per-replica batches``.
@@ -75,6 +77,11 @@ class DistributedDatasetsFromFunction:
         self._contexts = tuple(contexts)
         self._datasets = tuple(self._call(dataset_fn, ctx) for ctx in contexts)
         self._passes = [OnePass(d, f"the dataset dataset_fn returned for {c}") for d, c in zip(self._datasets, contexts)]
+
+    @property
+    def options(self) -> InputOptions:
+        """The input options this dataset delivers with."""
+        return self._placement.options
 
     @property
     def input_contexts(self) -> tuple[InputContext, ...]:
