@@ -24,6 +24,7 @@ SERIAL_FILES = frozenset({
     "tests/checkpoint/test_backup_resume.py",
     "tests/checkpoint/test_preemption.py",
     "tests/checkpoint/test_sidecar.py",
+    "tests/docs/test_from_tensorflow.py",
     "tests/launch/test_launch.py",
     "tests/multi_worker/test_coordinator_strategy.py",
     "tests/multi_worker/test_launch_integration.py",

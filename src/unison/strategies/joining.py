@@ -81,7 +81,7 @@ def copy_parameter(param: nn.Parameter, memo: dict) -> nn.Parameter:
 
 
 def _install() -> None:
-    nn.Parameter.__deepcopy__ = copy_parameter  # type: ignore[method-assign]
+    setattr(nn.Parameter, "__deepcopy__", copy_parameter)
 
 
 install_copy_hook = Once(_install)
