@@ -8,7 +8,7 @@ WORKERS ?= 2
 .PHONY: install demo test typecheck bench clean
 
 install:
-	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,examples,bench]"
+	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,examples,bench,models]"
 
 demo: install
 	$(PYTHON) -m unison.launch --workers $(WORKERS) examples/digits.py
