@@ -98,3 +98,36 @@ def test_parameters_made_by_every_route_are_all_reduced(worker_pool, route):
 def test_a_parameter_added_outside_the_scope_is_refused_on_every_worker(worker_pool):
     for message in worker_pool.run(_route, "added_outside", timeout=90):
         assert isinstance(message, str) and "not synchronised by the strategy of the optimizer's first" in message
+
+
+def _averaged_copy(rank: int, world: int):
+    """An AveragedModel (a deep copy never differentiated) beside training: its parameters
+    join the strategy but stay out of the buckets, so no step all-reduces their zeros."""
+    from torch.optim.swa_utils import AveragedModel
+
+    resolver = unison.SimpleClusterResolver(unison.ClusterSpec({"worker": ADDRESSES[:world]}),
+                                            task_type="worker", task_id=rank)
+    strategy = unison.MultiWorkerMirroredStrategy(resolver)
+    with strategy.scope():
+        model = _language_model()
+    sync = strategy.extended.components.gradient_sync
+    bucketed = sync.parameters_in_buckets
+    average = AveragedModel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+    def step(tokens: torch.Tensor) -> None:
+        opt.zero_grad()
+        _loss(model, tokens).backward()
+        opt.step()
+        average.update_parameters(model)
+
+    for tokens in _batches():
+        strategy.run(step, args=(tokens.chunk(world)[rank],))
+    return bucketed, sync.parameters_in_buckets, [p.detach().clone() for p in average.module.parameters()]
+
+
+def test_an_averaged_model_copy_stays_out_of_the_buckets(worker_pool):
+    (before, after, average), (_, _, other) = worker_pool.run(_averaged_copy, timeout=90)
+    assert after == before > 0
+    for mine, theirs in zip(average, other):
+        assert torch.equal(mine, theirs)

@@ -65,7 +65,7 @@ from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegmen
 from unison.collectives.transports import BucketSharing, CrossWorkerTransport, HierarchicalTransport
 from unison.collectives.worker_control import WorkerControl
 from unison.errors import GradientSyncError
-from unison.gradient_sync.dormant import DormantParameters
+from unison.gradient_sync.dormant import DormantParameters, LateParameters
 from unison.gradient_sync.grad_access import grads_of
 from unison.gradient_sync.grad_slots import GradSlots, fits
 from unison.reduce import ReduceOp
@@ -164,8 +164,10 @@ class BucketedGradientSync:
         # hold their parameters strongly until finalize() rebuilds them (see _agreed_alive).
         self._params: list["weakref.ref[torch.Tensor]"] = []
         self._index_of: dict[int, int] = {}  # id(param) -> its place in self._params
-        self._dormant = DormantParameters()  # made frozen, or came late: registered once trainable
-        self._built = False  # whether finalize() has built the buckets (later parameters wait in _dormant)
+        self._dormant = DormantParameters()  # made frozen: registered once trainable
+        self._late = LateParameters()  # registered after the buckets were built: bucketed once used
+        self._built = False  # whether finalize() has built the buckets
+        self._woke_in_backward = False  # the end of this step's backward checked _dormant and _late
         # Bucket order: parameters by their place in self._params, in the order backward
         # produced their gradients in the first synchronised step (None until then: reversed
         # registration order). _observed records that step's order.
@@ -198,14 +200,14 @@ class BucketedGradientSync:
         A parameter made frozen (``nn.Parameter(t, requires_grad=False)``) waits aside
         until it is trainable (see ``_wake_dormant``): in the buckets it would cost an
         all-reduce of zeros every step, and left out for good, the workers drifted apart
-        once it was unfrozen. So does one registered after the buckets were built: the
-        first backward (or step) that finds it reduces its gradient on its own and
-        rebuilds the buckets with it, collectively, as every worker made it too.
+        once it was unfrozen. One registered after the buckets were built waits until a
+        backward gives it a gradient on some worker (``LateParameters``).
         """
-        if not param.requires_grad or self._built:
-            # frozen, or come after the buckets were built (a module deep-copied, a parameter
-            # replaced by load_state_dict(assign=True)): it joins at the next end of backward
+        if not param.requires_grad:
             self._dormant.add(param)
+            return
+        if self._built:  # deep-copied or replaced after the scope: joins once used (see LateParameters)
+            self._late.add(param)
             return
         self._enroll(param)
 
@@ -484,7 +486,7 @@ class BucketedGradientSync:
             return
         if self._powersgd is not None:
             self._finish_powersgd()
-            if self._dormant:
+            if self._dormant or self._late:
                 self._wake_dormant()
             return
         while self._next < len(self._buckets):
@@ -498,15 +500,18 @@ class BucketedGradientSync:
             self._next, self._started, self._fired = 0, 0, False
         if self._observed:
             self._follow_gradient_order()
-        if self._dormant:
+        if self._dormant or self._late:
             self._wake_dormant()
+            self._woke_in_backward = True
 
-    def _wake_dormant(self) -> None:
-        """Parameters made frozen that are trainable now: this step's gradients are
-        all-reduced one by one (zeros where this worker has none), and from the next step
-        on they are in the buckets. A collective: every worker unfreezes the same
-        parameters at the same step, as the same program does."""
-        woken = self._dormant.take_trainable()
+    def _wake_dormant(self, check_late: bool = True) -> None:
+        """Parameters made frozen that are trainable now, and late ones used now: this
+        step's gradients are all-reduced one by one (zeros where this worker has none),
+        and from the next step on they are in the buckets. A collective: every worker
+        unfreezes (or copies) the same parameters at the same step, as the same program does."""
+        woken = self._dormant.take_trainable() if self._dormant else []
+        if self._late and check_late:
+            woken += self._late.take_used(lambda flags: self._control.agree_min_each(flags, "late parameters"))
         if not woken:
             return
         divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
@@ -664,8 +669,10 @@ class BucketedGradientSync:
                 "would diverge; leave no_sync() for the last micro-batch's backward, then step"
             )
         self._finish()  # normally a no-op: the end-of-backward callback already ran
-        if self._dormant:  # a backward in which no bucketed parameter had a gradient
-            self._wake_dormant()
+        check_late = bool(self._late) and not self._woke_in_backward  # no bucketed parameter had a gradient
+        if self._dormant or check_late:
+            self._wake_dormant(check_late)
+        self._woke_in_backward = False
         return None
 
     def post_step(self, optimizer: torch.optim.Optimizer) -> None:
