@@ -32,6 +32,12 @@ class DormantParameters:
         """Keeps ``param`` until it requires grad (or is dropped)."""
         self._refs.append(weakref.ref(param))
 
+    def take_all(self) -> list[torch.Tensor]:
+        """Every parameter still alive, in registration order; all leave."""
+        alive = [p for ref in self._refs if (p := ref()) is not None]
+        self._refs = []
+        return alive
+
     def take_trainable(self) -> list[torch.Tensor]:
         """The parameters that require grad now, in registration order; they leave, as do dropped ones."""
         trainable: list[torch.Tensor] = []
@@ -61,14 +67,14 @@ class LateParameters:
     """
 
     def __init__(self) -> None:
-        self._refs: list["weakref.ref[torch.Tensor]"] = []
+        self._waiting = DormantParameters()
 
     def __bool__(self) -> bool:
-        return bool(self._refs)
+        return bool(self._waiting)
 
     def add(self, param: torch.Tensor) -> None:
         """Keeps ``param`` (weakly) until a gradient shows it is used."""
-        self._refs.append(weakref.ref(param))
+        self._waiting.add(param)
 
     def take_used(self, fewest_unused: Callable[[list[int]], list[int]]) -> list[torch.Tensor]:
         """The waiting parameters that have a gradient on any worker, in registration order.
@@ -77,7 +83,9 @@ class LateParameters:
             fewest_unused: for each position, the smallest of the workers' values (a
                 collective); called with 1 where this worker has no gradient, else 0.
         """
-        waiting = [p for ref in self._refs if (p := ref()) is not None]
+        waiting = self._waiting.take_all()
         unused = fewest_unused([int(p.grad is None or not p.requires_grad) for p in waiting])
-        self._refs = [weakref.ref(p) for p, idle in zip(waiting, unused) if idle]
+        for param, idle in zip(waiting, unused):
+            if idle:
+                self._waiting.add(param)
         return [p for p, idle in zip(waiting, unused) if not idle]
