@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.amp import grad_scaler as torch_grad_scaler
 
-from unison._once import Once
+from unison._once import Interposition
 from unison._state import STATE
 from unison.context import ReplicaContext
 from unison.reduce import ReduceOp
@@ -156,4 +156,7 @@ def _install() -> None:
     cls.update = _update  # type: ignore[method-assign]
 
 
-install_grad_scaler_replicas = Once(_install)
+install_grad_scaler_replicas = Interposition(
+    "GradScaler.step/update and a per-replica state property", "torch.amp.GradScaler (the class)",
+    "one scaler in a multi-replica step unscales and checks every replica's gradients and updates once",
+    _install)

@@ -28,7 +28,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
-from unison._once import Once
+from unison._once import Interposition
 from unison.gradient_sync.grad_scaler import replica_of_several
 from unison.values.values import PerReplica
 
@@ -99,4 +99,7 @@ def _install() -> None:
     _wrap_everywhere(torch.optim.Optimizer, "add_param_group")
 
 
-install_once_per_step = Once(_install)
+install_once_per_step = Interposition(
+    "once-per-step wrappers of step / update_parameters / add_param_group, and __init_subclass__",
+    "LRScheduler, AveragedModel, torch.optim.Optimizer and their subclasses",
+    "called in every replica thread of a step, they must run once, as on one device", _install)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from unison._once import Once
+from unison._once import Interposition
 from unison._state import STATE
 from unison.errors import UsageError
 from unison.values.variables import DistributedVariable
@@ -102,4 +102,6 @@ def _install() -> None:
     torch_optimizer.register_optimizer_step_post_hook(_on_step_post)
 
 
-install_step_hooks = Once(_install)
+install_step_hooks = Interposition(
+    "global optimizer step pre/post hooks", "torch.optim.Optimizer (every instance)",
+    "opt.step() on a strategy's parameters first finishes their gradient sync (no optimizer wrapper)", _install)

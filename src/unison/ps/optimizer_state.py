@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from unison._once import Once
+from unison._once import Interposition
 from unison.errors import UsageError
 from unison.ps.variables import _RemoteParameter
 
@@ -126,4 +126,6 @@ def _install() -> None:
         torch.optim.Optimizer.load_state_dict)
 
 
-install_optimizer_state_on_ps = Once(_install)
+install_optimizer_state_on_ps = Interposition(
+    "Optimizer.state_dict/load_state_dict wrappers", "torch.optim.Optimizer (the class)",
+    "the coordinator's optimizer state lives on the ps tasks; a checkpoint must hold it", _install)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from unison._once import Once
+from unison._once import Interposition
 from unison._state import STATE
 from unison.gradient_sync.step_hooks import SYNC_ATTRIBUTE, attach
 from unison.values.variables import DistributedVariable
@@ -84,4 +84,6 @@ def _install() -> None:
     setattr(nn.Parameter, "__deepcopy__", copy_parameter)
 
 
-install_copy_hook = Once(_install)
+install_copy_hook = Interposition(
+    "nn.Parameter.__deepcopy__", "torch.nn.Parameter (the class)",
+    "a deep copy of a parameter a multi-worker strategy synchronises is synchronised too", _install)

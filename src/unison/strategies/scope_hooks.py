@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from unison._once import Once
+from unison._once import Interposition
 from unison._state import STATE
 from unison.strategies.joining import install_copy_hook, join_like
 from unison.strategies.lazy_parameters import defer_until_materialized
@@ -73,4 +73,6 @@ def _install() -> None:
     install_copy_hook()
 
 
-install_scope_hooks = Once(_install)
+install_scope_hooks = Interposition(
+    "global module parameter/buffer registration hooks", "torch.nn.Module (every instance)",
+    "parameters and buffers of modules built in a strategy's scope become its variables", _install)
