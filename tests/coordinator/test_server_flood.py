@@ -3,7 +3,8 @@ connections, and a process out of file descriptors, must not stop it serving the
 
 Each test runs the real ``unison server`` command in a child process on loopback, so its
 file descriptors and threads can be counted from /proc while the test holds hundreds
-of connections open against it.
+of connections open against it. The last ones check the client's side: its deadline and
+what it says when a server does not answer.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 
 import pytest
 
+from unison.coordinator import channel as channel_module
 from unison.coordinator.channel import MAX_HANDSHAKES, connect
+from unison.errors import ClusterError
 
 KEY = bytes(range(32))
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc (Linux)")
@@ -30,7 +35,9 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="coun
 class Server:
     """A `unison server` child process, its address, and its descriptor and thread counts."""
 
-    def __init__(self, tmp_path: Path, handshake_timeout: float, nofile: "int | None" = None):
+    def __init__(
+        self, tmp_path: Path, handshake_timeout: float, nofile: "int | None" = None, count_descriptors: bool = True
+    ):
         self.log = tmp_path / "server.log"
         environ = dict(
             os.environ,
@@ -38,8 +45,10 @@ class Server:
             UNISON_AUTHKEY=KEY.hex(),
         )
         environ.pop("UNISON_AUTHKEY_FILE", None)
+        # Without /proc (count_descriptors=False) only a failing accept() tells the server.
+        blind = "" if count_descriptors else "import unison.coordinator.admission as a; a._open_descriptors = lambda: None; "
         command = [
-            sys.executable, "-c", "import sys; from unison.launch.cli import main; sys.exit(main(sys.argv[1:]))",
+            sys.executable, "-c", blind + "import sys; from unison.launch.cli import main; sys.exit(main(sys.argv[1:]))",
             "server", "--bind", "127.0.0.1:0", "--handshake-timeout", str(handshake_timeout),
         ]  # fmt: skip
 
@@ -61,6 +70,9 @@ class Server:
 
     def threads(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/task"))
+
+    def warnings(self) -> int:
+        return self.log.read_text().count("cannot accept a connection")
 
     def ping(self, timeout: float = 10) -> tuple:
         channel = connect(self.address, KEY, timeout=timeout)
@@ -178,10 +190,61 @@ def test_idle_and_dripping_connections_are_bounded_cut_and_do_not_stop_keyed_cli
         server.stop()
 
 
+def _timed_ping(server: Server, timeout: float) -> "tuple[object, float]":
+    """The keyed client's reply (or the error it got) and how long it took."""
+    started = time.monotonic()
+    try:
+        reply: object = server.ping(timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - reported by the assertion that follows
+        reply = e
+    return reply, time.monotonic() - started
+
+
+@pytest.mark.timeout(60)
+def test_keyed_client_is_served_while_a_flood_outruns_the_descriptor_limit(tmp_path):
+    # 48 descriptors: 22 silent peers (2 each) exhaust them long before 64 handshakes
+    # would be dropped. The server must shed them by the descriptors it has left.
+    nofile = 48
+    server = Server(tmp_path, handshake_timeout=10.0, nofile=nofile)
+    sockets: list[socket.socket] = []
+    try:
+        assert server.ping() == ("pong", "worker", 0)
+        base_fds = server.fds()
+        served = []
+        for wave in range(2):  # a second wave is the same episode: still one warning
+            sockets += _open(server.port, 40)
+            deadline = time.monotonic() + 5
+            while server.warnings() == 0:
+                assert time.monotonic() < deadline, server.log.read_text()
+                time.sleep(0.05)
+            reply, seconds = _timed_ping(server, timeout=5)
+            assert reply == ("pong", "worker", 0) and seconds < 2.0, (wave, reply, seconds)
+            served.append(seconds)
+        peak_fds = server.fds()
+        # Handshakes hold at most half of what the rest of the process leaves free.
+        assert peak_fds <= base_fds + (nofile - base_fds) // 2 + 4, (base_fds, peak_fds)
+        log = server.log.read_text()
+        assert server.warnings() == 1, log
+        assert f"of its {nofile} file descriptors are free" in log, log
+        for s in sockets:
+            s.close()
+        sockets.clear()
+        assert server.ping() == ("pong", "worker", 0)
+        print(
+            f"\nflood of 2 x 40 idle peers at a {nofile}-descriptor limit: keyed client served in "
+            f"{max(served):.3f} s at most; server fds {base_fds} before, {peak_fds} during; one warning"
+        )
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
 @pytest.mark.timeout(90)
 def test_server_keeps_accepting_after_running_out_of_descriptors(tmp_path):
-    # A limit below what MAX_HANDSHAKES silent peers take (2 each): accept() hits EMFILE.
-    server = Server(tmp_path, handshake_timeout=60.0, nofile=64)
+    # A limit below what MAX_HANDSHAKES silent peers take (2 each), and descriptors the
+    # server cannot count (no /proc): accept() hits EMFILE, and the oldest peer is dropped.
+    server = Server(tmp_path, handshake_timeout=60.0, nofile=64, count_descriptors=False)
     sockets: list[socket.socket] = []
     try:
         assert server.ping() == ("pong", "worker", 0)
@@ -191,6 +254,8 @@ def test_server_keeps_accepting_after_running_out_of_descriptors(tmp_path):
             assert time.monotonic() < deadline, server.log.read_text()
             time.sleep(0.05)
         time.sleep(1.0)  # let it retry a few times: still one warning
+        reply, during = _timed_ping(server, timeout=5)
+        assert reply == ("pong", "worker", 0) and during < 2.0, (reply, during)
         for s in sockets:
             s.close()
         sockets.clear()
@@ -199,8 +264,66 @@ def test_server_keeps_accepting_after_running_out_of_descriptors(tmp_path):
         log = server.log.read_text()
         assert log.count("cannot accept a connection") == 1, log
         assert "Too many open files" in log
-        print(f"\nEMFILE at a 64-descriptor limit: keyed client served {time.monotonic() - started:.2f} s after the flood ended")
+        print(
+            f"\nEMFILE at a 64-descriptor limit: keyed client served in {during:.2f} s during the flood, "
+            f"{time.monotonic() - started:.2f} s after it ended"
+        )
     finally:
         for s in sockets:
             s.close()
         server.stop()
+
+
+@pytest.fixture
+def raw_listener():
+    """A plain TCP listener on loopback, no unison server: the test decides what it answers."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    yield sock, f"127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+
+
+@pytest.mark.timeout(30)
+def test_client_handshake_deadline_is_its_timeout_and_the_error_says_the_server_did_not_answer(raw_listener):
+    _, address = raw_listener  # the kernel completes the connection; nobody ever answers
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=r"did not answer the key handshake within 0\.5 s: it is overloaded") as info:
+        connect(address, KEY, timeout=0.5)
+    elapsed = time.monotonic() - started
+    assert 0.4 < elapsed < 2.0, elapsed
+    assert "another key" not in str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_client_waits_for_a_slow_server_as_long_as_its_timeout(raw_listener, monkeypatch):
+    # The client's deadline is its own timeout, not the servers' handshake default.
+    monkeypatch.setattr(channel_module, "HANDSHAKE_SECONDS", 0.3)
+    sock, address = raw_listener
+
+    def slow_server() -> None:
+        peer, _ = sock.accept()
+        time.sleep(1.0)
+        connection = Connection(peer.detach())
+        deliver_challenge(connection, KEY)
+        answer_challenge(connection, KEY)
+        connection.send_bytes(b"served")
+        connection.close()
+
+    thread = threading.Thread(target=slow_server, daemon=True)
+    thread.start()
+    channel = connect(address, KEY, timeout=5)
+    try:
+        assert channel.connection.recv_bytes() == b"served"
+    finally:
+        channel.close()
+    thread.join(5)
+
+
+@pytest.mark.timeout(30)
+def test_client_says_the_server_closed_before_judging_the_key(raw_listener):
+    sock, address = raw_listener
+    thread = threading.Thread(target=lambda: sock.accept()[0].close(), daemon=True)
+    thread.start()
+    with pytest.raises(ClusterError, match="closed the connection .* before judging this client's key") as info:
+        connect(address, KEY, timeout=5)
+    assert "another key" not in str(info.value)
+    thread.join(5)

@@ -6,8 +6,9 @@ HMAC challenge of ``multiprocessing.connection`` (``deliver_challenge`` /
 ``answer_challenge``), exchanged as raw bytes, before a single pickle is read. A peer
 without the key is dropped; a peer that says nothing (or drips bytes) is dropped at a
 deadline on its whole handshake, and either way only its own handshake thread ever
-waited for it. At most ``MAX_HANDSHAKES`` such threads exist per listener (see
-``unison.coordinator.admission``).
+waited for it. At most ``MAX_HANDSHAKES`` such threads exist per listener, fewer where
+the free file descriptors carry fewer (see ``unison.coordinator.admission``). A client's
+``connect(timeout=...)`` bounds its whole handshake too, and says which end gave up.
 
 The key comes from ``UNISON_AUTHKEY`` (hex) or ``UNISON_AUTHKEY_FILE`` (a file holding
 the hex), which ``unison launch`` fills with a fresh random key per cluster.
@@ -33,7 +34,12 @@ import cloudpickle
 from unison.cluster import env
 from unison.cluster.env import MIN_KEY_BYTES, read_authkey
 from unison.cluster.spec import split_address
-from unison.coordinator.admission import PendingHandshakes
+from unison.coordinator.admission import (
+    DESCRIPTORS_PER_HANDSHAKE,
+    PendingHandshakes,
+    descriptor_usage,
+    handshake_budget,
+)
 from unison.errors import AuthenticationError, ClusterError
 
 __all__ = [
@@ -54,8 +60,16 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_SECONDS = 10.0
 #: Most key handshakes under way at once on one listener (2 descriptors and a thread each).
 MAX_HANDSHAKES = 64
+# The least a client's handshake is given when it starts late in its connect timeout.
+_LATE_HANDSHAKE_SECONDS = 1.0
 # Back-off of the accept loop while the process has no descriptor or thread to spare.
 _BACKOFF_FIRST, _BACKOFF_LAST = 0.05, 1.0
+# accept() errors that mean the process (or system) has no descriptor or buffer to spare.
+_DESCRIPTOR_ACCEPT_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# How long accepting must go without a failure before an overload episode may end.
+_CALM_SECONDS = 1.0
+# How long the accept loop waits for cut handshakes to close their sockets before accepting.
+_CUT_CLOSE_WAIT = 1.0
 # accept() errors that concern only the connection being accepted (see accept(2)).
 _TRANSIENT_ACCEPT_ERRORS = frozenset(
     {errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EPERM, errno.ENOPROTOOPT, errno.EHOSTDOWN,
@@ -140,15 +154,14 @@ class Channel:
         self._connection.close()
 
 
-def _handshake(sock: socket.socket, authkey: bytes, *, server: bool, seconds: float) -> Connection:
-    """Runs the mutual HMAC handshake on ``sock``; returns the Connection or raises.
+def _handshake(sock: socket.socket, connection: Connection, authkey: bytes, *, server: bool, seconds: float) -> None:
+    """Runs the mutual HMAC handshake over ``connection``; closes it and raises if that fails.
 
-    The caller registers ``sock`` with a ``PendingHandshakes`` (which bounds the whole
-    handshake, not only each read) and closes ``sock`` afterwards: the Connection holds
-    its own descriptor of the same socket.
+    ``connection`` holds its own descriptor of ``sock``'s socket (``_duplicate``). The
+    caller registers ``sock`` with a ``PendingHandshakes`` (which bounds the whole
+    handshake, not only each read) and closes ``sock`` afterwards.
     """
     _set_io_timeout(sock, seconds)  # no single read outlives the whole handshake's deadline
-    connection = Connection(os.dup(sock.fileno()))
     try:
         if server:
             deliver_challenge(connection, authkey)
@@ -161,26 +174,50 @@ def _handshake(sock: socket.socket, authkey: bytes, *, server: bool, seconds: fl
     except BaseException:
         connection.close()
         raise
-    return connection
+
+
+def _duplicate(sock: socket.socket) -> Connection:
+    """A Connection on its own descriptor of ``sock``'s socket (the reaper keeps ``sock``).
+
+    The accept loop makes it itself, so that only that loop opens a handshake's
+    descriptors and its count of the free ones holds until the next accept.
+    """
+    return Connection(os.dup(sock.fileno()))
+
+
+class _HandshakeCut(EOFError):
+    """The handshake was cut: its deadline passed, or newer ones took its place."""
 
 
 def _guarded_handshake(
-    sock: socket.socket, token: int, authkey: bytes, handshakes: PendingHandshakes, *, server: bool
+    sock: socket.socket,
+    connection: Connection,
+    token: int,
+    authkey: bytes,
+    handshakes: PendingHandshakes,
+    *,
+    server: bool,
 ) -> Connection:
-    """``_handshake`` of ``sock``, admitted to ``handshakes`` as ``token``; closes ``sock`` either way.
+    """``_handshake`` of ``sock``, admitted to ``handshakes`` as ``token``; closes ``sock`` either way,
+    and ``connection`` (``_duplicate(sock)``) unless it returns it.
 
     Raises:
-        EOFError: if the handshake was cut (deadline, or evicted by newer ones), even
-            when it finished just as it was cut.
+        _HandshakeCut: if the handshake was cut (deadline, or evicted by newer ones), even
+            when it finished just as it was cut, or a read outlived the deadline.
     """
+    cut = _HandshakeCut(f"the handshake did not finish within {handshakes.seconds:g} s")
     try:
-        connection = _handshake(sock, authkey, server=server, seconds=handshakes.seconds)
-    finally:
-        finished = handshakes.release(token)
-        sock.close()
-    if not finished:
+        _handshake(sock, connection, authkey, server=server, seconds=handshakes.seconds)
+    except BaseException as e:
+        finished = handshakes.release(token, sock)
+        if isinstance(e, (BlockingIOError, TimeoutError)):  # SO_RCVTIMEO: the deadline, seen first by a read
+            raise cut from e
+        if not finished and isinstance(e, (EOFError, OSError)):  # woken by the cut
+            raise cut from e
+        raise
+    if not handshakes.release(token, sock):
         connection.close()
-        raise EOFError(f"the handshake did not finish within {handshakes.seconds:g} s")
+        raise cut
     return connection
 
 
@@ -191,16 +228,55 @@ def _bind_target(address: str) -> tuple[str, int]:
     return split_address(address, field="bind address")
 
 
+class _Overload:
+    """Episodes in which a listener cannot accept as it should: one warning at the start of
+    each, one note at its end.
+
+    An episode lasts until an accept finds room to spare (see ``ChannelListener._make_room``),
+    not merely until one accept succeeds, so a flood that keeps the descriptors short is
+    one episode however often single accepts get through.
+    """
+
+    def __init__(self, address: str, handshakes: PendingHandshakes):
+        self._address, self._handshakes = address, handshakes
+        self._active = False
+        self._shed_before = 0
+
+    def begin(self, what: str, exc_info: bool = False) -> None:
+        """Warns that accepting is in trouble (``what``: how and what the listener does), once."""
+        if self._active:
+            return
+        self._active = True
+        self._shed_before = self._handshakes.shed
+        logger.warning(
+            "the control channel at %s cannot accept a connection %s (%d handshakes under way; logged "
+            "once until it recovers). Raise the file-descriptor limit (`ulimit -n`) if this was no flood",
+            self._address, what, len(self._handshakes), exc_info=exc_info,
+        )  # fmt: skip
+
+    def end(self) -> None:
+        """Notes that the trouble is over, if there was any."""
+        if not self._active:
+            return
+        self._active = False
+        logger.info(
+            "the control channel at %s accepts connections again (%d unauthenticated peers dropped for "
+            "lack of descriptors meanwhile)", self._address, self._handshakes.shed - self._shed_before,
+        )  # fmt: skip
+
+
 class ChannelListener:
     """Listens on one address and hands authenticated Channels to ``handler``.
 
     Each accepted socket is authenticated in its own thread, so a slow or silent peer
     never blocks other clients. A peer that fails the handshake is closed and counted
     in ``refused``; nothing it sent is unpickled. Peers that do not prove the key cannot
-    take the server down: at most ``max_handshakes`` handshakes are under way at once
-    (a new one shuts the oldest down), each is cut ``handshake_seconds`` after it was
-    accepted however slowly its peer drips bytes, and when the process runs out of file
-    descriptors or threads the listener logs one warning, backs off and keeps accepting.
+    take the server down: at most ``max_handshakes`` handshakes are under way at once,
+    and no more than half of the file descriptors the process has free can carry (a new
+    one shuts the oldest down), each is cut ``handshake_seconds`` after it was accepted
+    however slowly its peer drips bytes, and when the process runs short of descriptors
+    or threads the listener logs one warning per episode, sheds the oldest peers or backs
+    off, and keeps accepting.
 
     Args:
         address: ``"host:port"`` to bind (port 0 picks a free port; see ``address``).
@@ -245,6 +321,7 @@ class ChannelListener:
         self.handshakes = PendingHandshakes(max_handshakes, handshake_seconds, name=self.address)
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._overload = _Overload(self.address, self.handshakes)
         self._thread = threading.Thread(target=self._accept_loop, name=f"unison-listener-{self.address}", daemon=True)
         self._thread.start()
 
@@ -257,41 +334,80 @@ class ChannelListener:
             raise
 
     def _accept_until_closed(self) -> None:
-        backoff, starved = _BACKOFF_FIRST, False
+        backoff, troubled_at = _BACKOFF_FIRST, -float("inf")  # the last failed accept
         while not self._closed.is_set():
+            idle = len(self.handshakes) == 0
+            roomy = self._make_room()
             try:
                 sock, peer = self._socket.accept()
                 token = self.handshakes.admit(sock)
                 try:
-                    threading.Thread(target=self._admit, args=(sock, peer, token), daemon=True).start()
+                    connection = _duplicate(sock)
+                except OSError:
+                    self.handshakes.release(token, sock)
+                    raise
+                try:
+                    threading.Thread(target=self._admit, args=(sock, connection, peer, token), daemon=True).start()
                 except RuntimeError:  # "can't start new thread": the same starvation as EMFILE
-                    self.handshakes.release(token)
-                    sock.close()
+                    connection.close()
+                    self.handshakes.release(token, sock)
                     raise OSError(errno.EAGAIN, "cannot start a handshake thread") from None
             except Exception as e:  # noqa: BLE001 - whatever it is, the listener must go on
                 if self._closed.is_set():
                     return
                 if isinstance(e, OSError) and e.errno in _TRANSIENT_ACCEPT_ERRORS:
                     continue  # that one connection failed; the listener is fine
-                if not starved:
-                    logger.warning(
-                        "the control channel at %s cannot accept a connection (%s) with %d handshakes "
-                        "under way; backing off and retrying (logged once until it recovers). Raise "
-                        "the file-descriptor limit (`ulimit -n`) if this was no flood",
-                        self.address, e, len(self.handshakes), exc_info=not isinstance(e, OSError),
-                    )
-                    starved = True
+                troubled_at = time.monotonic()
+                if (
+                    isinstance(e, OSError)
+                    and e.errno in _DESCRIPTOR_ACCEPT_ERRORS
+                    and self.handshakes.shed_to(len(self.handshakes) - 1)
+                ):
+                    self._overload.begin(f"({e}): dropped the oldest unauthenticated peer to retry")
+                    self._await_cut_sockets_closed()
+                    continue
+                self._overload.begin(f"({e}): backing off and retrying", exc_info=not isinstance(e, OSError))
                 self._closed.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_LAST)
                 continue
-            if starved:
-                logger.info("the control channel at %s accepts connections again", self.address)
-            backoff, starved = _BACKOFF_FIRST, False
+            # An episode ends at an accept with room to spare and no failure for a while, not
+            # at any that gets through (a flood lets single ones through): one warning per flood.
+            if idle or (roomy and time.monotonic() - troubled_at > _CALM_SECONDS):
+                self._overload.end()
+            backoff = _BACKOFF_FIRST
 
-    def _admit(self, sock: socket.socket, peer: Any, token: int) -> None:
+    def _make_room(self) -> bool:
+        """Before an accept: drops the oldest handshakes that the free descriptors cannot carry.
+
+        Returns whether there is room to spare: the new connection fits in half of what
+        the descriptors allow, so an overload episode may end. Where they cannot be
+        counted, never: there an episode ends when no handshake is left under way.
+        """
+        usage = descriptor_usage()
+        if usage is None:
+            return False
+        held, limit = usage
+        pending, closing = len(self.handshakes), self.handshakes.closing
+        budget = handshake_budget(limit - held, DESCRIPTORS_PER_HANDSHAKE * (pending + closing))
+        if budget >= self.handshakes.limit or pending < budget:  # the new one fits (or admit evicts)
+            return pending + 1 <= budget // 2
+        self._overload.begin(
+            f"without dropping another: {limit - held} of its {limit} file descriptors are free, room "
+            f"for {budget} handshakes; dropping the oldest unauthenticated peers so that key holders get in"
+        )
+        self.handshakes.shed_to(budget - 1)
+        return False
+
+    def _await_cut_sockets_closed(self) -> None:
+        """Gives the threads of cut handshakes a moment to close their sockets (frees descriptors)."""
+        deadline = time.monotonic() + _CUT_CLOSE_WAIT
+        while self.handshakes.closing and time.monotonic() < deadline and not self._closed.is_set():
+            time.sleep(0.002)
+
+    def _admit(self, sock: socket.socket, connection: Connection, peer: Any, token: int) -> None:
         name = f"{peer[0]}:{peer[1]}"
         try:
-            connection = _guarded_handshake(sock, token, self._authkey, self.handshakes, server=True)
+            connection = _guarded_handshake(sock, connection, token, self._authkey, self.handshakes, server=True)
         except (_MpAuthenticationError, OSError, EOFError):
             with self._lock:
                 self.refused += 1
@@ -312,9 +428,15 @@ class ChannelListener:
 def connect(address: str, authkey: bytes, timeout: float = 60.0) -> Channel:
     """Connects to a ChannelListener at ``address``, retrying until it is up.
 
+    ``timeout`` bounds the whole call: reaching the server and the key handshake. A
+    handshake that starts late in it still gets ``min(timeout, 1 s)``, so a server that
+    came up at the last moment is not given up on after a few milliseconds.
+
     Raises:
         AuthenticationError: if the server does not accept the key (or does not hold it).
-        ClusterError: if nothing accepts at ``address`` within ``timeout`` seconds.
+        ClusterError: if nothing accepts at ``address`` within ``timeout`` seconds, or the
+            server does not finish the handshake within it (overloaded, or no unison
+            server), or closes the connection before judging the key.
     """
     host, port = split_address(address)
     deadline = time.monotonic() + timeout
@@ -332,19 +454,36 @@ def connect(address: str, authkey: bytes, timeout: float = 60.0) -> Channel:
             time.sleep(delay)  # the server may still be starting
             delay = min(delay * 2, 0.5)
     sock.settimeout(None)
-    handshakes = PendingHandshakes(1, HANDSHAKE_SECONDS, name=f"client-{address}")
+    started = time.monotonic()
+    seconds = max(deadline - started, min(timeout, _LATE_HANDSHAKE_SECONDS))
     try:
-        connection = _guarded_handshake(sock, handshakes.admit(sock), authkey, handshakes, server=False)
+        duplicate = _duplicate(sock)
+    except OSError:
+        sock.close()
+        raise
+    handshakes = PendingHandshakes(1, seconds, name=f"client-{address}")
+    try:
+        connection = _guarded_handshake(sock, duplicate, handshakes.admit(sock), authkey, handshakes, server=False)
     except _MpAuthenticationError as e:
         raise AuthenticationError(
             f"the server at {address!r} refused this client's key (or proved none): use the "
             f"cluster's key ({env.UNISON_AUTHKEY} / {env.UNISON_AUTHKEY_FILE})"
         ) from e
-    except (OSError, EOFError) as e:
-        raise AuthenticationError(
-            f"the handshake with {address!r} failed ({e!r}): the peer closed or did not answer "
-            f"the challenge; it may hold another key"
+    except _HandshakeCut as e:
+        raise ClusterError(
+            f"the server at {address!r} accepted the connection but did not answer the key handshake "
+            f"within {seconds:.3g} s: it is overloaded (e.g. flooded with connections, or out of file "
+            f"descriptors) or it is no unison server; retry, or connect with a longer timeout (was {timeout:g} s)"
         ) from e
+    except (EOFError, ConnectionError) as e:
+        raise ClusterError(
+            f"the server at {address!r} closed the connection {time.monotonic() - started:.3g} s into the "
+            f"key handshake, before judging this client's key: it is overloaded and dropping connections, "
+            f"its handshake deadline (`unison server --handshake-timeout`) ran out, or it is no unison "
+            f"server; retry"
+        ) from e
+    except OSError as e:
+        raise ClusterError(f"the key handshake with the server at {address!r} failed ({e}); retry") from e
     finally:
         handshakes.close()
     return Channel(connection, address)

@@ -105,7 +105,8 @@ class StandardServer:
             all interfaces.
         rpc_layer: protocol of ``target``.
         handshake_timeout: seconds a connecting peer has to prove the key, in all
-            (default 10); peers that do not are cut, at most 64 are heard at once.
+            (default 10); peers that do not are cut. At most 64 are heard at once, fewer
+            where the process's free file descriptors carry fewer, the oldest dropped first.
         sessions: further roles of this server: ``{"ps": handler}`` hands a connection whose
             first message is ``("ps", ...)`` to ``handler(channel, message)``, which owns it
             until it returns (parameter-server and worker sessions of ``unison.Server``).
@@ -303,6 +304,8 @@ def stop_standard_servers(
     Raises:
         ValueError: if there is no key.
         AuthenticationError: if a server refuses the key.
+        ClusterError: if a server is not up, or does not finish the key handshake, within
+            ``timeout`` seconds.
     """
     spec = multi_worker_util.normalize_cluster_spec(cluster_spec)
     key = require_authkey(authkey)
