@@ -43,7 +43,9 @@ def test_sigterm_to_either_worker_saves_both_at_one_step_and_resumes_equal(tmp_p
     done = _launch(tmp_path, signal_rank, signal_at, 1)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "was preempted and saved at the agreed step" in output and "restarting the cluster" in output
+    assert "was preempted" in output and "saved at the agreed step" in output and "restarting the cluster" in output
+    # The launcher names the worker that got the SIGTERM, not whichever exited first with code 75.
+    assert f"the job was preempted (notice to worker:{signal_rank})" in output, output
     saved = [int((tmp_path / f"saved-w{r}.txt").read_text().split()[0]) for r in (0, 1)]
     # the signal came before call signal_at + 1; after it the worker proposes one more (a peer may be
     # inside that call already), so both save after call signal_at + 2
@@ -63,7 +65,10 @@ def test_termination_config_checks_its_fields():
         unison.TerminationConfig(exit_fn="exit")
 
 
-def test_one_process_stops_after_the_step_the_signal_arrived_in(tmp_path):
+def test_one_process_stops_after_the_step_the_signal_arrived_in(tmp_path, monkeypatch):
+    notices = tmp_path / "notices"
+    notices.mkdir()
+    monkeypatch.setenv("UNISON_PREEMPTION_NOTICES", str(notices))  # as unison launch sets it
     strategy = unison.OneDeviceStrategy("cpu:0")
     with strategy.scope():
         model = torch.nn.Linear(2, 1)
@@ -71,7 +76,9 @@ def test_one_process_stops_after_the_step_the_signal_arrived_in(tmp_path):
     handler = unison.PreemptionCheckpointHandler(strategy, tmp_path, {"model": model},
                                                  unison.TerminationConfig(exit_fn=lambda: left.append(True)))
     handler.run(lambda: None)
+    assert not list(notices.iterdir())
     handler._on_signal(15, None)  # what SIGTERM calls
+    assert [p.read_text() for p in notices.iterdir()] == ["local SIGTERM\n"]  # left at once, for the launcher
     handler.run(lambda: None)
     assert left == [True] and handler.total_run_calls == 2
     restored = unison.PreemptionCheckpointHandler(strategy, tmp_path, {"model": model})

@@ -80,6 +80,53 @@ def test_malformed_clusters_name_the_field(cluster, match):
         ClusterSpec(cluster)
 
 
+@pytest.mark.parametrize(
+    "cluster, first, second",
+    [
+        ({"worker": ["127.0.0.1:2222", "localhost:2222"]}, "cluster.worker[0]", "cluster.worker[1]"),
+        ({"worker": ["LOCALHOST:2222", "[::1]:2222"]}, "cluster.worker[0]", "cluster.worker[1]"),
+        ({"chief": ["127.0.0.1:2222"], "worker": ["[::ffff:127.0.0.1]:2222"]}, "cluster.chief[0]", "cluster.worker[0]"),
+        ({"ps": ["127.0.1.1:7000"], "worker": ["localhost:2222", "127.0.0.1:7000"]}, "cluster.ps[0]", "cluster.worker[1]"),
+        ({"worker": ["Node-1:2222", "node-1:2222"]}, "cluster.worker[0]", "cluster.worker[1]"),
+        ({"worker": ["[2001:db8::1]:2222", "[2001:db8:0::1]:2222"]}, "cluster.worker[0]", "cluster.worker[1]"),
+    ],
+)
+def test_one_endpoint_spelled_two_ways_is_refused_naming_both_tasks(cluster, first, second):
+    """127.0.0.1:P and localhost:P used to be accepted, and worker:1 "never arrived" after the timeout."""
+    with pytest.raises(ValueError) as info:
+        ClusterSpec(cluster)
+    message = str(info.value)
+    for fragment in (f"`{first}`", f"`{second}`", "are one endpoint", "give one of them another port"):
+        assert fragment in message, message
+    first_task, second_task = (f.removeprefix("cluster.").replace("[", ":").rstrip("]") for f in (first, second))
+    assert f"tasks {first_task} and {second_task}" in message, message
+
+
+def test_this_machines_name_is_loopback_when_it_resolves_to_loopback(monkeypatch):
+    from unison.cluster import spec as spec_module
+
+    monkeypatch.setattr(spec_module.socket, "gethostname", lambda: "trainbox")
+    monkeypatch.setattr(spec_module, "_resolves_to_loopback", lambda name: name == "trainbox")
+    with pytest.raises(ValueError, match=r"'trainbox:2222' of `cluster.worker\[0\]` and '127.0.0.1:2222'"):
+        ClusterSpec({"worker": ["trainbox:2222", "127.0.0.1:2222"]})
+    # Another machine's name is never looked up nor taken for this one.
+    assert ClusterSpec({"worker": ["otherbox:2222", "127.0.0.1:2222"]})
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        {"worker": ["localhost:2222", "127.0.0.1:2223", "[::1]:2224"]},  # one host, different ports
+        {"chief": ["localhost:2222"], "worker": ["localhost:2223"], "ps": ["127.0.0.1:2224"],
+         "evaluator": ["127.0.0.1:2225"]},
+        {"worker": ["10.0.0.1:2222", "10.0.0.2:2222", "node-1:2222", "node-2:2222"]},  # one port, different hosts
+        {"worker": ["10.0.0.1:2222", "[::ffff:10.0.0.2]:2222"]},
+    ],
+)
+def test_tasks_sharing_a_host_on_different_ports_or_a_port_on_different_hosts_are_accepted(cluster):
+    assert ClusterSpec(cluster).as_dict() == cluster
+
+
 def test_not_a_mapping_is_a_type_error():
     with pytest.raises(TypeError, match="cluster must be a dict"):
         ClusterSpec(["a:1"])

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import pytest
@@ -16,6 +20,11 @@ from unison.collectives.process_group import form_worker_group
 from unison.errors import ClusterError
 
 TIMEOUT = 3.0
+
+
+def _store_helpers() -> list[threading.Thread]:
+    """The helper threads still inside TCPStore's constructor."""
+    return [thread for thread in threading.enumerate() if thread.name == "unison-store-connect" and thread.is_alive()]
 
 
 def _form(spec: ClusterSpec, task_id: int) -> float:
@@ -41,6 +50,7 @@ def test_a_silent_listener_at_the_leaders_address_fails_within_the_timeout_namin
     assert took < TIMEOUT + 3, took
     assert f"worker:1 reaching the rendezvous store at {address} got no answer within timeout_seconds=3" in _form.message
     assert "does not answer as a torch.distributed store" in _form.message
+    assert not _store_helpers(), "the helper stuck reading the listener's answer outlived the deadline"
     print(f"\nsilent listener: error after {took:.2f} s (timeout {TIMEOUT:g} s): {_form.message}")
 
 
@@ -54,6 +64,8 @@ def test_nothing_at_the_leaders_address_fails_within_the_timeout(monkeypatch):
         took = _form(ClusterSpec({"worker": [address, "127.0.0.1:1"]}), 1)
     assert took < TIMEOUT + 3, took
     assert f"worker:1 reaching the rendezvous store at {address}" in _form.message, _form.message
+    assert "nothing listens at that address" in _form.message, _form.message
+    assert not _store_helpers(), "a helper retrying the connection outlived the deadline"
     print(f"\nnothing listening: error after {took:.2f} s (timeout {TIMEOUT:g} s): {_form.message}")
 
 
@@ -68,3 +80,50 @@ def test_a_task_that_never_arrives_is_named_with_the_address(monkeypatch):
     assert f"task(s) worker:1 never arrived at the rendezvous store at {address} within timeout_seconds=3" in _form.message
     assert "(1 of 2 did)" in _form.message
     print(f"\nonly worker 0: error after {took:.2f} s (timeout {TIMEOUT:g} s): {_form.message}")
+
+
+# Forks ``RUNS`` children of one interpreter that imported torch (a fresh interpreter per
+# run would cost ~2 s each), BATCH at a time. Each child fails to reach a store where
+# nothing listens, catches the ClusterError and leaves with sys.exit(3) through the
+# interpreter's normal shutdown, where a TCPStore constructor still running in a helper
+# thread aborted the process (status 134). gc.freeze() keeps each child's shutdown from
+# copying the parent's pages (0.5 s of CPU a child without it, 0.2 s with it).
+_FAILED_RENDEZVOUS_CHILDREN = textwrap.dedent("""
+    import gc, os, socket, sys
+    from unison.collectives.store_connect import join_rendezvous
+    from unison.errors import ClusterError
+
+    RUNS, BATCH = int(sys.argv[1]), int(sys.argv[2])
+    held = socket.socket()  # bound, never listening: every connection is refused
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    gc.freeze()
+    statuses = []
+    for first in range(0, RUNS, BATCH):
+        children = []
+        for _ in range(min(BATCH, RUNS - first)):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    join_rendezvous("127.0.0.1", port, is_master=False, rank=1, names=["worker:0", "worker:1"],
+                                    timeout=0.3)
+                except ClusterError:
+                    sys.exit(3)
+                sys.exit(0)
+            children.append(pid)
+        statuses += [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    print("STATUSES", *statuses)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_fifty_failed_rendezvous_exit_with_the_scripts_own_status():
+    """A script that catches the ClusterError exits with its own code, never 134 at shutdown."""
+    result = subprocess.run([sys.executable, "-c", _FAILED_RENDEZVOUS_CHILDREN, "50", "10"],
+                            capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("STATUSES"))
+    statuses = [int(status) for status in line.split()[1:]]
+    assert len(statuses) == 50
+    aborted = [status for status in statuses if status != 3]
+    assert not aborted, f"{len(aborted)} of 50 runs did not exit with 3: {aborted}; {result.stderr[-2000:]}"

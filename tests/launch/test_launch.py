@@ -130,6 +130,27 @@ def test_a_failing_worker_stops_the_cluster_and_is_named(write_script, out, caps
 
 
 @pytest.mark.timeout(60)
+def test_a_preemption_names_the_task_that_got_the_notice_not_the_first_to_exit(write_script, out, capsys):
+    """worker:1 got the SIGTERM, worker:0 left first with code 75: the launcher said `task worker:0 was preempted`."""
+    script = write_script(
+        """
+        if NAME == "worker:1":  # names itself as PreemptionCheckpointHandler does on the signal, then saves slowly
+            Path(os.environ["UNISON_PREEMPTION_NOTICES"], "worker-1").write_text("worker:1 SIGTERM\\n")
+            (OUT / "noticed").write_text("")
+            time.sleep(30)
+        wait_for(OUT / "noticed")
+        sys.exit(75)
+        """
+    )
+    code = main(["launch", "--workers", "2", "--grace-period", "2", str(script), str(out)])
+    err = capsys.readouterr().err
+    assert code == 75, err
+    assert ("unison launch: the job was preempted (notice to worker:1) and saved at the agreed step; task worker:0 "
+            "exited first, with code 75; stopped the other 1 task(s)") in err, err
+    assert not [line for line in err.splitlines() if "Traceback" in line], err
+
+
+@pytest.mark.timeout(60)
 def test_a_task_ignoring_sigterm_is_killed_after_the_grace_period(write_script, out, capsys):
     script = write_script(
         """

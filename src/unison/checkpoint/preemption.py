@@ -12,6 +12,10 @@ default exit code ``PREEMPTED_EXIT_CODE``, which ``unison launch --max-restarts`
 reports as a preemption and restarts. The restarted job restores the save on creation
 and ``total_run_calls`` continues from it.
 
+A worker that gets the signal also leaves a file naming itself in the directory
+``UNISON_PREEMPTION_NOTICES`` (set by ``unison launch``), so the launcher's message names
+the task(s) the notice went to rather than whichever task exits first.
+
 Without a store (a torchrun group unison did not form) the workers agree with one tiny
 all-reduce per ``run`` call instead. In one process (local strategies) the signal
 simply stops after the current step.
@@ -43,7 +47,7 @@ from unison.checkpoint.collective_save import (
     restore_generators,
 )
 from unison.collectives.collective import CollectiveAllReduce
-from unison.cluster.env import PREEMPTED_EXIT_CODE
+from unison.cluster.env import PREEMPTED_EXIT_CODE, UNISON_PREEMPTION_NOTICES
 from unison.errors import PeerLostError
 
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig", "PREEMPTED_EXIT_CODE"]
@@ -106,6 +110,7 @@ class PreemptionCheckpointHandler:
         components = strategy.extended.components
         self._rank, self._workers = components.worker_index, components.num_workers
         self._attempt = components.cluster.restart_count
+        self._task_name = components.cluster.task_name
         self._calls = 0
         self._signalled = threading.Event()  # this worker got a preemption signal
         self._target: int | None = None  # the run call after which every worker saves and leaves
@@ -152,9 +157,30 @@ class PreemptionCheckpointHandler:
 
     # -- agreement ---------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self._signalled.is_set():
+            self._leave_notice(signum)
         self._signalled.set()  # everything else happens at the next run call, outside the handler
         if self._workers == 1:
             self._set_target(self._calls + 1)
+
+    def _leave_notice(self, signum: int) -> None:
+        """Tells ``unison launch`` that this task got the notice (a file named after it).
+
+        Written at once, before any proposal: no task can exit at the agreed step before
+        this task proposed it, so the launcher finds the file whichever task exits first.
+        """
+        notices = os.environ.get(UNISON_PREEMPTION_NOTICES)
+        if not notices:
+            return  # not under unison launch: nobody reads it
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        try:
+            path = Path(notices) / self._task_name.replace(":", "-")
+            path.write_text(f"{self._task_name} {name}\n", encoding="utf-8")
+        except OSError:
+            pass  # the directory went away: the launcher then names the first task to exit, as before
 
     def _key(self) -> str:
         return f"unison-preemption/{self._attempt}/stop-after"

@@ -22,6 +22,7 @@ __all__ = [
     "UNISON_COORDINATOR_PORT",
     "UNISON_RESTART_COUNT",
     "UNISON_RENDEZVOUS",
+    "UNISON_PREEMPTION_NOTICES",
     "UNISON_PS_SHARED_MEMORY",
     "MIN_KEY_BYTES",
     "read_authkey",
@@ -60,6 +61,11 @@ UNISON_RENDEZVOUS = "UNISON_RENDEZVOUS"
 #: "0" on a worker keeps all its parameter-server traffic on the sockets, even with a ps
 #: task on its host (comparisons; hosts whose ``/proc`` hides a worker's memory files).
 UNISON_PS_SHARED_MEMORY = "UNISON_PS_SHARED_MEMORY"
+
+#: A directory (set by ``unison launch``) where a task that receives a preemption signal
+#: leaves a file naming itself, so the launcher names the task(s) the notice went to, not
+#: whichever task happened to exit first with ``PREEMPTED_EXIT_CODE``.
+UNISON_PREEMPTION_NOTICES = "UNISON_PREEMPTION_NOTICES"
 
 #: The exit code of a task that saved and left after a preemption signal (EX_TEMPFAIL):
 #: ``unison launch`` reports it as a preemption and restarts the cluster when it may.

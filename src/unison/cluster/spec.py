@@ -8,7 +8,10 @@ coordinator and strategies can pass it around without defensive copies.
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import re
+import socket
 from typing import Any, Iterator, Mapping, Sequence, Union
 
 __all__ = ["ClusterSpec", "split_address", "ClusterLike"]
@@ -52,6 +55,54 @@ def split_address(address: str, *, field: str = "address") -> tuple[str, int]:
             f"fix the port of `{field}`"
         )
     return host, int(port_text)
+
+
+_LOOPBACK = "this machine's loopback interface"
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def _endpoint(address: str) -> tuple[str, int]:
+    """The endpoint an address names, so that one endpoint spelled two ways is found.
+
+    Every loopback spelling (``localhost``, ``127.x.x.x``, ``::1``, an IPv4-mapped
+    loopback, and this machine's host name where it resolves to loopback, as Debian's
+    ``127.0.1.1`` does) is this machine, where a port can serve one task: servers bind
+    all interfaces (``0.0.0.0``) as often as the named one. Other names are compared
+    case-insensitively and IP literals in their canonical form; other names are not
+    looked up, so building a spec never waits on DNS.
+    """
+    host, port = split_address(address)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        name = host.lower().rstrip(".")
+        if name in _LOOPBACK_NAMES or name.endswith(".localhost") or _is_own_loopback_name(name):
+            return _LOOPBACK, port
+        return name, port
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return (_LOOPBACK if ip.is_loopback else str(ip)), port
+
+
+def _is_own_loopback_name(name: str) -> bool:
+    """Whether ``name`` is this machine's host name and resolves only to loopback addresses."""
+    own = socket.gethostname().lower()
+    if name != own and name != own.split(".")[0]:
+        return False
+    return _resolves_to_loopback(name)
+
+
+@functools.lru_cache(maxsize=8)
+def _resolves_to_loopback(name: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+    return bool(addresses) and all(
+        a.is_loopback or (isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None and a.ipv4_mapped.is_loopback)
+        for a in addresses
+    )
 
 
 def _task_list(job: str, tasks: Any) -> tuple[str, ...]:
@@ -99,7 +150,9 @@ class ClusterSpec:
 
     tf.distribute equivalent: ``tf.train.ClusterSpec``. Differences: addresses are
     checked to be ``host:port``, task indices must be dense (0..N-1, because they become
-    process ranks), no address may appear twice, and the spec is immutable and hashable.
+    process ranks), no endpoint may appear twice, even spelled two ways (``localhost:2222``
+    and ``127.0.0.1:2222``: every loopback spelling is this machine), and the spec is
+    immutable and hashable.
 
     Example:
         >>> spec = ClusterSpec({"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]})
@@ -109,7 +162,7 @@ class ClusterSpec:
     Raises:
         TypeError: if ``cluster`` is not a mapping or a ClusterSpec.
         ValueError: for a bad job name, an empty job, a gap in task indices, a malformed
-            address or an address used twice; the message names the field.
+            address or an endpoint used twice; the message names the fields and tasks.
     """
 
     __slots__ = ("_jobs",)
@@ -126,7 +179,7 @@ class ClusterSpec:
                 f"{type(cluster).__name__}: {cluster!r}"
             )
         jobs: dict[str, tuple[str, ...]] = {}
-        owner: dict[str, str] = {}
+        owner: dict[tuple[str, int], tuple[str, str]] = {}  # endpoint -> (field, address)
         for job in sorted(cluster, key=str):
             if not isinstance(job, str) or not _JOB.match(job):
                 raise ValueError(
@@ -136,12 +189,10 @@ class ClusterSpec:
             jobs[job] = _task_list(job, cluster[job])
             for index, address in enumerate(jobs[job]):
                 here = f"cluster.{job}[{index}]"
-                if address in owner:
-                    raise ValueError(
-                        f"cluster address {address!r} is given to both `{owner[address]}` and "
-                        f"`{here}`: every task needs its own host:port; fix one of them"
-                    )
-                owner[address] = here
+                endpoint = _endpoint(address)
+                if endpoint in owner:
+                    _raise_shared_endpoint(owner[endpoint], (here, address), endpoint)
+                owner[endpoint] = (here, address)
         self._jobs = jobs
 
     @property
@@ -204,6 +255,28 @@ class ClusterSpec:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ClusterSpec, (self.as_dict(),))
+
+
+def _raise_shared_endpoint(first: tuple[str, str], second: tuple[str, str], endpoint: tuple[str, int]) -> None:
+    (first_field, first_address), (second_field, second_address) = first, second
+    tasks = f"tasks {_task_name(first_field)} and {_task_name(second_field)}"
+    if first_address == second_address:
+        raise ValueError(
+            f"cluster address {first_address!r} is given to both `{first_field}` and `{second_field}` "
+            f"({tasks}): every task needs its own host:port; fix one of them"
+        )
+    host, port = endpoint
+    raise ValueError(
+        f"cluster addresses {first_address!r} of `{first_field}` and {second_address!r} of `{second_field}` are "
+        f"one endpoint ({host if host == _LOOPBACK else repr(host)}, port {port}), so {tasks} would share it: "
+        f"every task needs its own host:port; give one of them another port"
+    )
+
+
+def _task_name(field: str) -> str:
+    """``cluster.worker[1]`` -> ``worker:1``."""
+    job, _, index = field.removeprefix("cluster.").partition("[")
+    return f"{job}:{index.rstrip(']')}"
 
 
 ClusterLike = Union[ClusterSpec, Mapping[str, Union[Sequence[str], Mapping[Any, str]]]]

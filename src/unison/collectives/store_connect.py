@@ -10,14 +10,20 @@ Before the workers' process group forms, two waits used to escape ``timeout_seco
 - ``init_process_group`` waits for every rank's key, and on timeout names the key
   (``/unison/0//cpu//0/1``), not the task that never came.
 
-So the store is constructed in a helper thread joined with the deadline (the
-constructor releases the GIL), rather than probing the server first: a probe would
-have to speak TCPStore's private wire protocol, since an open TCP port proves nothing.
-A constructor stuck past the deadline is left to its daemon thread, which ends when the
-peer closes or the constructor's own timeout passes. Then every task announces its
-arrival under its name, and the wait for the others uses what is left of the same
-deadline; when it runs out the error names the tasks that never arrived and the store's
-address.
+So a task first waits, in its own thread and within the deadline, until something
+accepts a plain TCP connection at the store's address: while nothing listens no helper
+thread exists, so none is left behind when the error comes. Only then is the store
+constructed, in a helper thread joined with what is left of the deadline (the
+constructor releases the GIL) and given that much as its own timeout; an open TCP port
+proves nothing about the protocol, and checking it ourselves would mean speaking
+TCPStore's private wire protocol. No helper outlives the deadline into interpreter
+shutdown, where a constructor still running aborts the process (``terminate called
+without an active exception``, status 134, in about 1 run in 10 after a caught error):
+one stuck reading an answer past the deadline has its connection shut down (Linux) and
+is joined, and one still inside TCPStore's own connect retries is joined at exit, for
+as long as those retries can last. Then every task announces its arrival under its
+name, and the wait for the others uses what is left of the same deadline; when it runs
+out the error names the tasks that never arrived and the store's address.
 
 Two runs can be given one port on a shared node (a fixed port, or the same
 ``MASTER_PORT``): the store's host then writes its run's token (``slurm-job<id>-step<id>``
@@ -32,7 +38,9 @@ tf.distribute equivalent: the collective leader's rendezvous of
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import os
 import socket
 import threading
 import time
@@ -131,18 +139,42 @@ def _check_owner(store: dist.Store, token: str, deadline: float, seconds: float,
         )
 
 
+# Pause between plain connection attempts while nothing listens at the store's address.
+_PROBE_INTERVAL_S = 0.05
+# How long a helper whose connection was shut down gets to end before being left to atexit.
+_RELEASE_JOIN_S = 2.0
+# TCPStore's own connect retries (with backoff) last up to about this many times its timeout
+# (measured on torch 2.13: 11.5 s for 4 s); a lingering helper is joined at exit that long.
+_CONSTRUCTOR_SPAN_FACTOR = 3.0
+
+# Helpers still inside TCPStore's constructor after their deadline, with the monotonic
+# time by which its own retries end; joined at exit (``_join_lingering``).
+_lingering: dict[threading.Thread, float] = {}
+_lingering_lock = threading.Lock()
+
+
 def _construct(host: str, port: int, world_size: int, is_master: bool, seconds: float, deadline: float, what: str) -> dist.Store:
+    if not is_master and not _await_listener(host, port, deadline):
+        raise ClusterError(
+            f"{what} got no connection within timeout_seconds={seconds:g}: nothing listens at that address; "
+            f"start the collective leader, or fix its address in the cluster spec"
+        )
     outcome: dict[str, Any] = {}
+    budget = max(0.001, deadline - time.monotonic())
 
     def construct() -> None:
         try:
-            outcome["store"] = dist.TCPStore(
-                host, port, world_size, is_master=is_master, timeout=datetime.timedelta(seconds=seconds),
+            store = dist.TCPStore(
+                host, port, world_size, is_master=is_master, timeout=datetime.timedelta(seconds=budget),
                 wait_for_workers=False,
             )
+            store.set_timeout(datetime.timedelta(seconds=seconds))  # later waits default to the whole timeout
+            outcome["store"] = store
         except Exception as exc:  # noqa: BLE001 - reported by the caller, in the cluster's words
             outcome["error"] = exc
 
+    before = _socket_fds()
+    started = time.monotonic()
     helper = threading.Thread(target=construct, name="unison-store-connect", daemon=True)
     helper.start()
     helper.join(max(0.0, deadline - time.monotonic()))
@@ -153,11 +185,7 @@ def _construct(host: str, port: int, world_size: int, is_master: bool, seconds: 
             f"{what} failed within timeout_seconds={seconds:g}: {outcome['error']}; check that the collective "
             f"leader is running and that its address in the cluster spec is right and free"
         ) from outcome["error"]
-    if _refuses(host, port):
-        raise ClusterError(
-            f"{what} got no connection within timeout_seconds={seconds:g}: nothing listens at that address; "
-            f"start the collective leader, or fix its address in the cluster spec"
-        )
+    _release(helper, host, port, before, started + _CONSTRUCTOR_SPAN_FACTOR * budget + _RELEASE_JOIN_S)
     raise ClusterError(
         f"{what} got no answer within timeout_seconds={seconds:g}: something accepts connections at that "
         f"address but does not answer as a torch.distributed store (another program on the port, or a hung "
@@ -165,15 +193,91 @@ def _construct(host: str, port: int, world_size: int, is_master: bool, seconds: 
     )
 
 
-def _refuses(host: str, port: int) -> bool:
-    """Whether a plain connection to the address is refused (only to word the error)."""
+def _await_listener(host: str, port: int, deadline: float) -> bool:
+    """Whether something accepts a plain TCP connection at the address before the deadline.
+
+    Refused or unreachable attempts are repeated until then, in the caller's thread, so a
+    missing leader leaves no thread behind (TCPStore's constructor would keep retrying
+    past the deadline, and abort the process if still running at exit).
+    """
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        try:
+            socket.create_connection((host, port), timeout=remaining).close()
+            return True
+        except OSError:
+            pass  # refused (nothing listens yet), unreachable, or timed out: try again until the deadline
+        time.sleep(min(_PROBE_INTERVAL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _socket_fds() -> "set[int] | None":
+    """This process's open socket descriptors, or None where /proc/self/fd is not there."""
     try:
-        socket.create_connection((host, port), timeout=1.0).close()
-    except ConnectionRefusedError:
-        return True
+        names = os.listdir("/proc/self/fd")
     except OSError:
-        pass  # unreachable or slow: say what the store did not do
-    return False
+        return None
+    fds = set()
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except (OSError, ValueError):
+            continue  # closed meanwhile (the listing's own descriptor, for one)
+    return fds
+
+
+def _release(helper: threading.Thread, host: str, port: int, before: "set[int] | None", ends_by: float) -> None:
+    """Ends a helper stuck in TCPStore's constructor past the deadline, or joins it at exit.
+
+    Its connection is found among the sockets opened since it started (connected to the
+    store's address) and shut down, so its read returns and it ends with an error now; a
+    helper that is not reading (inside TCPStore's own connect retries) is joined at
+    interpreter exit, for as long as those retries can last.
+    """
+    after = _socket_fds()
+    if before is not None and after is not None:
+        try:
+            peers = {info[4][:2] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        except OSError:
+            peers = set()
+        for fd in sorted(after - before):
+            _shut_down_if_connected_to(fd, peers)
+        helper.join(_RELEASE_JOIN_S)
+    if helper.is_alive():
+        with _lingering_lock:
+            _lingering[helper] = ends_by
+
+
+def _shut_down_if_connected_to(fd: int, peers: "set[tuple[Any, ...]]") -> None:
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return  # closed meanwhile, or not a socket after all
+    with sock:
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            return  # not connected
+        # An IPv4 peer may be reported as IPv4-mapped IPv6 on a dual-stack socket.
+        address = peer[0].removeprefix("::ffff:") if isinstance(peer, tuple) else None
+        if address is not None and any(address == p[0].removeprefix("::ffff:") and peer[1] == p[1] for p in peers):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # acts on the shared socket: the helper's read returns
+            except OSError:
+                pass
+
+
+@atexit.register
+def _join_lingering() -> None:
+    """Joins helpers still in TCPStore's constructor before the interpreter finalises,
+    each until its own retries end: one still running at shutdown aborts the process."""
+    with _lingering_lock:
+        lingering = list(_lingering.items())
+        _lingering.clear()
+    for helper, ends_by in lingering:
+        helper.join(max(0.0, ends_by - time.monotonic()))
 
 
 def _wait_for_everyone(store: dist.Store, names: Sequence[str], deadline: float, seconds: float, me: str, address: str,

@@ -310,6 +310,12 @@ def _run_generations(
                 detail = f"exited with code {exit_code(outcome.returncode)}"
                 if outcome.returncode < 0:
                     detail += f" (killed by {signal_name(-outcome.returncode)})"
+                if outcome.notified:  # only this node's tasks are seen; another node's may have had one too
+                    where = f"{', '.join(outcome.notified)} on node {plan.node_rank}"
+                    if exit_code(outcome.returncode) == env.PREEMPTED_EXIT_CODE:
+                        detail += f": the job was preempted (notice to {where})"
+                    else:
+                        detail += f"; a preemption notice went to {where}"
                 failure = rendezvous.report_failure(
                     generation, Failure(outcome.failed.name, plan.node_rank, exit_code(outcome.returncode), detail)
                 )

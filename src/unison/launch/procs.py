@@ -18,10 +18,12 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from types import FrameType
@@ -235,6 +237,27 @@ class Outcome:
     returncode: int = 0
     #: True when ``wait``'s ``stop_when`` asked to stop (e.g. a task on another node failed).
     stopped: bool = False
+    #: The tasks that received a preemption signal, by name (``("worker:1",)``), as they
+    #: recorded it (``env.UNISON_PREEMPTION_NOTICES``); the first task to exit with
+    #: ``PREEMPTED_EXIT_CODE`` need not be one of them.
+    notified: tuple[str, ...] = ()
+
+    def describe_failure(self) -> str:
+        """``"task worker:0 exited with code 1"``; for a preemption, the task(s) that got the notice."""
+        if self.failed is None:
+            return "no task failed"
+        code = exit_code(self.returncode)
+        notice = f" (notice to {', '.join(self.notified)})" if self.notified else ""
+        if code == env.PREEMPTED_EXIT_CODE:
+            text = (f"the job was preempted{notice} and saved at the agreed step; task {self.failed.name} "
+                    f"exited first, with code {code}")
+        else:
+            text = f"task {self.failed.name} exited with code {code}"
+            if self.returncode < 0:
+                text += f" (killed by {signal_name(-self.returncode)})"
+            if self.notified:
+                text += f"; a preemption notice went to {', '.join(self.notified)}"
+        return text
 
 
 class LocalCluster:
@@ -268,6 +291,7 @@ class LocalCluster:
         self._locks = {id(stdout): threading.Lock(), id(stderr): threading.Lock()}
         self._running: list[_Running] = []
         self._exits: "queue.Queue[_Running]" = queue.Queue()
+        self._notices: "str | None" = None  # where signalled tasks name themselves; removed by stop()
 
     def message(self, text: str) -> None:
         """Writes a launcher message to stderr, between task lines."""
@@ -277,10 +301,11 @@ class LocalCluster:
 
     def start(self) -> None:
         """Starts every task, each in a new session."""
+        self._notices = tempfile.mkdtemp(prefix="unison-preemption-notices-")
         for task, task_env in self._environments.items():
             process = subprocess.Popen(
                 die_with_launcher(self._command),
-                env=dict(task_env),
+                env={**task_env, env.UNISON_PREEMPTION_NOTICES: self._notices},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -351,10 +376,27 @@ class LocalCluster:
                 if code != 0:
                     self._let_settle(pending)
                     self._drain(running)
-                    return Outcome(running.task, code)
+                    return Outcome(running.task, code, notified=self.preemption_notices())
             return Outcome()
         finally:
             self.stop()
+
+    def preemption_notices(self) -> tuple[str, ...]:
+        """The tasks that have received a preemption signal so far, by name, sorted."""
+        if self._notices is None:
+            return ()
+        names = []
+        try:
+            entries = sorted(os.scandir(self._notices), key=lambda entry: entry.name)
+        except OSError:
+            return ()
+        for entry in entries:
+            try:
+                with open(entry.path, encoding="utf-8") as f:
+                    names.append(f.read().split()[0])
+            except (OSError, IndexError):
+                continue  # being written: its task is still in its signal handler
+        return tuple(names)
 
     def _let_settle(self, pending: "dict[int, _Running]") -> None:
         deadline = time.monotonic() + self._settle
@@ -386,6 +428,9 @@ class LocalCluster:
         for r in self._running:
             r.process.wait()
             _join_pumps(r)
+        if self._notices is not None:
+            shutil.rmtree(self._notices, ignore_errors=True)
+            self._notices = None
 
 
 def _join_pumps(running: _Running) -> None:
@@ -464,11 +509,7 @@ def run_local_cluster(
             if outcome.failed is None:
                 return 0
             code = exit_code(outcome.returncode)
-            failure = f"task {outcome.failed.name} exited with code {code}"
-            if code == env.PREEMPTED_EXIT_CODE:
-                failure = f"task {outcome.failed.name} was preempted and saved at the agreed step (exit code {code})"
-            if outcome.returncode < 0:
-                failure += f" (killed by {signal_name(-outcome.returncode)})"
+            failure = outcome.describe_failure()
             cluster.message(f"{failure}; stopped the other {len(tasks) - 1} task(s)")
             if attempt < max_restarts:
                 cluster.message(f"restarting the cluster (restart {attempt + 1} of {max_restarts})")
