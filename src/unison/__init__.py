@@ -7,7 +7,8 @@ one machine (MirroredStrategy, CentralStorageStrategy) and on a cluster
 The public names are listed, with their types, in ``__init__.pyi``; each is imported on
 first use (``lazy_loader``, as SciPy and scikit-image do). So ``import unison`` costs
 nothing, and a process that never touches a strategy, such as the ``unison launch``
-launcher, never imports torch (2-3 s of CPU and about 200 MB per process). Set
+launcher, never imports torch (seconds of CPU and hundreds of MB per process:
+``benchmarks/RESULTS.md``, 'Lazy import of unison'). Set
 ``EAGER_IMPORT=1`` to import everything at once (lazy_loader's switch).
 """
 

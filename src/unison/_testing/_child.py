@@ -144,9 +144,10 @@ def _destroy_default_group() -> bool:
 def _exit(code: int) -> None:
     """Ends the process as a normal exit would, minus the final garbage collection.
 
-    Interpreter finalisation with torch loaded takes 0.5-2 s on a busy 2-core machine,
-    once per worker. Everything else a normal exit does is kept: non-daemon threads are
-    joined (a hang here shows in the parent's stack dump) and atexit handlers run.
+    Interpreter finalisation with torch loaded takes seconds on a busy machine, once per
+    worker (``benchmarks/RESULTS.md``, 'Test worker start and exit'). Everything else a
+    normal exit does is kept: non-daemon threads are joined (a hang here shows in the
+    parent's stack dump) and atexit handlers run.
     """
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:

@@ -172,11 +172,12 @@ def worker_context() -> Any:
     """The start method for workers: a fork server that has imported torch, where Linux
     can watch the test process through a pidfd; ``spawn`` elsewhere.
 
-    A spawned worker imports torch again (1.5-3 s of CPU on a 2-core machine, most of a
-    small multi-process test); one forked from the server starts in milliseconds. The
-    server itself is a fresh interpreter that only imported modules, so workers are as
-    clean as spawned ones: no threads, no process group, the environment and ``sys.path``
-    of the test at the time of the call (see ``_child.start``).
+    A spawned worker imports torch again (most of a small multi-process test:
+    ``benchmarks/RESULTS.md``, 'Test worker start and exit'); one forked from the server
+    starts in milliseconds. The server itself is a fresh interpreter that only imported
+    modules, so workers are as clean as spawned ones: no threads, no process group, the
+    environment and ``sys.path`` of the test at the time of the call (see
+    ``_child.start``).
     """
     if "forkserver" not in multiprocessing.get_all_start_methods() or not hasattr(os, "pidfd_open"):
         return get_context("spawn")

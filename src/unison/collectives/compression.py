@@ -53,6 +53,7 @@ class Compressor:
     def overflowed(self, reduced: torch.Tensor) -> bool:
         """Whether a reduced wire tensor must be reduced again exactly (float16 only)."""
         # The largest magnitude: an inf anywhere makes it inf, and a nan propagates through
-        # max (a full-size isfinite mask costs 15x more).
+        # max; a full-size isfinite mask costs far more (benchmarks/RESULTS.md, 'fp16
+        # overflow check by max').
         return (self._checks_overflow and reduced.numel() > 0
                 and not bool(torch.isfinite(reduced.abs().max())))

@@ -6,8 +6,8 @@ about ``bytes_per_pack`` bytes; each pack's all-reduce is launched as soon as it
 is done, so copying the next pack overlaps the transfer of the previous ones, and every
 pack is in flight at once. The results are views of the reduced buffers: no copy back.
 
-Three things keep it close to one flat all-reduce of the same bytes (measured in
-``benchmarks/multi_worker.py``, 400 x 16 KB on gloo):
+Three things keep it close to one flat all-reduce of the same bytes
+(``benchmarks/RESULTS.md``, 'Packed all-reduce rework' and 'Two concurrent packs on gloo'):
 
 - with ``bytes_per_pack=0`` (unison chooses), a buffer of ``LANE_SPLIT_BYTES`` or more
   travels as two packs cut at the tensor boundary nearest its middle: gloo runs two
@@ -33,9 +33,9 @@ __all__ = ["PackedAllReduce", "LANE_SPLIT_BYTES"]
 LANE_SPLIT_BYTES = 4 << 20
 """Buffers this large go as two concurrent packs when ``bytes_per_pack`` is 0.
 
-On gloo over loopback (2 processes) two concurrent 3.3 MB halves take 3.9-4.3 ms
-against 4.8-5.5 ms for one 6.5 MB all-reduce, while at 1 MiB two halves take 5x longer
-than one call. NCCL runs collectives one after another; the split then only overlaps
+gloo runs two collectives at once on its two worker threads, which pays for large
+buffers and loses badly for small ones (``benchmarks/RESULTS.md``, 'Two concurrent packs
+on gloo'). NCCL runs collectives one after another; the split then only overlaps
 the second copy with the first transfer.
 """
 

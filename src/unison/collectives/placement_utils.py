@@ -6,11 +6,14 @@ traffic balanced. TensorFlow expresses this as device functions and variable get
 on graph ops; PyTorch has no graph ops, so here the chooser is called with the
 variable (a tensor or ``nn.Parameter``), its shape, or its element count, and returns
 the device to put it on. Device entries are returned exactly as given (a unison device
-name, a ``torch.device``, or an RPC worker name such as ``"ps:1"``), since unison's
-parameter servers are ``torch.distributed.rpc`` workers.
+name, a ``torch.device``, a task name such as ``"ps:1"``, or a ps task index): the
+setter only chooses. ``ParameterServerStrategy(variable_placer="least_loaded")`` uses
+it with ps task indices (``unison.ps.policy``), and the chosen ps task then holds the
+variable behind unison's own tensor protocol (``unison.ps.transport``).
 
-tensorpack equivalents: ``graph_builder.utils.LeastLoadedDeviceSetter`` and
-``OverrideCachingDevice`` (both from tf_cnn_benchmarks' ``variable_mgr_util``).
+tensorpack equivalent: ``graph_builder.utils.LeastLoadedDeviceSetter`` (from
+tf_cnn_benchmarks' ``variable_mgr_util``); its ``OverrideCachingDevice`` is in
+``tensorpack_compat.py``.
 """
 
 from __future__ import annotations

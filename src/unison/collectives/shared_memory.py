@@ -4,19 +4,20 @@ gloo moves every byte of a CPU all-reduce through loopback TCP, several times ov
 on its own threads. Workers on one host can instead meet in one shared-memory file:
 each writes its tensors into its own slot, sums one slice of every worker's slot into
 the result slot, and copies the result out. Two tiny gloo all-reduces order these steps
-and carry the timeout and peer-loss detection of every other collective. For 400 x 16
-KB on 2 processes this takes 5.6 ms, against 6.5 ms for gloo's all-reduce of one flat
-buffer of the same bytes and 10 ms for unison's packed path over gloo; one 6.5 MB tensor
-takes 3.6 ms (``benchmarks/multi_worker.py``).
+and carry the timeout and peer-loss detection of every other collective. This beats
+gloo's all-reduce of the same bytes, flat or packed (``benchmarks/RESULTS.md``,
+'Shared-memory all-reduce against gloo').
 
 The files live in ``/dev/shm``. Worker 0 creates each one with its size but no pages,
 every worker maps it, and worker 0 unlinks it once all have: the memory is freed when
 the last worker unmaps it or exits, crash included. Only then does worker 0 reserve the
 pages (``posix_fallocate``, so a full tmpfs is a clean error on every worker, not a
-SIGBUS later): that takes 0.2 s per 200 MB, and doing it first kept the file's name in
-``/dev/shm`` that long, where a worker 0 killed meanwhile left it behind. Whether the workers share a host is found by that first mapping: a
-worker on another host (or with another ``/dev/shm``) cannot open the file, and then
-every worker falls back to the network collectives for good.
+SIGBUS later): that is slow for large files, and doing it first kept the file's name in
+``/dev/shm`` that long, where a worker 0 killed meanwhile left it behind
+(``benchmarks/RESULTS.md``, 'Reserving shared memory after the unlink'). Whether the
+workers share a host is found by that first mapping: a worker on another host (or with
+another ``/dev/shm``) cannot open the file, and then every worker falls back to the
+network collectives for good.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class SharedMemoryAllReduce:
 
     def eligible(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether these dense tensors go through shared memory (the same answer wherever the layout is the same)."""
-        # Every size: measured faster than gloo from 4 KB (1.3 vs 1.9 ms) to 6.5 MB. Empty
+        # Every size: faster than gloo at every size measured (benchmarks/RESULTS.md,
+        # 'Shared-memory all-reduce against gloo'). Empty
         # batches stay off it (a file of 0 bytes cannot be reserved).
         return self.available and all(t.is_cpu for t in tensors) and sum(t.nbytes for t in tensors) > 0
 
@@ -306,8 +308,9 @@ class SharedMemoryAllReduce:
                 descriptor = None
         memory_failed = not token
         if everyone:
-            # Only now, with the file unlinked, reserve its memory: the slow part (0.2 s for
-            # 200 MB) no longer keeps the file's name alive, and a full /dev/shm is still
+            # Only now, with the file unlinked, reserve its memory: the slow part (see
+            # benchmarks/RESULTS.md, 'Reserving shared memory after the unlink') no
+            # longer keeps the file's name alive, and a full /dev/shm is still
             # a clean error on every worker instead of a SIGBUS at first touch.
             reserved = 1
             if descriptor is not None:

@@ -2,9 +2,9 @@
 
 The shared-memory all-reduce needs only to know when every worker of the host has
 written its slot, and when every worker has summed its slice. A one-element gloo
-all-reduce per such point costs 0.3-0.5 ms on loopback TCP (two of them per training
-step were most of a tiny step's time); a counter per worker in the shared file costs a
-store and a few loads.
+all-reduce per such point is a loopback TCP round trip (two of them per training step
+were most of a tiny step's time: ``benchmarks/RESULTS.md``, 'Shared-memory counters
+instead of gloo'); a counter per worker in the shared file costs a store and a few loads.
 
 Each worker owns one cache line of the signal file: its pid and start time (so peers
 can tell when it died) and one monotonically increasing counter per kind of event. A

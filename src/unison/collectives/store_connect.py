@@ -4,9 +4,9 @@ Before the workers' process group forms, two waits used to escape ``timeout_seco
 
 - ``torch.distributed.TCPStore``'s constructor, as a client, validates the server with
   a read that has no deadline: a process that accepts connections at the leader's
-  address and never answers (another program on the port, a hung leader) held it for
-  over 400 s with a 30 s timeout. Its own retries on a refused connection add to the
-  timeout too (44 s for 30 s).
+  address and never answers (another program on the port, a hung leader) held it many
+  times its timeout. Its own retries on a refused connection add to the timeout too
+  (``benchmarks/RESULTS.md``, 'TCPStore waits beyond their timeout').
 - ``init_process_group`` waits for every rank's key, and on timeout names the key
   (``/unison/0//cpu//0/1``), not the task that never came.
 
@@ -144,7 +144,8 @@ _PROBE_INTERVAL_S = 0.05
 # How long a helper whose connection was shut down gets to end before being left to atexit.
 _RELEASE_JOIN_S = 2.0
 # TCPStore's own connect retries (with backoff) last up to about this many times its timeout
-# (measured on torch 2.13: 11.5 s for 4 s); a lingering helper is joined at exit that long.
+# (benchmarks/RESULTS.md, 'TCPStore waits beyond their timeout'); a lingering helper is
+# joined at exit that long.
 _CONSTRUCTOR_SPAN_FACTOR = 3.0
 
 # Helpers still inside TCPStore's constructor after their deadline, with the monotonic

@@ -29,21 +29,18 @@ loopback TCP, and the same sums as gloo's (gradients are divided before they are
 From the second step on, a bucket of more than 16 gradients that were all dense lives in
 flat slots of its own (``grad_slots.py``): the first gradient points the others at them,
 autograd accumulates into them, and the bucket goes to the shared file and back in one
-pass each, instead of a copy per gradient each way. Measured on W2 (400 gradients,
-``benchmarks/multi_worker.py``): 1.18x DDP -> 1.19-1.23x, the no_sync ceiling 1.33-1.37x.
-A bucket of few (large) gradients divides each straight into the shared file instead:
-slots would add a pass over its bytes (W1 measured 1.25x DDP with slots, 1.39x without).
+pass each, instead of a copy per gradient each way. A bucket of few (large) gradients
+divides each straight into the shared file instead: slots would add a pass over its
+bytes (``benchmarks/RESULTS.md``, 'Shared-memory slots per bucket').
 
 When the workers span hosts with equally many workers each (the hierarchical transport's
 columns), there is a transfer to overlap again: each bucket is written into its slot as
 soon as it is complete, and as soon as every worker of the host wrote it (a look at the
 shared counters from a later gradient's hook, never a wait) this worker sums its slice
 and starts that slice's all-reduce across hosts, while backward goes on. Buckets are then
-2 MB by default, so that a model's first buckets leave early. Measured on two simulated
-hosts of 2 workers (``benchmarks/multi_host.py``): with a 1 Gbit/s link between them W2
-went from 1.01-1.05x DDP to 1.07-1.12x and W1 from 1.17-1.24x to 1.20-1.23x; with an
-unlimited link on this 2-core machine, where the 4 workers and gloo's threads compete for
-the same cores, there was nothing to gain (W2 0.94-1.03x against 0.97-1.07x).
+2 MB by default, so that a model's first buckets leave early. This gains where the link
+between hosts is the bottleneck, and nothing where the workers and gloo's threads
+compete for the same cores (``benchmarks/RESULTS.md``, 'Pipelined buckets across hosts').
 """
 
 from __future__ import annotations
@@ -74,9 +71,14 @@ __all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 PIPELINED_BUCKET_BYTES = 2 * 1024 * 1024
-"""Default bucket size when buckets cross hosts one by one during backward (1 and 4 MB measured worse overall)."""
+"""Default bucket size when buckets cross hosts one by one during backward.
+
+Small enough that a model's first buckets leave early, large enough to keep the
+collectives few (``benchmarks/RESULTS.md``, 'Pipelined buckets across hosts')."""
+# Up to this many gradients a bucket divides each into place (MEAN); above it, a bucket of
+# dense gradients gets flat slots of its own on the shared-memory path.
 _FUSED_DIVIDE_MAX_PARAMS = 16
-_OPERATION = "gradient all-reduce"  # up to this many gradients a bucket divides each into place (MEAN)
+_OPERATION = "gradient all-reduce"
 
 
 @dataclasses.dataclass
@@ -221,9 +223,9 @@ class BucketedGradientSync:
         """The registered parameters still alive on every worker; the others are forgotten.
 
         A model built in scope and then dropped was otherwise kept alive by the buckets,
-        and every later backward all-reduced its gradients as zeros (measured: a D step
-        1.0-1.3 ms instead of 0.6 ms on this VM once a 400-parameter model had been built
-        and deleted). Workers must agree, since the buckets' layout must match: a parameter
+        and every later backward all-reduced its gradients as zeros, which can double a
+        small step (``benchmarks/RESULTS.md``, 'Dropped models leave the buckets').
+        Workers must agree, since the buckets' layout must match: a parameter
         any worker dropped (its garbage collector may run later elsewhere) leaves on all.
         """
         params = [ref() for ref in self._params]

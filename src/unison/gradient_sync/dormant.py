@@ -61,8 +61,8 @@ class LateParameters:
     or a parameter replaced by ``load_state_dict(..., assign=True)`` joins its strategy
     after the buckets were laid out. Such a parameter joins the buckets once a backward
     gives it a gradient on some worker; one never differentiated (an EMA copy) stays out,
-    so its zeros are not all-reduced every step (measured: 1 ms more per step for an
-    ``AveragedModel`` of a 0.5 M-parameter MLP). Which ones are used is agreed by every
+    so its zeros are not all-reduced every step (``benchmarks/RESULTS.md``, 'Late
+    parameters stay out until used'). Which ones are used is agreed by every
     worker, since a branch may give a gradient on one worker only.
     """
 

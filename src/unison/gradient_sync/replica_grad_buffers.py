@@ -1,18 +1,16 @@
 """Flat gradient buffers for CPU replica threads: one reduction per dtype, not one per gradient.
 
 Reducing the gradients of a 400-parameter model across two CPU replicas with
-``_foreach`` calls costs three small kernels per gradient and a Python walk over all
-of them, about 2.5 ms of a 28 ms step (``benchmarks/in_process.py`` W2), with every
-other replica waiting. Here each replica's gradients are aliases of one flat buffer
-per dtype (DDP's ``gradient_as_bucket_view``), so the merge is an add, a multiply and
-a copy over whole buffers. The price is paid in parallel instead: autograd adds each
-gradient into its slot (one small kernel, in the replica's own thread) where it would
-have taken over the new tensor. W2: merge 3.2-3.9 ms -> 1.1-1.5 ms, backward about
-+1 ms per replica, step 3-9% faster. Large gradients stay out (see SMALL_GRADIENT).
-Copying the gradients into a buffer at the end of backward and back after the merge,
-without aliasing them, measured slower: 1.0-1.2 ms per replica to copy in (one
-``flatten_dense_tensors`` or ``_foreach_copy_``, under a contended GIL) and 0.5-0.6 ms
-to copy out, against 0.2-0.4 ms to point the gradients at their slots.
+``_foreach`` calls costs three small kernels per gradient and a Python walk over all of
+them, with every other replica waiting. Here each replica's gradients are aliases of one
+flat buffer per dtype (DDP's ``gradient_as_bucket_view``), so the merge is an add, a
+multiply and a copy over whole buffers. The price is paid in parallel instead: autograd
+adds each gradient into its slot (one small kernel, in the replica's own thread) where
+it would have taken over the new tensor; the merge saves more than backward loses. Large
+gradients stay out (see SMALL_GRADIENT). Copying the gradients into a buffer at the end
+of backward and back after the merge, without aliasing them, measured slower: two copies
+under a contended GIL against pointing the gradients at their slots
+(``benchmarks/RESULTS.md``, 'Flat replica gradient buffers').
 
 ``zero_grad()`` keeps its meaning: the gradients are None after it. When a replica's
 backward pass produces its first gradient, the gradients still None are pointed at

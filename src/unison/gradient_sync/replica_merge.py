@@ -66,9 +66,9 @@ class _ReplicaGradHook:
 
     Only a backward pass's first gradient has something to decide (whether this backward
     reduces, and queueing that). The hook remembers the backward pass (autograd's graph
-    task, per thread) it decided for and returns at once for the rest: a 400-gradient
-    backward made 400 full calls into Python, 1.2 us each, with the other replica
-    contending for the GIL.
+    task, per thread) it decided for and returns at once for the rest, since a full call
+    into Python per gradient adds up, with the other replica contending for the GIL
+    (``benchmarks/RESULTS.md``, 'Replica gradient hook returns early').
     """
 
     __slots__ = ("_sync", "settled_task")

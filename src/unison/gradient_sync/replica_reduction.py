@@ -4,9 +4,10 @@ The replicas of one worker share the host's memory: replica 0's gradient becomes
 sum of every replica's (added in replica order), is divided for MEAN, and is copied into
 the others' -- the same arithmetic as ``ReductionToOneDevice``, with nothing allocated.
 
-A merge runs in one thread while the other replicas wait, so reducing W1's 1.9 million
-gradient elements there took 3.5 ms of a 38 ms step with one core idle (the whole gap
-between Mirrored and two threads training on their own). From ``SPLIT_MIN_ELEMENTS`` on,
+A merge runs in one thread while the other replicas wait, so reducing millions of
+gradient elements there leaves the other cores idle (for W1, the whole gap between
+Mirrored and two threads training on their own: ``benchmarks/RESULTS.md``, 'Replica
+reduction split across threads'). From ``SPLIT_MIN_ELEMENTS`` on,
 the merge only collects the tensors, and each replica reduces its own slice of every
 one, in its own thread, after the merge; the replicas then meet once more, since each
 reads its whole gradient afterwards. Elementwise, so the result is bit for bit the same.
@@ -23,8 +24,9 @@ __all__ = ["InPlaceReduction", "SPLIT_MIN_ELEMENTS"]
 
 SPLIT_MIN_ELEMENTS = 1 << 18
 """Elements from which the replicas reduce their slices in parallel. Below, the extra
-meeting of the replicas (two thread wake-ups, ~0.1 ms on a 2-core VM) costs more than
-halving a memory-bound pass over a few MB saves."""
+meeting of the replicas (two thread wake-ups) costs more than halving a memory-bound
+pass over a few MB saves (``benchmarks/RESULTS.md``, 'Replica reduction split across
+threads')."""
 
 
 @typing.final

@@ -2,9 +2,9 @@
 
 PyTorch's ``zero_grad`` reads and sets ``p.grad`` on every parameter. On a distributed
 variable (a tensor subclass) each of those goes through ``__torch_function__`` to reach
-the replica's own component: two dispatches per parameter per replica per step, about
-15% of a 2-replica step of a 400-parameter model (``benchmarks/in_process.py`` W2,
-py-spy). Once an optimizer of the strategy has stepped, its instance gets a
+the replica's own component: two dispatches per parameter per replica per step, a
+visible share of a step of a many-parameter model (``benchmarks/RESULTS.md``, 'Replica
+zero_grad without dispatch'). Once an optimizer of the strategy has stepped, its instance gets a
 ``zero_grad`` that, inside a replica and with ``set_to_none=True`` (the default), sets
 the replica's components' gradients to None directly: what the dispatched version
 does. In cross-replica context, ``set_to_none=False`` zeroes every replica's gradient

@@ -272,14 +272,11 @@ class ThreadedReplicaRunner:
     for the step (the caller's count is set back after it). With every replica thread
     owning a full OpenMP team, libgomp counts more busy threads than CPUs and stops
     spinning at its barriers: every parallel region then sleeps and wakes its team, which
-    made the 2-replica W2 step ~2x slower and even plain PyTorch in the same process
-    3.5x slower while an idle replica thread existed (the same 3.5x as
-    ``OMP_WAIT_POLICY=PASSIVE``, and none with ``ACTIVE``; ``benchmarks/in_process.py``; an
-    earlier measurement of per-thread shares, slower on W1 and W2, predates replica 0
-    running in the caller's thread, whose full team kept the count above the CPUs).
+    slows the replicas' steps and even plain PyTorch in the same process while an idle
+    replica thread exists (as ``OMP_WAIT_POLICY=PASSIVE`` does).
     The replicas run at once: running them one at a time, passing a baton at merge
-    calls (as TensorFlow's eager MirroredStrategy does), measured 0.50 of plain on W2
-    against 0.69, and no better on W1 or D.
+    calls (as TensorFlow's eager MirroredStrategy does), measured slower
+    (``benchmarks/RESULTS.md``, 'Intra-op threads per replica, replicas at once').
     """
 
     def __init__(self, strategy: "Strategy", devices: Sequence[str]):

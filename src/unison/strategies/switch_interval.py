@@ -6,9 +6,9 @@ native ops that release the GIL. When one thread holds the GIL and another waits
 gets it when the holder next releases it or, failing that, after the interpreter's
 switch interval (``sys.getswitchinterval()``, 5 ms by default) — and a thread that
 releases the GIL for a short op and takes it straight back can keep it for that long.
-With 0.5 ms during a 2-replica step, the 200-layer W2 step of
-``benchmarks/in_process.py`` ran 5-15% faster (0.61-0.66 -> 0.68-0.76 of plain
-PyTorch, same-run comparisons); the D and W1 steps did not change. The interval is process-wide, so it is
+A short interval during a 2-replica step speeds up a step of many small layers and
+leaves steps of few layers as they were (``benchmarks/RESULTS.md``, 'Short GIL switch
+interval'). The interval is process-wide, so it is
 shortened only while some ``run`` of a threaded strategy is in progress (a count, for
 concurrent runs), and the caller's interval comes back after the last one.
 """

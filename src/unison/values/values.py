@@ -35,12 +35,9 @@ class DistributedValues:
     def values(self) -> tuple[Any, ...]:
         """The components, one per local replica, in replica order."""
 
-    def _component_devices(self) -> tuple[Any, ...]:
-        return tuple(v.device if isinstance(v, torch.Tensor) else None for v in self.values)
-
 
 class _ValueContainer(DistributedValues):
-    """A tuple of components: PerReplica or Mirrored (abstract)."""
+    """A tuple of components: the body PerReplica and Mirrored share; they differ in type only."""
 
     __slots__ = ("_values",)
 
@@ -61,11 +58,6 @@ class _ValueContainer(DistributedValues):
         inner = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
         return f"{type(self).__name__}:{{\n{inner}\n}}"
 
-    @property
-    @abc.abstractmethod
-    def known_equal(self) -> bool:
-        """Whether the components are known to be equal on every replica."""
-
 
 @typing.final
 class PerReplica(_ValueContainer):
@@ -73,22 +65,12 @@ class PerReplica(_ValueContainer):
 
     __slots__ = ()
 
-    @property
-    def known_equal(self) -> bool:
-        """False: each replica has its own value."""
-        return False
-
 
 @typing.final
 class Mirrored(_ValueContainer):
     """Values that are equal on every replica, one copy per replica device."""
 
     __slots__ = ()
-
-    @property
-    def known_equal(self) -> bool:
-        """True: the result of an all-reduce or a broadcast."""
-        return True
 
 
 def is_distributed(value: Any) -> bool:
