@@ -32,6 +32,13 @@ reads and writes as its own component anyway (``BatchNorm``'s running statistics
 the lookup gives what dispatch would have. Without it ``torch.compile`` traced the
 variable's ``__torch_function__``, broke the graph inside it and handed the tensor
 subclass to AOTAutograd, which failed ("Multiple dispatch failed for aten.add.Tensor").
+
+Under ``torch.compile`` a lookup in cross-replica context (a compiled model called outside
+``strategy.run``) gives a mirrored variable's component 0 too, the plain tensor an eager
+read there resolves to, so Dynamo does not trace the variable's ``__torch_function__``
+(a graph break at each of its Python branches). A read whose value is not a plain tensor
+there (a sync-on-read buffer read outside ``run``: the replicas' aggregate) raises a
+UsageError naming the ways out (``_refuse_to_compile``).
 """
 
 from __future__ import annotations
@@ -83,10 +90,9 @@ class ReplicaParameters(dict):
                     _refuse_to_compile(value, name, f"inside replica 0 of {type(value._strategy).__name__}")
                 return component
             if _in_compiled_region():  # cross-replica: what a read there resolves to, if it is a plain tensor
-                component = value._cross_replica_value() if isinstance(value, MirroredVariable) else value
-                if component is value:
+                if not isinstance(value, MirroredVariable) or value._cross_replica_value() is value:
                     _refuse_to_compile(value, name, "in cross-replica context (outside strategy.run)")
-                return component
+                return value._cross_replica_value()  # component 0, as an eager read there
         return value
 
     def __setitem__(self, name: str, value: Any) -> None:

@@ -471,6 +471,11 @@ class SyncOnReadVariable(DistributedVariable, torch.Tensor):
         self._setup(strategy, devices, aggregation, name)
         return self
 
+    def _make_primary(self) -> torch.Tensor:
+        # A plain alias of the variable (same storage and version counter), as a mirrored
+        # variable's: replica 0 reads and updates it (BatchNorm's running statistics) as
+        # a plain tensor, which torch.compile can trace.
+        return torch.Tensor.detach(self)
 
     def __reduce_ex__(self, protocol: int) -> Any:
         return self._cross_replica_value().clone().__reduce_ex__(protocol)
