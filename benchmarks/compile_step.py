@@ -11,6 +11,11 @@ variants train the same MLP (784-512-512-512-10, cross-entropy, SGD lr 0.01, glo
   default). unison all-reduces from the parameters' post-accumulate-grad hooks, which fire
   only once the compiled backward node has produced every gradient: no bucket overlaps the
   backward computation (``tests/multi_worker/test_torch_compile_workers.py``);
+- ``unison_compiled_split``: compiled with ``strategy.extended.compile_backend(backend)``,
+  which splits the graph at the bucket size (DDPOptimizer) where buckets leave during
+  backward (``--implementation RING``: flat gloo), so they overlap the compiled backward
+  again; with shared memory (AUTO on one host, every bucket reduced at the end) it is the
+  plain backend, the same as ``unison_compiled``;
 - ``ddp_eager``: ``DistributedDataParallel`` with its defaults;
 - ``ddp_compiled``: ``torch.compile(ddp_model)``, where Dynamo's DDPOptimizer splits the
   graph at DDP's bucket boundaries so that buckets leave while backward runs.
@@ -28,7 +33,8 @@ Writes ``<out>/compile_step.json`` (samples of rank 0, summary, machine) and pri
 summary as JSON.
 
 Usage:
-    python benchmarks/compile_step.py [--steps N] [--rounds R] [--warmup W] [--backend B] [--quick] [--out DIR]
+    python benchmarks/compile_step.py [--steps N] [--rounds R] [--warmup W] [--backend B]
+                                      [--implementation AUTO|RING] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ WORLD_SIZE = 2
 GLOBAL_BATCH = 256
 LR = 0.01
 WEIGHT_TOLERANCE = 1e-4
-VARIANTS = ("unison_eager", "unison_compiled", "ddp_eager", "ddp_compiled")
+VARIANTS = ("unison_eager", "unison_compiled", "unison_compiled_split", "ddp_eager", "ddp_compiled")
 
 
 def _make_model() -> nn.Module:
@@ -58,12 +64,13 @@ def _make_model() -> nn.Module:
                          nn.ReLU(), nn.Linear(512, 10))
 
 
-def _strategy(rank: int, timeout: float) -> Any:
+def _strategy(rank: int, timeout: float, implementation: str) -> Any:
     import unison
 
     spec = unison.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})  # rendezvous via UNISON_RENDEZVOUS
+    options = unison.CommunicationOptions(timeout_seconds=timeout, implementation=implementation)
     return unison.MultiWorkerMirroredStrategy(unison.SimpleClusterResolver(spec, task_type="worker", task_id=rank),
-                                              unison.CommunicationOptions(timeout_seconds=timeout))
+                                              options)
 
 
 def _step(model: Any, opt: torch.optim.Optimizer, strategy: Any = None) -> Any:
@@ -93,12 +100,16 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
                for _ in range(8)]
     models: dict[str, nn.Module] = {}
     steps = {}
-    for name in ("unison_eager", "unison_compiled"):
-        strategy = _strategy(rank, cfg["collective_timeout"])  # the first scope exit forms the process group
+    for name in ("unison_eager", "unison_compiled", "unison_compiled_split"):
+        strategy = _strategy(rank, cfg["collective_timeout"], cfg["implementation"])  # the first forms the group
         with strategy.scope():
             models[name] = _make_model()
             opt = torch.optim.SGD(models[name].parameters(), lr=LR)
-        forward = torch.compile(models[name], backend=cfg["backend"]) if name.endswith("compiled") else models[name]
+        forward: Any = models[name]
+        if name == "unison_compiled":
+            forward = torch.compile(models[name], backend=cfg["backend"])
+        elif name == "unison_compiled_split":
+            forward = torch.compile(models[name], backend=strategy.extended.compile_backend(cfg["backend"]))
         steps[name] = _step(forward, opt, strategy)
     for name in ("ddp_eager", "ddp_compiled"):
         models[name] = _make_model()
@@ -133,6 +144,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "per_step_ms_rank0": per_step_ms,
         "ratios": {
             "unison_compiled_over_eager": _ratio(samples["unison_compiled"], samples["unison_eager"]),
+            "unison_compiled_split_over_eager": _ratio(samples["unison_compiled_split"], samples["unison_eager"]),
+            "unison_split_over_ddp_compiled": _ratio(samples["unison_compiled_split"], samples["ddp_compiled"]),
             "ddp_compiled_over_eager": _ratio(samples["ddp_compiled"], samples["ddp_eager"]),
             "unison_over_ddp_eager": _ratio(samples["unison_eager"], samples["ddp_eager"]),
             "unison_over_ddp_compiled": _ratio(samples["unison_compiled"], samples["ddp_compiled"]),
@@ -149,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first, compilation included")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    parser.add_argument("--implementation", default="AUTO", choices=("AUTO", "RING"),
+                        help="unison's CommunicationImplementation: AUTO (one host: shared memory) or RING (gloo)")
     parser.add_argument("--quick", action="store_true", help="smoke mode: 2 rounds of 2 steps, 2 warm-up steps")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out",
                         help="output folder (default benchmarks/out)")
@@ -156,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.rounds, args.warmup = 2, 2, 2
     cfg = {"steps": args.steps, "rounds": args.rounds, "warmup": args.warmup, "backend": args.backend,
-           "collective_timeout": 300.0}
+           "implementation": args.implementation, "collective_timeout": 300.0}
     from unison._testing import run_workers
 
     machine = machine_info()  # before the run: the load average then says what else was running

@@ -156,3 +156,49 @@ def test_compiled_conv_batchnorm_trains_as_eager(worker_pool):
         assert compiled["graph_breaks"] == 0
         assert compiled["grads"] == eager["grads"] == 6
     assert _max_diff(results[0][1]["state"], results[1][1]["state"]) > 1e-4  # per-worker BN statistics differ
+
+
+def _split_backend(rank: int, world: int, implementation: str) -> dict[str, Any]:
+    """``strategy.extended.compile_backend``: over flat gloo it splits the graph at the
+    bucket size (DDPOptimizer), so a piece's gradients reach their hooks, and their bucket
+    leaves, while the earlier pieces' backward still runs; over one host's shared memory
+    (every bucket reduced when backward ends) it is the backend itself."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    resolver = unison.SimpleClusterResolver(unison.ClusterSpec({"worker": ADDRESSES[:world]}),
+                                            task_type="worker", task_id=rank)
+    options = unison.CommunicationOptions(bytes_per_pack=256, implementation=implementation)
+    strategy = unison.MultiWorkerMirroredStrategy(resolver, options)
+    with strategy.scope():
+        model = _make("mlp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    backend = strategy.extended.compile_backend("aot_eager")
+    forward = torch.compile(model, backend=backend)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.cross_entropy(forward(x), y).backward()
+        opt.step()
+
+    for x, y in _batches("mlp"):
+        strategy.run(step, args=(x.chunk(world)[rank], y.chunk(world)[rank]))
+    split = backend != "aot_eager"
+    pieces = len(backend.__self__.buckets) if split else 1  # DDPOptimizer keeps the buckets it split at
+    return {"state": _state(model), "split": split, "pieces": pieces, "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+@pytest.mark.parametrize("implementation", ["RING", "AUTO"])
+def test_the_compile_backend_splits_at_buckets_where_they_overlap_backward(worker_pool, implementation):
+    single = _one_device_mlp()
+    for result in worker_pool.run(_split_backend, implementation, timeout=90):
+        assert _max_diff(result["state"], single) <= 1e-5
+        assert result["graph_breaks"] == 0
+        assert result["graphs"] == 1  # one Dynamo graph, compiled in pieces
+        if implementation == "RING":  # buckets leave during backward: the graph is split at the bucket size
+            assert result["split"] and result["pieces"] >= 2
+        else:  # shared memory reduces every bucket at the end of backward: nothing to split for
+            assert not result["split"] and result["pieces"] == 1

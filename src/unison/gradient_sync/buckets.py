@@ -159,6 +159,9 @@ class BucketedGradientSync:
         self._pipeline: HierarchicalTransport | None = None  # buckets cross hosts during backward
         self._started = 0  # pipelined: buckets whose trip across hosts has started, this backward
         self.started_during_backward = 0
+        self.launched_during_backward = 0
+        """How many buckets of the last backward pass were launched from gradient hooks, before it ended (diagnostics)."""
+        self._overlap_bytes: int | None = None  # see overlap_bucket_bytes
         """Pipelined: how many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
         self._reduce_op = reduce_op
         # Registered parameters, held weakly: a model the program dropped must not live on
@@ -185,6 +188,13 @@ class BucketedGradientSync:
         # flat buffers of their own (GradSlots) that reach the shared file in one pass.
         self._reduces_at_end_in_memory = False
         self._settled_task = -1  # the autograd graph task whose first gradient was seen (that mode)
+
+    @property
+    def overlap_bucket_bytes(self) -> "int | None":
+        """The bucket size, where buckets leave while backward runs (gloo, across hosts);
+        None where every bucket is reduced when backward ends, or before the buckets exist.
+        A compiled backward split at this size lets them leave during it (``compile_backend``)."""
+        return self._overlap_bytes
 
     @property
     def parameters_in_buckets(self) -> int:
@@ -282,6 +292,7 @@ class BucketedGradientSync:
         # Learn backward's order where buckets leave during backward (gloo, across hosts);
         # one host's shared memory and PowerSGD reduce everything at its end.
         overlaps = self._powersgd is None and (self._sharing is None or self._pipeline is not None)
+        self._overlap_bytes = bucket_bytes if overlaps else None
         self._observed = [] if self._order is None and overlaps else None
         self._reduces_at_end_in_memory = (self._sharing is not None and self._pipeline is None
                                           and self._compressor is None and self._powersgd is None)
@@ -491,6 +502,7 @@ class BucketedGradientSync:
             if self._dormant or self._late:
                 self._wake_dormant()
             return
+        self.launched_during_backward = self._next
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
             self._next += 1

@@ -191,6 +191,11 @@ class ReplicaGradientSync:
             else:
                 state.no_sync -= 1
 
+    @property
+    def overlap_bucket_bytes(self) -> None:
+        """None: the replicas' gradients are reduced when each replica's backward ends."""
+        return None
+
     def finalize(self) -> None:
         """Nothing to prepare: gradients are reduced through merge_call as they come."""
 

@@ -317,6 +317,34 @@ class StrategyExtended:
         sync = self._c.gradient_sync
         return sync.no_sync() if sync is not None else contextlib.nullcontext()
 
+    def compile_backend(self, backend: "str | Callable[..., Any]" = "inductor") -> Any:
+        """A ``torch.compile`` backend under which gradient buckets still leave during backward.
+
+        A compiled model's backward is one autograd node, so every gradient hook fires
+        when all of it has run and the all-reduce overlaps nothing. Where this strategy's
+        buckets leave during backward (MultiWorkerMirroredStrategy over gloo, or across
+        hosts), the backend splits the graph at the bucket size, as DDP's ``DDPOptimizer``
+        does for a DDP module (it is that class, from ``torch._dynamo``), so each piece's
+        gradients reach their hooks while the rest of backward runs. Elsewhere it is
+        ``backend`` itself. Call it after the model is built in ``scope()``::
+
+            model = torch.compile(model, backend=strategy.extended.compile_backend())
+
+        Args:
+            backend: the compiler for each piece: a registered name or a backend callable.
+        """
+        sync = self._c.gradient_sync
+        bucket_bytes = sync.overlap_bucket_bytes if sync is not None else None
+        if bucket_bytes is None:
+            return backend
+        from torch._dynamo.backends.distributed import DDPOptimizer
+        from torch._dynamo.backends.registry import lookup_backend
+
+        compile_fn = lookup_backend(backend) if isinstance(backend, str) else backend
+        # unison's first bucket is as large as the others (DDP's is smaller)
+        return DDPOptimizer(bucket_bytes_cap=bucket_bytes, backend_compile_fn=compile_fn,
+                            first_bucket_cap=bucket_bytes).compile_fn
+
     # -- running -----------------------------------------------------------------------
     def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.finish_variable_creation()
@@ -460,8 +488,10 @@ class Strategy(abc.ABC):
             return tuple(value.values)
         return (value,)
 
-    def configure(self, cluster_spec: Any = None, task_type: str | None = None, task_id: int | None = None) -> None:
-        """Connects the strategy to a cluster (used by the distribute coordinator).
+    def configure(self, cluster_spec: Any = None, task_type: str | None = None, task_id: int | None = None,
+                  rendezvous: str | None = None) -> None:
+        """Connects the strategy to a cluster (used by the distribute coordinator; ``rendezvous``
+        is the ``host:port`` of a store opened for the workers' process group, or None).
 
         In-process strategies ignore the cluster, as TensorFlow's do.
         """

@@ -99,6 +99,11 @@ class GradientSync(Protocol):
         """Backward passes inside accumulate without communication."""
         ...
 
+    @property
+    def overlap_bucket_bytes(self) -> "int | None":
+        """The bucket size at which gradients leave while backward runs, else None."""
+        ...
+
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         """Runs before ``opt.step()``: completes the reduction; may redirect the step."""
         ...
