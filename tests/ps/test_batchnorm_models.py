@@ -123,3 +123,32 @@ def test_layers_cloned_in_the_scope_are_ps_variables_and_train_as_on_one_device(
             torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
         coordinator.shutdown()
         assert cluster.stop() == {name: 0 for name in cluster.procs}
+
+
+@pytest.mark.timeout(90)
+def test_a_compiled_model_trains_on_a_worker_as_on_one_device():
+    # torch.compile of a model built in the scope: the worker traces its cached parameters
+    # (plain tensors), and its pushes carry the compiled backward's gradients.
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 2, 6, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
+    reference, ref_optimizer = _make()
+    with ps_cluster(1, 1) as cluster:
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 1))
+        coordinator = unison.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model, optimizer = _make()
+        compiled = torch.compile(model, backend="aot_eager")
+
+        def step(x, y):
+            _train(compiled, optimizer, x, y)
+            return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+        for x, y in batches:
+            breaks = coordinator.fetch(coordinator.schedule(step, args=(x, y)))
+            _train(reference, ref_optimizer, x, y)
+        assert breaks == 0
+        state, expected = model.state_dict(), reference.state_dict()
+        for name, value in expected.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        coordinator.shutdown()
+        assert cluster.stop() == {name: 0 for name in cluster.procs}
