@@ -9,6 +9,9 @@ import pytest
 import unison
 from unison.cluster import multi_worker_util, tf_config
 from unison.cluster.resolved import RendezvousKind, ResolvedCluster
+from unison.cluster.scheduler import LAUNCH
+from unison.cluster.slurm import SLURM
+from unison.cluster.torchrun import TORCHRUN
 from unison.cluster.spec import ClusterSpec
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:2000", "127.0.0.1:2001"]}, "task": {"type": "worker", "index": 1}}
@@ -53,13 +56,37 @@ def test_resolution_derives_rank_names_leader_and_chief():
 def test_resolution_reads_the_rendezvous_store_local_rank_and_restart_count():
     spec = ClusterSpec({"worker": ["h:1", "h:2"]})
     environ = {"UNISON_RENDEZVOUS": "127.0.0.1:5555", "LOCAL_RANK": "1", "UNISON_RESTART_COUNT": "2"}
-    cluster = ResolvedCluster.build(spec, "worker", 0, environment="torchrun", environ=environ)
+    cluster = ResolvedCluster.build(spec, "worker", 0, scheduler=TORCHRUN, environ=environ)
     assert (cluster.rendezvous, cluster.rendezvous_address) == (RendezvousKind.STORE, "127.0.0.1:5555")
     assert (cluster.local_rank, cluster.restart_count, cluster.is_chief) == (1, 2, True)
-    torchrun = ResolvedCluster.build(spec, "worker", 0, environment="torchrun", environ={"LOCAL_RANK": "0"})
+    torchrun = ResolvedCluster.build(spec, "worker", 0, scheduler=TORCHRUN, environ={"LOCAL_RANK": "0"})
     assert torchrun.rendezvous is RendezvousKind.TORCHRUN
-    slurm = ResolvedCluster.build(spec, "worker", 1, environment="slurm", environ={"SLURM_LOCALID": "3"})
+    slurm = ResolvedCluster.build(spec, "worker", 1, scheduler=SLURM, environ={"SLURM_LOCALID": "3"})
     assert slurm.local_rank == 3 and slurm.rendezvous is RendezvousKind.LEADER
+    launch = ResolvedCluster.build(spec, "worker", 1, environ={"SLURM_LOCALID": "3", "LOCAL_RANK": "2"})
+    assert launch.local_rank is None and launch.rendezvous is RendezvousKind.LEADER  # no scheduler's variables
+
+
+def test_an_explicit_rendezvous_store_wins_over_the_environment():
+    spec = ClusterSpec({"worker": ["h:1", "h:2"]})
+    environ = {"UNISON_RENDEZVOUS": "127.0.0.1:5555"}
+    cluster = ResolvedCluster.build(spec, "worker", 1, scheduler=TORCHRUN, environ=environ, rendezvous="10.0.0.9:7")
+    assert (cluster.rendezvous, cluster.rendezvous_address) == (RendezvousKind.STORE, "10.0.0.9:7")
+    resolver = unison.SimpleClusterResolver(spec, task_type="worker", task_id=0)
+    resolved = resolver.resolve(environ={}, rendezvous="10.0.0.9:7")
+    assert (resolved.rendezvous, resolved.rendezvous_address) == (RendezvousKind.STORE, "10.0.0.9:7")
+    ps = ResolvedCluster.build(ClusterSpec({"worker": ["h:1"], "ps": ["h:3"]}), "ps", 0, environ={}, rendezvous="x:1")
+    assert ps.rendezvous is RendezvousKind.NONE  # a task that does not train meets nobody
+
+
+@pytest.mark.parametrize("name, scheduler", [("torchrun", TORCHRUN), ("slurm", SLURM), ("cloud", LAUNCH), ("", LAUNCH)])
+def test_a_resolver_that_only_names_its_environment_gets_that_schedulers_conventions(name, scheduler):
+    spec = {"worker": ["h:1", "h:2"]}
+    simple = unison.SimpleClusterResolver(spec, task_type="worker", task_id=0, environment=name)
+    config = {"TF_CONFIG": json.dumps({"cluster": spec, "task": {"type": "worker", "index": 0}, "environment": name})}
+    assert simple.scheduler == scheduler and unison.TFConfigClusterResolver(environ=config).scheduler == scheduler
+    assert tf_config.resolve_task(None, None, None, "tcp", environ=config).scheduler == scheduler
+    assert simple.resolve(environ={}).scheduler == scheduler  # carried: a lost peer's advice comes from it
 
 
 def test_local_training_resolves_to_one_worker():

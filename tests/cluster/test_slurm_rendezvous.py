@@ -15,11 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import unison
-from unison.cluster import sagemaker, slurm, union
+from unison.cluster import known_schedulers, sagemaker, slurm, union
 from unison.cluster.resolved import RendezvousKind
 from unison.cluster.slurm import PORT_LOW, PORT_SLOTS, PORT_STRIDE, SlurmClusterResolver, rendezvous_port
 from unison.cluster.threads import ThreadDefault, ThreadsDefaultWarning, cpu_share
-from unison.collectives.process_group import WorkerGroup, restart_advice, store_prefix
+from unison.cluster.torchrun import TorchrunClusterResolver
+from unison.collectives.process_group import WorkerGroup, store_prefix
 from unison.errors import ClusterError
 
 # What `srun -N 2 -n 4` sets in task 3 (job 4242, its first step).
@@ -35,6 +36,9 @@ SRUN = {
     "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
     "SLURM_TASKS_PER_NODE": "2(x2)",
 }
+
+# What torchrun sets in its second process.
+TORCHRUN_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 # What the batch script of `sbatch -n 2` sees: the allocation, rank 0, and no step.
 SBATCH = {
@@ -168,17 +172,22 @@ def test_thread_default_leaves_a_users_choice_alone(restore_threads):
 
 
 def test_peer_lost_advice_follows_the_scheduler():
-    def advice(environment: str) -> str:
-        group = WorkerGroup(None, None, 0, 2, ["worker:0", "worker:1"], "gloo", 5.0, None, environment)
+    def advice(resolver) -> str:
+        cluster = resolver.resolve(environ={**SRUN, **TORCHRUN_ENV})
+        group = WorkerGroup(None, None, 0, 2, ["worker:0", "worker:1"], "gloo", 5.0, None,
+                            cluster.scheduler.restart_advice())
         return str(group.lost_peer_error("all_reduce", RuntimeError("closed")))
 
-    assert "srun -K" in advice("slurm") and "scontrol requeue" in advice("slurm")
-    assert "--max-restarts" not in advice("slurm")
-    assert "torchrun's `--max-restarts=N`" in advice("torchrun")
-    assert "unison launch --max-restarts" in advice("") and "unison launch" in restart_advice("tf_config")
+    slurm_advice = advice(SlurmClusterResolver(environ=SRUN))
+    assert "srun -K" in slurm_advice and "scontrol requeue" in slurm_advice and "--max-restarts" not in slurm_advice
+    assert "torchrun's `--max-restarts=N`" in advice(TorchrunClusterResolver(environ=TORCHRUN_ENV))
+    tf_config = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}})}
+    assert "unison launch --max-restarts" in advice(unison.TFConfigClusterResolver(environ=tf_config))
+    default = WorkerGroup(None, None, 0, 2, ["worker:0", "worker:1"], "gloo", 5.0, None)
+    assert "unison launch --max-restarts" in str(default.lost_peer_error("all_reduce", RuntimeError("closed")))
 
 
-@pytest.mark.parametrize("module", [slurm, union, sagemaker])
+@pytest.mark.parametrize("module", [slurm, union, sagemaker, known_schedulers])
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, result

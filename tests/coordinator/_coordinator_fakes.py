@@ -18,8 +18,9 @@ class FakeStrategy:
         self.extended = FakeExtended(between_graph)
         self.configured = "never"
 
-    def configure(self, cluster_spec=None, task_type=None, task_id=None):
+    def configure(self, cluster_spec=None, task_type=None, task_id=None, rendezvous=None):
         self.configured = (cluster_spec.as_dict() if cluster_spec else None, task_type, task_id)
+        self.rendezvous = rendezvous
         chief = multi_worker_util.is_chief(cluster_spec, task_type, task_id) if cluster_spec else True
         self.extended.should_checkpoint = chief
         self.extended.should_save_summary = chief

@@ -56,6 +56,8 @@ def describe(strategy):
         "workers": context.num_workers,
         "target": context.master_target,
         "configured": strategy.configured if strategy is not None else None,
+        "rendezvous": getattr(strategy, "rendezvous", None),
+        "environ_rendezvous": os.environ.get("UNISON_RENDEZVOUS"),
         "should_checkpoint": context.should_checkpoint,
         "distributed": context.distributed_mode,
     }
@@ -72,6 +74,9 @@ def test_client_returns_the_result_of_each_worker(cluster):
     assert (worker0["chief"], worker1["chief"]) == (True, False)
     assert (worker0["should_checkpoint"], worker1["should_checkpoint"]) == (True, False)
     assert worker0["configured"] == (spec, "worker", 0)  # each server configured its own copy
+    # The client's store reached configure as an argument; the servers' environment was left alone.
+    assert worker0["rendezvous"] == worker1["rendezvous"] and worker0["rendezvous"].startswith("127.0.0.1:")
+    assert worker0["rendezvous"] not in (worker0["environ_rendezvous"], worker1["environ_rendezvous"])
     assert worker1["target"] == f"tcp://{spec['worker'][1]}"
     assert worker0["workers"] == 2 and worker0["distributed"]
     (evaluator,) = results["evaluator"]

@@ -6,6 +6,7 @@ from .base import ClusterResolver, format_master_url
 from .detect import ENVIRONMENTS, detect_cluster_resolver
 from .kubernetes import KubernetesClusterResolver
 from .sagemaker import SageMakerClusterResolver
+from .scheduler import Scheduler
 from .simple import SimpleClusterResolver
 from .slurm import SlurmClusterResolver, expand_hostlist, expand_tasks_per_node, rendezvous_port
 from .spec import ClusterSpec, split_address
@@ -17,6 +18,7 @@ from .union import UnionResolver, merge_clusters
 __all__ = [
     "ClusterSpec",
     "ClusterResolver",
+    "Scheduler",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
     "SlurmClusterResolver",

@@ -3,7 +3,8 @@
 Each scheduler describes a cluster its own way (``TF_CONFIG``, torchrun variables,
 SLURM variables, or an explicit spec). A resolver turns one of them into the same
 answers: the ClusterSpec, this task's type and index, the RPC layer, the number of
-accelerators of a task, and the master address of a task. Strategies take a resolver;
+accelerators of a task, the master address of a task, and the scheduler whose
+conventions the process follows (``cluster.scheduler``). Strategies take a resolver;
 ``cluster.detect`` picks one.
 """
 
@@ -14,6 +15,7 @@ from typing import Mapping
 
 from unison import devices
 from unison.cluster.resolved import ResolvedCluster
+from unison.cluster.scheduler import Scheduler
 from unison.cluster.spec import ClusterSpec
 
 __all__ = ["ClusterResolver", "format_master_url", "task_master_url", "local_accelerators"]
@@ -57,18 +59,21 @@ class ClusterResolver(abc.ABC):
     ``"GPU"`` so code written for TensorFlow reads it unchanged.
     """
 
-    def resolve(self, environ: "Mapping[str, str] | None" = None) -> ResolvedCluster:
+    def resolve(self, environ: "Mapping[str, str] | None" = None, *,
+                rendezvous: "str | None" = None) -> ResolvedCluster:
         """This process's place in the cluster, resolved once into a frozen value.
 
         Strategies, group formation and the coordinator take this value instead of
         asking the resolver (and the environment) again. ``environ`` (default
         ``os.environ``) supplies the local rank, an existing rendezvous store and the
-        restart count.
+        restart count. ``rendezvous`` is the ``host:port`` of a store someone opened for
+        the workers (the distribute coordinator's standalone client does); it wins over
+        ``UNISON_RENDEZVOUS``.
 
         Raises:
             ValueError: if the environment describes an invalid cluster.
         """
-        return ResolvedCluster.from_resolver(self, environ)
+        return ResolvedCluster.from_resolver(self, environ, rendezvous=rendezvous)
 
     @abc.abstractmethod
     def cluster_spec(self) -> ClusterSpec:
@@ -97,6 +102,12 @@ class ClusterResolver(abc.ABC):
     @abc.abstractmethod
     def environment(self) -> str:
         """The scheduler's name for the environment ("" when unknown)."""
+
+    @property
+    @abc.abstractmethod
+    def scheduler(self) -> Scheduler:
+        """The conventions of the scheduler that started this process (local rank,
+        rendezvous, CPU share, restart advice); ``LAUNCH`` where there are none of its own."""
 
     @abc.abstractmethod
     def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:

@@ -4,9 +4,9 @@ Every variable unison reads or writes to form a cluster is named here once, so t
 launcher that sets them and the resolvers that read them cannot drift apart; the
 readers below are the only code that reads unison's own variables (the rest of unison
 gets their values from a ``ResolvedCluster`` or from these functions). Scheduler-owned
-variables (torchrun's ``RANK``/``WORLD_SIZE``/..., SLURM's ``SLURM_*``) are read by
-their own resolver, and the local rank, the SLURM job step's token, ``SLURM_CPUS_PER_TASK``
-and ``OMP_NUM_THREADS`` (whether the user chose a thread count) here.
+variables (torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``..., SLURM's ``SLURM_*``) are
+read by their own resolver and its scheduler (``torchrun.py``, ``slurm.py``), and
+``OMP_NUM_THREADS`` (whether the user chose a thread count) here.
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ __all__ = [
     "read_authkey",
     "rendezvous_address",
     "restart_count",
-    "local_rank",
     "coordinator_port",
-    "rendezvous_token",
     "thread_setting",
-    "slurm_cpus_per_task",
     "ps_shared_memory",
 ]
 
@@ -134,13 +131,6 @@ def restart_count(environ: "Mapping[str, str] | None" = None) -> int:
     return int(text)
 
 
-def local_rank(environ: "Mapping[str, str] | None", environment: str) -> "int | None":
-    """This process's index on its host, under torchrun (``LOCAL_RANK``) or SLURM (``SLURM_LOCALID``)."""
-    name = {"torchrun": "LOCAL_RANK", "slurm": "SLURM_LOCALID"}.get(environment)
-    text = _environ(environ).get(name, "") if name else ""
-    return int(text) if text.strip().isdigit() else None
-
-
 def coordinator_port(environ: "Mapping[str, str] | None" = None) -> "int | None":
     """``UNISON_COORDINATOR_PORT``, or None when unset.
 
@@ -155,21 +145,6 @@ def coordinator_port(environ: "Mapping[str, str] | None" = None) -> "int | None"
     return int(text)
 
 
-def rendezvous_token(environ: "Mapping[str, str] | None", environment: str) -> str:
-    """A name for this run that goes into the rendezvous store's keys ("" when there is none).
-
-    Under SLURM it is ``slurm-job<SLURM_JOB_ID>-step<SLURM_STEP_ID>``: a task that
-    reaches another job's store (a port clash on a shared node) then finds keys of
-    another run and says so, instead of joining it.
-    """
-    if environment != "slurm":
-        return ""
-    environ = _environ(environ)
-    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "?"
-    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "?"
-    return f"slurm-job{job.strip()}-step{step.strip()}"
-
-
 def thread_setting(environ: "Mapping[str, str] | None" = None) -> "str | None":
     """``OMP_NUM_THREADS`` when the user (or a launcher) set it, else None.
 
@@ -177,12 +152,6 @@ def thread_setting(environ: "Mapping[str, str] | None" = None) -> "str | None":
     """
     text = _environ(environ).get("OMP_NUM_THREADS", "").strip()
     return text or None
-
-
-def slurm_cpus_per_task(environ: "Mapping[str, str] | None" = None) -> "int | None":
-    """``SLURM_CPUS_PER_TASK`` (``srun -c``), or None when unset or not a positive integer."""
-    text = _environ(environ).get("SLURM_CPUS_PER_TASK", "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def ps_shared_memory(environ: "Mapping[str, str] | None" = None) -> bool:

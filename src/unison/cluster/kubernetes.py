@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from unison.cluster.base import ClusterResolver, task_master_url, local_accelerators
+from unison.cluster.scheduler import LAUNCH, Scheduler
 from unison.cluster.spec import ClusterSpec
 
 __all__ = ["KubernetesClusterResolver"]
@@ -144,6 +145,11 @@ class KubernetesClusterResolver(ClusterResolver):
     @property
     def environment(self) -> str:
         return ""
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """unison launch's conventions: Kubernetes runs one task per pod and sets nothing more."""
+        return LAUNCH
 
     def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
         """CUDA devices of this pod: every task is asked on its own pod."""

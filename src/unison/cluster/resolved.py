@@ -5,36 +5,25 @@ A :class:`ResolvedCluster` is made from one snapshot of the environment by a res
 handed down: strategies, process-group formation, the coordinator and the launcher
 consume it and never read ``TF_CONFIG``, torchrun's or SLURM's variables, or unison's
 own variables themselves. Rank, task names and the collective leader are derived here,
-once, by the rules of ``multi_worker_util``.
+once, by the rules of ``multi_worker_util``; what depends on the scheduler (local rank,
+rendezvous token and kind, CPU share, restart advice) is asked of the resolver's
+:class:`~unison.cluster.scheduler.Scheduler`, which the resolved cluster carries.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 from typing import TYPE_CHECKING, Mapping
 
-from unison.cluster import env, multi_worker_util, threads
+from unison.cluster import env, multi_worker_util
+from unison.cluster.scheduler import LAUNCH, RendezvousKind, Scheduler
 from unison.cluster.spec import ClusterSpec, split_address
 
 if TYPE_CHECKING:  # pragma: no cover
     from unison.cluster.base import ClusterResolver
 
 __all__ = ["ResolvedCluster", "RendezvousKind", "task_names"]
-
-
-class RendezvousKind(str, enum.Enum):
-    """How the workers of a resolved cluster meet to form their process group."""
-
-    #: No group: local training, or a task that does not train (ps, evaluator, client).
-    NONE = "none"
-    #: The collective leader hosts a TCPStore at its cluster address; the others connect.
-    LEADER = "leader"
-    #: Every worker connects to a store someone else already opened (``UNISON_RENDEZVOUS``).
-    STORE = "store"
-    #: torchrun's own store, through ``init_method="env://"``.
-    TORCHRUN = "torchrun"
 
 
 def task_names(spec: ClusterSpec) -> tuple[str, ...]:
@@ -66,7 +55,8 @@ class ResolvedCluster:
             client, or local training).
         task_id: this task's index in its job, or None.
         rpc_layer: the protocol of master URLs, or None.
-        environment: the scheduler's name ("tf_config", "torchrun", "slurm", "" ...).
+        environment: the environment's name, as the resolver reports it ("torchrun",
+            "slurm", TF_CONFIG's ``environment``, "" ...).
         rank: this task's rank among the training tasks (chief 0, then workers), or None
             for a task that does not train with the others.
         task_names: the training tasks' names by rank (``("chief:0", "worker:0", ...)``).
@@ -75,7 +65,8 @@ class ResolvedCluster:
         leader_address: ``host:port`` of the collective leader (chief, else worker 0).
         local_rank: this process's index on its host (``LOCAL_RANK`` under torchrun,
             ``SLURM_LOCALID`` under SLURM), or None.
-        rendezvous: how the training tasks meet (see :class:`RendezvousKind`).
+        rendezvous: how the training tasks meet (see :class:`RendezvousKind`): at a store
+            opened for them (STORE) if one was given, else where the scheduler says.
         rendezvous_address: the store's ``host:port`` for LEADER and STORE.
         is_chief: whether this task writes checkpoints and summaries.
         restart_count: how many times ``unison launch`` restarted the cluster (0 first).
@@ -85,6 +76,8 @@ class ResolvedCluster:
         cpu_share: CPUs this task may use, where the scheduler divides a host between
             tasks without setting threads (SLURM); None elsewhere. The worker group's
             formation lowers torch's intra-op threads to it unless the user chose some.
+        scheduler: the conventions of the scheduler that started the process; its
+            ``restart_advice()`` ends the message of a lost peer.
     """
 
     spec: ClusterSpec
@@ -103,6 +96,7 @@ class ResolvedCluster:
     restart_count: int = 0
     rendezvous_token: str = ""
     cpu_share: "int | None" = None
+    scheduler: Scheduler = LAUNCH
 
     @property
     def is_local(self) -> bool:
@@ -144,12 +138,16 @@ class ResolvedCluster:
         *,
         rpc_layer: "str | None" = None,
         environment: str = "",
+        scheduler: Scheduler = LAUNCH,
         environ: "Mapping[str, str] | None" = None,
+        rendezvous: "str | None" = None,
     ) -> "ResolvedCluster":
         """Derives rank, names, leader and rendezvous from a validated cluster and task.
 
-        ``environ`` (default ``os.environ``) is read once, here, for the local rank,
-        an existing rendezvous store and the restart count.
+        ``environ`` (default ``os.environ``) is read once, here, for the restart count, an
+        existing rendezvous store (``UNISON_RENDEZVOUS``) and, through ``scheduler``, the
+        local rank, the rendezvous token and the CPU share. ``rendezvous``, the
+        ``host:port`` of a store opened for the workers, wins over ``UNISON_RENDEZVOUS``.
 
         Raises:
             ValueError: if the cluster or task breaks the rules of ``validate_cluster_spec``.
@@ -158,41 +156,39 @@ class ResolvedCluster:
         spec = multi_worker_util.validate_cluster_spec(spec, task_type, task_id)
         restart_count = env.restart_count(environ)
         if not spec:
-            return cls(spec, task_type, task_id, rpc_layer, environment, restart_count=restart_count)
+            return cls(spec, task_type, task_id, rpc_layer, environment, restart_count=restart_count,
+                       scheduler=scheduler)
         names = task_names(spec)
         trains = task_type in ("chief", "worker")
         chiefs = multi_worker_util.task_count(spec, "chief")
         rank = (0 if task_type == "chief" else chiefs + int(task_id or 0)) if trains else None
         leader_address = spec.task_address(*multi_worker_util.leader_task(spec)) if names else None
-        store = env.rendezvous_address(environ)
+        store = rendezvous or env.rendezvous_address(environ)
         if not trains or not names:
-            rendezvous, address = RendezvousKind.NONE, None
+            kind, address = RendezvousKind.NONE, None
         elif store:
-            rendezvous, address = RendezvousKind.STORE, store
-        elif environment == "torchrun":
-            rendezvous, address = RendezvousKind.TORCHRUN, leader_address
+            kind, address = RendezvousKind.STORE, store
         else:
-            rendezvous, address = RendezvousKind.LEADER, leader_address
-        share = None
-        if environment == "slurm" and task_type is not None:
-            share = threads.cpu_share(env.slurm_cpus_per_task(environ), _tasks_on_host(spec, task_type, task_id))
+            kind, address = scheduler.rendezvous_kind(), leader_address
+        share = None if task_type is None else scheduler.cpu_share(environ, _tasks_on_host(spec, task_type, task_id))
         hosts = tuple(split_address(spec.task_address(*_parse_name(name)))[0] for name in names)
         return cls(
             spec=spec, task_type=task_type, task_id=task_id, rpc_layer=rpc_layer, environment=environment,
             rank=rank, task_names=names, task_hosts=hosts, leader_address=leader_address,
-            local_rank=env.local_rank(environ, environment), rendezvous=rendezvous, rendezvous_address=address,
+            local_rank=scheduler.local_rank(environ), rendezvous=kind, rendezvous_address=address,
             is_chief=task_type in ("chief", "evaluator") or (not chiefs and task_type == "worker" and task_id == 0),
-            restart_count=restart_count, rendezvous_token=env.rendezvous_token(environ, environment),
-            cpu_share=share,
+            restart_count=restart_count, rendezvous_token=scheduler.rendezvous_token(environ),
+            cpu_share=share, scheduler=scheduler,
         )
 
     @classmethod
-    def from_resolver(cls, resolver: "ClusterResolver", environ: "Mapping[str, str] | None" = None) -> "ResolvedCluster":
-        """Reads each of ``resolver``'s answers once and resolves them."""
+    def from_resolver(cls, resolver: "ClusterResolver", environ: "Mapping[str, str] | None" = None, *,
+                      rendezvous: "str | None" = None) -> "ResolvedCluster":
+        """Reads each of ``resolver``'s answers once and resolves them (``rendezvous`` as in :meth:`build`)."""
         spec = resolver.cluster_spec()
         task_type = resolver.task_type if spec else None
         task_id = resolver.task_id if task_type is not None else None
         if task_type is not None and task_id is None:
             task_id = 0
-        return cls.build(spec, task_type, task_id, rpc_layer=resolver.rpc_layer,
-                         environment=resolver.environment, environ=environ)
+        return cls.build(spec, task_type, task_id, rpc_layer=resolver.rpc_layer, environment=resolver.environment,
+                         scheduler=resolver.scheduler, environ=environ, rendezvous=rendezvous)

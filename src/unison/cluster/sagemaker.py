@@ -12,6 +12,7 @@ import os
 from typing import Mapping
 
 from unison.cluster.base import ClusterResolver, task_master_url, local_accelerators
+from unison.cluster.scheduler import LAUNCH, Scheduler
 from unison.cluster.spec import ClusterSpec
 
 __all__ = ["SageMakerClusterResolver", "SM_HOSTS", "SM_CURRENT_HOST"]
@@ -126,6 +127,11 @@ class SageMakerClusterResolver(ClusterResolver):
     @property
     def environment(self) -> str:
         return self._environment or ""
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """unison launch's conventions: SageMaker runs one task per host and sets nothing more."""
+        return LAUNCH
 
     def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
         """CUDA devices of this host: every SageMaker host runs one task."""

@@ -6,6 +6,8 @@ from typing import Mapping
 
 from unison.cluster import multi_worker_util
 from unison.cluster.base import ClusterResolver, format_master_url
+from unison.cluster.known_schedulers import scheduler_named
+from unison.cluster.scheduler import Scheduler
 from unison.cluster.spec import ClusterLike, ClusterSpec
 
 __all__ = ["SimpleClusterResolver"]
@@ -26,7 +28,9 @@ class SimpleClusterResolver(ClusterResolver):
             layer unless it already is a URL).
         task_type: this task's type.
         task_id: this task's index.
-        environment: the environment's name.
+        environment: the environment's name; "torchrun" or "slurm" bring that scheduler's
+            conventions (local rank, rendezvous, CPU share, restart advice), as when
+            ``MultiWorkerMirroredStrategy.configure`` re-targets a strategy detected there.
         num_accelerators: accelerators per task, e.g. ``{"GPU": 2}`` (default ``{"GPU": 0}``).
         rpc_layer: protocol for master URLs.
 
@@ -95,6 +99,10 @@ class SimpleClusterResolver(ClusterResolver):
     @property
     def environment(self) -> str:
         return self._environment
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return scheduler_named(self._environment)
 
     def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
         return dict(self._num_accelerators)

@@ -24,16 +24,18 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import typing
 from typing import Mapping
 
 from unison import devices
-from unison.cluster import multi_worker_util
+from unison.cluster import multi_worker_util, threads
 from unison.cluster.base import ClusterResolver, task_master_url
+from unison.cluster.scheduler import RendezvousKind, Scheduler
 from unison.cluster.spec import ClusterSpec
 from unison.errors import ClusterError
 
-__all__ = ["SlurmClusterResolver", "expand_hostlist", "expand_tasks_per_node", "rendezvous_port", "job_step",
-           "PORT_LOW", "PORT_SLOTS", "PORT_STRIDE"]
+__all__ = ["SlurmClusterResolver", "SlurmScheduler", "SLURM", "expand_hostlist", "expand_tasks_per_node",
+           "rendezvous_port", "job_step", "PORT_LOW", "PORT_SLOTS", "PORT_STRIDE"]
 
 #: Derived rendezvous ports lie in ``PORT_LOW .. PORT_LOW + PORT_SLOTS * PORT_STRIDE - 1``
 #: (20000..59999): above the usual services (Jupyter 8888, TensorBoard 6006) and below
@@ -163,6 +165,45 @@ def job_step(environ: Mapping[str, str]) -> tuple[int, int]:
         )
     step = (_step_id(environ) or "").strip()
     return int(job), int(step) if step.isdigit() else 0
+
+
+@typing.final
+class SlurmScheduler(Scheduler):
+    """SLURM's conventions inside ``srun``: ``SLURM_LOCALID``, a store token naming the job
+    step, a CPU share where ``srun`` sets no threads, and ``srun -K`` plus a requeue to
+    restart."""
+
+    @property
+    def name(self) -> str:
+        return "slurm"
+
+    def local_rank(self, environ: Mapping[str, str]) -> "int | None":
+        text = environ.get("SLURM_LOCALID", "")
+        return int(text) if text.strip().isdigit() else None
+
+    def rendezvous_token(self, environ: Mapping[str, str]) -> str:
+        """``slurm-job<SLURM_JOB_ID>-step<SLURM_STEP_ID>`` ("?" for an id that is not set)."""
+        job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "?"
+        step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "?"
+        return f"slurm-job{job.strip()}-step{step.strip()}"
+
+    def rendezvous_kind(self) -> RendezvousKind:
+        return RendezvousKind.LEADER
+
+    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> "int | None":
+        """``SLURM_CPUS_PER_TASK`` (``srun -c``) when it is a positive integer, else this
+        process's usable CPUs divided by the cluster's tasks on its host."""
+        text = environ.get("SLURM_CPUS_PER_TASK", "").strip()
+        return threads.cpu_share(int(text) if text.isdigit() and int(text) > 0 else None, tasks_on_host)
+
+    def restart_advice(self) -> str:
+        return ("Run the step with `srun --kill-on-bad-exit=1` (`srun -K`) so the other tasks stop too, and "
+                "requeue the job (`sbatch --requeue`, or `scontrol requeue $SLURM_JOB_ID`) to resume from the "
+                "last checkpoint.")
+
+
+#: The one instance of :class:`SlurmScheduler`.
+SLURM = SlurmScheduler()
 
 
 class SlurmClusterResolver(ClusterResolver):
@@ -340,7 +381,11 @@ class SlurmClusterResolver(ClusterResolver):
 
     @property
     def environment(self) -> str:
-        return "slurm"
+        return SLURM.name
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return SLURM
 
     def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
         if self._gpus_per_task is not None:

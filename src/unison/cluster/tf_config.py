@@ -34,7 +34,9 @@ from typing import Any, Mapping
 
 from unison.cluster import env, multi_worker_util
 from unison.cluster.base import ClusterResolver, task_master_url, local_accelerators
+from unison.cluster.known_schedulers import scheduler_named
 from unison.cluster.resolved import ResolvedCluster
+from unison.cluster.scheduler import Scheduler
 from unison.cluster.spec import ClusterLike, ClusterSpec
 
 __all__ = ["TFConfig", "parse_tf_config", "read_tf_config", "TFConfigClusterResolver", "resolve_task"]
@@ -275,6 +277,12 @@ class TFConfigClusterResolver(ClusterResolver):
     def environment(self) -> str:
         return self._environment if self._environment is not None else (self._config().environment or "")
 
+    @property
+    def scheduler(self) -> Scheduler:
+        """unison launch's conventions, or those of the scheduler ``environment`` names
+        ("torchrun", "slurm": a job script that writes TF_CONFIG itself)."""
+        return scheduler_named(self.environment)
+
     def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
         """CUDA devices of this machine: every task of a TF_CONFIG cluster sees its own host."""
         return local_accelerators()
@@ -321,7 +329,8 @@ def resolve_task(
             rpc_layer = config.rpc_layer
     spec = multi_worker_util.normalize_cluster_spec(cluster_spec)
     if not spec:
-        return ResolvedCluster.build(spec, None, None, rpc_layer=rpc_layer, environment=environment, environ=environ)
+        return ResolvedCluster.build(spec, None, None, rpc_layer=rpc_layer, environment=environment,
+                                     scheduler=scheduler_named(environment), environ=environ)
     if task_type == "client":
         task_type, task_id = None, None
     if task_type is not None and task_id is None:
@@ -333,4 +342,4 @@ def resolve_task(
         )
     multi_worker_util.leader_task(spec)  # there must be a chief or a worker
     return ResolvedCluster.build(spec, task_type, task_id, rpc_layer=rpc_layer, environment=environment,
-                                 environ=environ)
+                                 scheduler=scheduler_named(environment), environ=environ)

@@ -11,13 +11,15 @@ identify tasks and are not listened on by unison in INDEPENDENT_WORKER mode.
 from __future__ import annotations
 
 import os
+import typing
 from typing import Mapping
 
 from unison import devices
 from unison.cluster.base import ClusterResolver, task_master_url
+from unison.cluster.scheduler import RendezvousKind, Scheduler
 from unison.cluster.spec import ClusterSpec, split_address
 
-__all__ = ["TorchrunClusterResolver", "TORCHRUN_VARIABLES"]
+__all__ = ["TorchrunClusterResolver", "TorchrunScheduler", "TORCHRUN", "TORCHRUN_VARIABLES"]
 
 #: The variables this resolver needs, all set by torchrun for each process.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -33,6 +35,36 @@ def _int_var(environ: Mapping[str, str], name: str, low: int, high: "int | None"
         bound = f"{low}..{high}" if high is not None else f">= {low}"
         raise ValueError(f"torchrun variable {name}={text!r} is not an integer {bound}; fix `{name}`")
     return value
+
+
+@typing.final
+class TorchrunScheduler(Scheduler):
+    """torchrun's conventions: ``LOCAL_RANK``, its own store (``env://``), one thread per
+    process already set by torchrun, and ``--max-restarts`` to restart."""
+
+    @property
+    def name(self) -> str:
+        return "torchrun"
+
+    def local_rank(self, environ: Mapping[str, str]) -> "int | None":
+        text = environ.get("LOCAL_RANK", "")
+        return int(text) if text.strip().isdigit() else None
+
+    def rendezvous_token(self, environ: Mapping[str, str]) -> str:
+        return ""
+
+    def rendezvous_kind(self) -> RendezvousKind:
+        return RendezvousKind.TORCHRUN
+
+    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> "int | None":
+        return None
+
+    def restart_advice(self) -> str:
+        return "Restart the workers with torchrun's `--max-restarts=N` and resume from the last checkpoint."
+
+
+#: The one instance of :class:`TorchrunScheduler`.
+TORCHRUN = TorchrunScheduler()
 
 
 class TorchrunClusterResolver(ClusterResolver):
@@ -112,7 +144,11 @@ class TorchrunClusterResolver(ClusterResolver):
 
     @property
     def environment(self) -> str:
-        return "torchrun"
+        return TORCHRUN.name
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return TORCHRUN
 
     def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
         """One CUDA device per process (``cuda:LOCAL_RANK``) when the host has CUDA, else 0."""

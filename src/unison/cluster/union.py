@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from unison.cluster.base import ClusterResolver, format_master_url
+from unison.cluster.scheduler import Scheduler
 from unison.cluster.simple import SimpleClusterResolver
 from unison.cluster.spec import ClusterSpec
 
@@ -60,7 +61,7 @@ class UnionResolver(ClusterResolver):
     """The union of several resolvers' clusters; the first answers everything else.
 
     ``cluster_spec()`` merges every resolver's cluster (:func:`merge_clusters`); task
-    type and id, environment and accelerators come from the first resolver, unless
+    type and id, environment, scheduler and accelerators come from the first resolver, unless
     overridden here; ``rpc_layer`` is the override, else the first resolver's.
 
     tf.distribute equivalent: ``tf.distribute.cluster_resolver.UnionResolver``.
@@ -134,6 +135,10 @@ class UnionResolver(ClusterResolver):
     @property
     def environment(self) -> str:
         return self._resolvers[0].environment
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._resolvers[0].scheduler
 
     def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
         return self._resolvers[0].num_accelerators(task_type, task_id)

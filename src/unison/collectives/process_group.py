@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from unison.cluster.resolved import RendezvousKind, ResolvedCluster
+from unison.cluster.scheduler import LAUNCH
 from unison.cluster.spec import split_address
 from unison.cluster.threads import THREAD_DEFAULT
 from unison.collectives.liveness import Liveness
@@ -71,7 +72,8 @@ class WorkerGroup:
     backend: str
     timeout: float
     liveness: Liveness | None
-    environment: str = ""  # the scheduler (ResolvedCluster.environment): picks the restart advice
+    #: How the scheduler in use restarts a cluster that lost a task (``ResolvedCluster.scheduler``).
+    restart_advice: str = LAUNCH.restart_advice()
 
     def lost_peer_error(self, operation: str, cause: BaseException) -> PeerLostError:
         """A PeerLostError for a failed collective, naming the tasks that stopped and how
@@ -88,19 +90,8 @@ class WorkerGroup:
         return PeerLostError(
             f"{operation} over the {self.backend} group of {self.world_size} workers failed on "
             f"{self.names[self.rank]}: missing task(s): {who} within timeout_seconds={self.timeout:g}. "
-            f"{restart_advice(self.environment)} Cause: {cause}"
+            f"{self.restart_advice} Cause: {cause}"
         )
-
-
-def restart_advice(environment: str) -> str:
-    """How to restart a cluster that lost a task, in the words of its scheduler."""
-    if environment == "slurm":
-        return ("Run the step with `srun --kill-on-bad-exit=1` (`srun -K`) so the other tasks stop too, and "
-                "requeue the job (`sbatch --requeue`, or `scontrol requeue $SLURM_JOB_ID`) to resume from the "
-                "last checkpoint.")
-    if environment == "torchrun":
-        return "Restart the workers with torchrun's `--max-restarts=N` and resume from the last checkpoint."
-    return "Restart the cluster (e.g. `unison launch --max-restarts N`) and resume from the last checkpoint."
 
 
 def _connect_store(cluster: ResolvedCluster, timeout: datetime.timedelta) -> dist.Store:
@@ -151,7 +142,7 @@ def form_worker_group(cluster: ResolvedCluster, devices: Sequence[str], options:
                 f"{world_size}; destroy it first or let unison form it"
             )
         return WorkerGroup(dist.group.WORLD, None, rank, world_size, names, dist.get_backend(), seconds, None,
-                           cluster.environment)
+                           cluster.scheduler.restart_advice())
     THREAD_DEFAULT.apply(cluster.cpu_share, names[rank])  # once per process, before any work
     try:
         if cluster.rendezvous is RendezvousKind.TORCHRUN:
@@ -168,7 +159,7 @@ def form_worker_group(cluster: ResolvedCluster, devices: Sequence[str], options:
         ) from exc
     liveness = Liveness(store, rank, names) if store is not None else None
     formed = WorkerGroup(dist.group.WORLD, store, rank, world_size, names, backend, seconds, liveness,
-                         cluster.environment)
+                         cluster.scheduler.restart_advice())
     atexit.register(release_worker_group, formed)
     return formed
 

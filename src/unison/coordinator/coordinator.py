@@ -63,9 +63,11 @@ def run_distribute_coordinator(
     """Runs ``worker_fn(strategy)`` on the workers of a cluster, each in its worker context.
 
     ``strategy`` must offer ``configure(cluster_spec=None, task_type=None, task_id=None)``
-    and ``extended.experimental_between_graph`` / ``should_checkpoint`` /
-    ``should_save_summary`` / ``experimental_should_init``; each task gets a configured
-    copy. Inside ``worker_fn``, ``get_current_worker_context()`` describes the task.
+    (in STANDALONE_CLIENT mode also a ``rendezvous=None`` keyword: the ``host:port`` of the
+    store the client opens for the workers' process group, whose leader address its
+    standard server holds) and ``extended.experimental_between_graph`` /
+    ``should_checkpoint`` / ``should_save_summary`` / ``experimental_should_init``; each
+    task gets a configured copy. Inside ``worker_fn``, ``get_current_worker_context()`` describes the task.
     Without ``eval_fn``, an evaluator task runs ``worker_fn``.
 
     The cluster comes from ``cluster_spec`` or ``TF_CONFIG``; the task from

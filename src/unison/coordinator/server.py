@@ -14,16 +14,13 @@ is no remote graph session to connect to).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import threading
 import traceback
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from unison.cluster import multi_worker_util
 from unison.cluster.base import format_master_url
-from unison.cluster.env import UNISON_RENDEZVOUS as RENDEZVOUS_ENV
 from unison.cluster.spec import ClusterLike, ClusterSpec
 from unison.cluster.tf_config import read_tf_config
 from unison.coordinator.channel import HANDSHAKE_SECONDS, Channel, ChannelListener, connect, require_authkey
@@ -44,28 +41,10 @@ class RunRequest:
     task_id: int
     rpc_layer: "str | None"
     use_barrier: bool
-    rendezvous: "str | None" = None  # a store the client hosts for the workers' process group
-
-
-@contextlib.contextmanager
-def _rendezvous_env(address: "str | None") -> Iterator[None]:
-    """Points strategies at the client's rendezvous store while a request runs.
-
-    The leader's own cluster address is taken by its standard server, so in
-    STANDALONE_CLIENT mode the client hosts the workers' rendezvous store.
-    """
-    if address is None:
-        yield
-        return
-    previous = os.environ.get(RENDEZVOUS_ENV)
-    os.environ[RENDEZVOUS_ENV] = address
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(RENDEZVOUS_ENV, None)
-        else:
-            os.environ[RENDEZVOUS_ENV] = previous
+    #: ``host:port`` of the store the client hosts for the workers' process group: the
+    #: leader's own cluster address is taken by its standard server. Handed to the
+    #: strategy's ``configure`` as an argument (the server's environment is left alone).
+    rendezvous: "str | None" = None
 
 
 class _RelayBarrier:
@@ -225,8 +204,7 @@ class StandardServer:
             channel.send(("error", error, ""))
             return
         barrier = _RelayBarrier(channel) if request.use_barrier else None
-        with _rendezvous_env(request.rendezvous):
-            reply = self._execute(request, barrier)
+        reply = self._execute(request, barrier)
         try:
             channel.send(reply)
         except Exception as e:  # the result or exception could not be pickled
@@ -243,6 +221,7 @@ class StandardServer:
                 request.task_id,
                 request.rpc_layer,
                 barrier,
+                rendezvous=request.rendezvous,
             )
         )
 

@@ -177,18 +177,25 @@ def run_in_worker_context(
     task_id: "int | None",
     rpc_layer: "str | None" = "tcp",
     barrier: "Barrier | None" = None,
+    *,
+    rendezvous: "str | None" = None,
 ) -> Any:
     """Configures a copy of ``strategy`` for the task and calls ``fn(strategy)`` in its context.
 
     The evaluator's strategy (if any) is configured without a cluster: it evaluates on
     its own machine. Other tasks' strategies get ``configure(cluster_spec, task_type,
-    task_id)``. The copy keeps the caller's strategy unconfigured, as in the reference.
+    task_id)``, and ``rendezvous=`` too where one is given: the ``host:port`` of a store
+    opened for the workers' process group (the standalone client's, whose standard
+    servers hold the leader's own address). The copy keeps the caller's strategy
+    unconfigured, as in the reference.
     """
     if strategy is not None:
         strategy = copy.deepcopy(strategy)
         if task_type == "evaluator":
             strategy.configure()
         else:
-            strategy.configure(cluster_spec=cluster_spec or None, task_type=task_type, task_id=task_id)
+            # Only a store someone opened is passed: a strategy without one keeps TF's signature.
+            meeting = {"rendezvous": rendezvous} if rendezvous is not None else {}
+            strategy.configure(cluster_spec=cluster_spec or None, task_type=task_type, task_id=task_id, **meeting)
     with WorkerContext(strategy, cluster_spec, task_type, task_id, rpc_layer=rpc_layer, barrier=barrier):
         return fn(strategy)

@@ -96,12 +96,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         """The resolver the cluster came from."""
         return self._resolver
 
-    def configure(self, cluster_spec: Any = None, task_type: str | None = None, task_id: int | None = None) -> None:
-        """Joins the given cluster (the distribute coordinator calls this in each worker)."""
+    def configure(self, cluster_spec: Any = None, task_type: str | None = None, task_id: int | None = None,
+                  rendezvous: str | None = None) -> None:
+        """Joins the given cluster (the distribute coordinator calls this in each worker), meeting
+        at the store ``rendezvous`` (``host:port``) where one was opened for the workers."""
         if cluster_spec:
             resolver = SimpleClusterResolver(cluster_spec, task_type=task_type, task_id=int(task_id or 0),
                                              environment=self._resolver.environment)
-            self._extended = StrategyExtended(self, self._components(resolver.resolve()))
+            self._extended = StrategyExtended(self, self._components(resolver.resolve(rendezvous=rendezvous)))
 
     def _components(self, cluster: ResolvedCluster) -> StrategyComponents:
         devices = self._devices
