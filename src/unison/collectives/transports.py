@@ -397,7 +397,7 @@ def _checked() -> None:
 def _subgroup(group: WorkerGroup, handle: Any, ranks: list[int]) -> WorkerGroup:
     """A WorkerGroup for a subgroup of ``group``: its own rank, names and process group handle."""
     return WorkerGroup(handle, None, ranks.index(group.rank), len(ranks), [group.names[r] for r in ranks],
-                       group.backend, group.timeout, group.liveness)
+                       group.backend, group.timeout, group.liveness, group.restart_advice)
 
 
 def choose_transport(control: WorkerControl, options: CommunicationOptions, backend: str,

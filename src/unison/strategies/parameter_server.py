@@ -106,7 +106,8 @@ class ParameterServerStrategy(Strategy):
         # The coordinator runs one replica itself and forms no group: the workers run the
         # scheduled functions, each on its own.
         coordinator = ResolvedCluster(resolved.spec, resolved.task_type, resolved.task_id, resolved.rpc_layer,
-                                      resolved.environment, is_chief=True, restart_count=resolved.restart_count)
+                                      resolved.environment, is_chief=True, restart_count=resolved.restart_count,
+                                      scheduler=resolved.scheduler)
         super().__init__(StrategyComponents(
             devices=("cpu:0",), parameter_devices=tuple(task_device(i) for i in range(len(self._ps_info.ps))),
             cross_device_ops=ReductionToOneDevice(), variable_policy=policy,
