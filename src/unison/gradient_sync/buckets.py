@@ -524,7 +524,10 @@ class BucketedGradientSync:
         and from the next step on they are in the buckets. A collective: every worker
         unfreezes (or copies) the same parameters at the same step, as the same program does."""
         woken = self._dormant.take_trainable() if self._dormant else []
-        if self._late and check_late:
+        # Only a worker that has a gradient for one asks its peers: an EMA copy, never
+        # differentiated, costs no collective. (Used on some workers only at its first use,
+        # it fails the step like any collective the workers do not all make.)
+        if self._late and check_late and self._late.any_used_here():
             woken += self._late.take_used(lambda flags: self._control.agree_min_each(flags, "late parameters"))
         if not woken:
             return

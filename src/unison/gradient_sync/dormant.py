@@ -32,6 +32,10 @@ class DormantParameters:
         """Keeps ``param`` until it requires grad (or is dropped)."""
         self._refs.append(weakref.ref(param))
 
+    def alive(self) -> list[torch.Tensor]:
+        """Every parameter still alive, in registration order; all stay."""
+        return [p for ref in self._refs if (p := ref()) is not None]
+
     def take_all(self) -> list[torch.Tensor]:
         """Every parameter still alive, in registration order; all leave."""
         alive = [p for ref in self._refs if (p := ref()) is not None]
@@ -62,8 +66,10 @@ class LateParameters:
     after the buckets were laid out. Such a parameter joins the buckets once a backward
     gives it a gradient on some worker; one never differentiated (an EMA copy) stays out,
     so its zeros are not all-reduced every step (``benchmarks/RESULTS.md``, 'Late
-    parameters stay out until used'). Which ones are used is agreed by every
-    worker, since a branch may give a gradient on one worker only.
+    parameters stay out until used'). A worker with a gradient for one of them asks
+    its peers which are used (one small all-reduce), so every worker enrolls the same;
+    a copy used on some workers only, at its first use, fails that step as any
+    collective the workers do not all make does.
     """
 
     def __init__(self) -> None:
@@ -75,6 +81,10 @@ class LateParameters:
     def add(self, param: torch.Tensor) -> None:
         """Keeps ``param`` (weakly) until a gradient shows it is used."""
         self._waiting.add(param)
+
+    def any_used_here(self) -> bool:
+        """Whether a waiting parameter has a gradient on this worker (no communication)."""
+        return any(p.grad is not None and p.requires_grad for p in self._waiting.alive())
 
     def take_used(self, fewest_unused: Callable[[list[int]], list[int]]) -> list[torch.Tensor]:
         """The waiting parameters that have a gradient on any worker, in registration order.
