@@ -8,6 +8,7 @@ version of the convolution weight saved for backward, and backward refused it
 model trains on a worker exactly as on one device, its statistics included.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -27,6 +28,24 @@ def _make():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+@contextlib.contextmanager
+def _one_worker_cluster():
+    """A chief's strategy and coordinator over 1 worker and 1 ps on this host; every task ends cleanly."""
+    with ps_cluster(1, 1) as cluster:
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 1))
+        coordinator = unison.ClusterCoordinator(strategy)
+        yield strategy, coordinator
+        coordinator.shutdown()
+        assert cluster.stop() == {name: 0 for name in cluster.procs}
+
+
+def _assert_state_equal(model, reference):
+    state, expected = model.state_dict(), reference.state_dict()
+    assert state.keys() == expected.keys()
+    for name, value in expected.items():  # parameters and buffers (running statistics, batch count)
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _train(model, optimizer, x, y):
@@ -60,9 +79,7 @@ def test_conv_batchnorm_model_trains_on_a_worker_as_on_one_device():
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 2, 6, 6, generator=g) * 2 + 1, torch.randn(8, 3, generator=g)) for _ in range(4)]
     reference, ref_optimizer = _make()
-    with ps_cluster(1, 1) as cluster:
-        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 1))
-        coordinator = unison.ClusterCoordinator(strategy)
+    with _one_worker_cluster() as (strategy, coordinator):
         with strategy.scope():
             model, optimizer = _make()
 
@@ -74,13 +91,8 @@ def test_conv_batchnorm_model_trains_on_a_worker_as_on_one_device():
             shared = coordinator.fetch(coordinator.schedule(step, args=(x, y)))
             _train(reference, ref_optimizer, x, y)
         assert shared == [0]  # the worker's cache was in shared memory, as on any one-host cluster
-        state, expected = model.state_dict(), reference.state_dict()
-        assert state.keys() == expected.keys()
-        assert expected["1.num_batches_tracked"].item() == len(batches)
-        for name, value in expected.items():  # parameters and buffers (running statistics, batch count)
-            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-        coordinator.shutdown()
-        assert cluster.stop() == {name: 0 for name in cluster.procs}
+        assert reference.state_dict()["1.num_batches_tracked"].item() == len(batches)
+        _assert_state_equal(model, reference)
 
 
 def _language_model():
@@ -107,9 +119,7 @@ def test_layers_cloned_in_the_scope_are_ps_variables_and_train_as_on_one_device(
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 40, (8, 7), generator=g) for _ in range(3)]
     reference, ref_optimizer = _language_model()
-    with ps_cluster(1, 1) as cluster:
-        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 1))
-        coordinator = unison.ClusterCoordinator(strategy)
+    with _one_worker_cluster() as (strategy, coordinator):
         with strategy.scope():
             model, optimizer = _language_model()
         assert all(isinstance(p, _RemoteParameter) for p in model.parameters())
@@ -118,11 +128,7 @@ def test_layers_cloned_in_the_scope_are_ps_variables_and_train_as_on_one_device(
         for tokens in batches:
             coordinator.fetch(coordinator.schedule(_lm_step, args=(model, optimizer, tokens)))
             _lm_step(reference, ref_optimizer, tokens)
-        state, expected = model.state_dict(), reference.state_dict()
-        for name, value in expected.items():
-            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-        coordinator.shutdown()
-        assert cluster.stop() == {name: 0 for name in cluster.procs}
+        _assert_state_equal(model, reference)
 
 
 @pytest.mark.timeout(90)
@@ -132,9 +138,7 @@ def test_a_compiled_model_trains_on_a_worker_as_on_one_device():
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 2, 6, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
     reference, ref_optimizer = _make()
-    with ps_cluster(1, 1) as cluster:
-        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 1))
-        coordinator = unison.ClusterCoordinator(strategy)
+    with _one_worker_cluster() as (strategy, coordinator):
         with strategy.scope():
             model, optimizer = _make()
         compiled = torch.compile(model, backend="aot_eager")
@@ -147,8 +151,4 @@ def test_a_compiled_model_trains_on_a_worker_as_on_one_device():
             breaks = coordinator.fetch(coordinator.schedule(step, args=(x, y)))
             _train(reference, ref_optimizer, x, y)
         assert breaks == 0
-        state, expected = model.state_dict(), reference.state_dict()
-        for name, value in expected.items():
-            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-        coordinator.shutdown()
-        assert cluster.stop() == {name: 0 for name in cluster.procs}
+        _assert_state_equal(model, reference)
