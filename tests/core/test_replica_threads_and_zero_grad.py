@@ -155,7 +155,7 @@ def test_other_zero_grad_forms_and_the_optimizers_life_are_unchanged(mirrored2):
     assert all(g is None for grads in _component_grads(model) for g in grads)
     # the replicas' shadow optimizers do not carry the user's instance's zero_grad
     _train(mirrored2, model, opt, x, zero_first=False)
-    sync = getattr(next(model.parameters()), "_unison_gradient_sync")
+    sync = mirrored2.extended.components.gradient_sync
     for shadows in sync._shadows.values():
         assert all("zero_grad" not in vars(shadow) for shadow in shadows if shadow is not None)
     # copies and pickles carry the state, not the installed function

@@ -131,3 +131,24 @@ def test_an_averaged_model_copy_stays_out_of_the_buckets(worker_pool):
     assert after == before > 0
     for mine, theirs in zip(average, other):
         assert torch.equal(mine, theirs)
+
+
+def _save_whole_model(rank: int, world: int):
+    import io
+
+    resolver = unison.SimpleClusterResolver(unison.ClusterSpec({"worker": ADDRESSES[:world]}),
+                                            task_type="worker", task_id=rank)
+    strategy = unison.MultiWorkerMirroredStrategy(resolver)
+    with strategy.scope():
+        model = _language_model()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the parameters carried their synchroniser (a process group) before
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    return all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters()))
+
+
+def test_a_whole_model_pickles_under_multi_worker_mirrored(worker_pool):
+    # torch.save(model) raised "cannot pickle 'ProcessGroup' object": each parameter's
+    # __dict__ held the gradient synchroniser, which torch pickles with the parameter.
+    assert worker_pool.run(_save_whole_model, timeout=60) == [True, True]

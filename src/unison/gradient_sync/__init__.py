@@ -13,13 +13,13 @@ of ``unison.strategies.components``.
 
 from unison.gradient_sync.buckets import DEFAULT_BUCKET_BYTES, BucketedGradientSync
 from unison.gradient_sync.replica_merge import ReplicaGradientSync
-from unison.gradient_sync.step_hooks import SYNC_ATTRIBUTE, attach, install_step_hooks
+from unison.gradient_sync.step_hooks import attach, install_step_hooks, sync_of
 
 __all__ = [
     "BucketedGradientSync",
     "ReplicaGradientSync",
     "DEFAULT_BUCKET_BYTES",
-    "SYNC_ATTRIBUTE",
     "attach",
     "install_step_hooks",
+    "sync_of",
 ]

@@ -1,11 +1,12 @@
 """Optimizer step hooks: ``opt.step()`` on a strategy's model first completes its gradient sync.
 
 PyTorch's global optimizer step pre/post hooks are installed once per process. A
-parameter created in a strategy's scope carries that strategy's gradient synchroniser
-(``SYNC_ATTRIBUTE``); the hook looks it up on the optimizer's first parameter and lets
-it finish the reduction (and, with several local replicas, redirect replica ``i`` to
-its own shadow optimizer). Optimizers whose parameters belong to no strategy pay one
-attribute lookup per step.
+parameter created in a strategy's scope is marked with that strategy's gradient
+synchroniser in a side table (``attach``/``sync_of``, keyed weakly by the tensor's
+identity; nothing is stashed on the tensor, so a pickled parameter carries none of it);
+the hook looks it up for the optimizer's first parameter and lets it finish the
+reduction (and, with several local replicas, redirect replica ``i`` to its own shadow
+optimizer). Optimizers whose parameters belong to no strategy pay one lookup per step.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ from typing import Any
 
 import torch
 from torch.optim import optimizer as torch_optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from unison._once import Interposition
 from unison._state import STATE
 from unison.errors import UsageError
 from unison.values.variables import DistributedVariable
 
-__all__ = ["SYNC_ATTRIBUTE", "attach", "install_step_hooks"]
+__all__ = ["attach", "install_step_hooks", "sync_of"]
 
-SYNC_ATTRIBUTE = "_unison_gradient_sync"
+# parameter -> the gradient synchroniser of its strategy (weak in the parameter, by identity)
+_SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 # optimizer -> its parameter count when their owners were last checked
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
@@ -31,19 +34,24 @@ _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.Weak
 
 def attach(param: torch.Tensor, gradient_sync: Any) -> None:
     """Marks ``param`` as synchronised by ``gradient_sync`` (found again at ``opt.step()``)."""
-    setattr(param, SYNC_ATTRIBUTE, gradient_sync)
+    _SYNC_OF[param] = gradient_sync
+
+
+def sync_of(param: torch.Tensor) -> Any:
+    """The gradient synchroniser ``param`` was attached to, or None."""
+    return _SYNC_OF.get(param)
 
 
 def _gradient_sync_of(optimizer: torch.optim.Optimizer) -> Any:
     for group in optimizer.param_groups:
         for param in group["params"]:
-            return getattr(param, SYNC_ATTRIBUTE, None)
+            return _SYNC_OF.get(param)
     return None
 
 
 def _owner_sync(param: torch.Tensor) -> Any:
     """The synchroniser of ``param``: attached, or its distributed variable's strategy's (``unison.Variable``)."""
-    sync = getattr(param, SYNC_ATTRIBUTE, None)
+    sync = _SYNC_OF.get(param)
     if sync is None and isinstance(param, DistributedVariable) and param._strategy is not None:
         sync = param._strategy.extended.components.gradient_sync
     return sync

@@ -8,8 +8,8 @@ Three everyday routes make parameters without that registration, or outside the 
   from each parameter's ``__deepcopy__``, and no module hook runs. A distributed
   variable copies itself into a new variable of its strategy (``MirroredVariable`` and
   the ps variables do that in ``__deepcopy__``); a plain parameter of a multi-worker
-  strategy (one device per worker) carries its gradient synchroniser, and the copy gets
-  the same one (:func:`copy_parameter`, installed as ``nn.Parameter.__deepcopy__``).
+  strategy (one device per worker) is marked with its gradient synchroniser, and the copy
+  gets the same one (:func:`copy_parameter`, installed as ``nn.Parameter.__deepcopy__``).
 - Replacing a parameter of a strategy's module outside the scope
   (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(t)``): the new
   parameter takes the old one's strategy (:func:`join_like`).
@@ -33,7 +33,7 @@ from torch import nn
 
 from unison._once import Interposition
 from unison._state import STATE
-from unison.gradient_sync.step_hooks import SYNC_ATTRIBUTE, attach
+from unison.gradient_sync.step_hooks import attach, sync_of
 from unison.values.variables import DistributedVariable
 
 __all__ = ["copy_parameter", "install_copy_hook", "join_like"]
@@ -49,7 +49,7 @@ def _outside_replicas() -> bool:
 
 def _join_sync(param: torch.Tensor, sync: Any) -> None:
     """Gives ``param`` the gradient synchroniser ``sync`` (a plain parameter of a multi-worker strategy)."""
-    if getattr(param, SYNC_ATTRIBUTE, None) is sync:
+    if sync_of(param) is sync:
         return
     attach(param, sync)
     sync.register(param)
@@ -64,7 +64,7 @@ def join_like(new: torch.Tensor, old: Any, name: str, kind: str) -> "torch.Tenso
     if isinstance(old, DistributedVariable) and old._strategy is not None:
         extended = old._strategy.extended
         return extended.create_parameter(new, name) if kind == "parameter" else extended.create_buffer(new, name)
-    sync = getattr(old, SYNC_ATTRIBUTE, None)
+    sync = sync_of(old)
     if kind == "parameter" and sync is not None:
         _join_sync(new, sync)
     return None
@@ -74,7 +74,7 @@ def copy_parameter(param: nn.Parameter, memo: dict) -> nn.Parameter:
     """``nn.Parameter.__deepcopy__``, plus: a copy of a parameter that a multi-worker
     strategy synchronises is synchronised by it too (workers' copies stay equal)."""
     copied = _PARAMETER_DEEPCOPY(param, memo)
-    sync = getattr(param, SYNC_ATTRIBUTE, None)
+    sync = sync_of(param)
     if sync is not None and _outside_replicas():
         _join_sync(copied, sync)
     return copied
