@@ -41,7 +41,7 @@ def test_optimizer_state_is_per_device(mirrored2):
     for p in params:
         first, second = p.values
         mine = opt.state[p]["momentum_buffer"]
-        theirs = shadow.state[p._component(1)]["momentum_buffer"]
+        theirs = shadow.state[p.component(1)]["momentum_buffer"]
         assert mine.data_ptr() != theirs.data_ptr()  # each device has its own buffer
         assert torch.equal(mine, theirs)  # and the replicas stay identical
         assert torch.equal(first, second)
@@ -143,11 +143,11 @@ def test_grad_assignment_in_cross_replica_context_reaches_every_replica(mirrored
     with mirrored2.scope():
         layer = nn.Linear(2, 1, bias=False)
     layer.weight.grad = torch.ones(1, 2)
-    grads = [layer.weight._component_grad(i) for i in range(2)]
+    grads = [layer.weight.component_grad(i) for i in range(2)]
     assert [g.tolist() for g in grads] == [[[1.0, 1.0]]] * 2
     assert grads[0].data_ptr() != grads[1].data_ptr()  # each replica accumulates into its own
     layer.weight.grad = None
-    assert [layer.weight._component_grad(i) for i in range(2)] == [None, None]
+    assert [layer.weight.component_grad(i) for i in range(2)] == [None, None]
 
 
 def test_zero_grad_keep_tensors_outside_run(mirrored2):

@@ -78,7 +78,7 @@ def test_replaced_data_and_requires_grad_reach_component_0(mirrored2):
         model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stepped = PrimaryShadow(opt).for_step(opt).param_groups[0]["params"][0]
-    assert stepped is model.weight._component(0) and type(stepped) is torch.Tensor
+    assert stepped is model.weight.component(0) and type(stepped) is torch.Tensor
     model.weight.data = torch.zeros(2, 2, dtype=torch.float64)  # cross-replica, through the variable
     model.weight.requires_grad_(False)
     with torch._C.DisableTorchFunctionSubclass():  # what C-level code reading the variable sees

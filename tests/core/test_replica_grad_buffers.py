@@ -195,7 +195,7 @@ def test_create_graph_and_later_variables_take_the_general_path_then_the_buffers
     mirrored2.run(step, args=(_halves(x), False))
     assert out[0][0] == [True, True] and not out[0][2] and torch.equal(out[0][1], general_value)
     layout = mirrored2.extended.components.gradient_sync._buffers._replicas[0]
-    assert len(layout.aliases) == 6 and any(c is model.unused.weight._component(0) for c in layout.components)
+    assert len(layout.aliases) == 6 and any(c is model.unused.weight.component(0) for c in layout.components)
     gc.collect()
     assert replaced() is None  # the layout does not keep a replaced layer's variables alive
 
@@ -252,7 +252,7 @@ def test_a_resized_parameter_gets_a_new_layout(mirrored2):
     before = out[0][0]
     with torch._C.DisableTorchFunctionSubclass():
         for i in range(2):  # param.data = ... on every replica's component of the unused head
-            torch.Tensor.data.__set__(model.unused.weight._component(i), torch.zeros(3, 3))
+            torch.Tensor.data.__set__(model.unused.weight.component(i), torch.zeros(3, 3))
     buffers = mirrored2.extended.components.gradient_sync._buffers
     for _ in range(2):  # the first step meets the resized slot and takes the general path; the next, a new layout
         mirrored2.run(step, args=(_halves(x),))

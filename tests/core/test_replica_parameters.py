@@ -52,7 +52,7 @@ def test_a_replica_reads_its_own_plain_component(mirrored2):
     mirrored2.run(fn)
     assert isinstance(model.weight, unison.MirroredVariable)  # cross-replica: the variable
     for replica in (0, 1):
-        assert type(seen[replica]) is torch.Tensor and seen[replica] is model.weight._component(replica)
+        assert type(seen[replica]) is torch.Tensor and seen[replica] is model.weight.component(replica)
     assert all(isinstance(p, unison.MirroredVariable) for p in model.parameters())
     assert all(isinstance(v, torch.Tensor) for v in model.state_dict().values())
 
@@ -91,18 +91,18 @@ def test_gradients_are_component_0s_in_every_context(mirrored2):
         model = nn.Linear(3, 2)
     x = torch.randn(4, 3)
     model(x).sum().backward()  # cross-replica: recorded on component 0
-    assert model.weight.grad is model.weight._component(0).grad
+    assert model.weight.grad is model.weight.component(0).grad
     assert torch.allclose(model.weight.grad, torch.ones(2, 1) * x.sum(0))
     model.zero_grad()
-    assert model.weight.grad is None and model.weight._component(1).grad is None
+    assert model.weight.grad is None and model.weight.component(1).grad is None
 
     def fn(batch):
         model(batch).sum().backward()
 
     mirrored2.run(fn, args=(_halves(x),))
-    assert model.weight.grad is model.weight._component(0).grad  # the reduced (mean) gradient
+    assert model.weight.grad is model.weight.component(0).grad  # the reduced (mean) gradient
     assert torch.allclose(model.weight.grad, torch.ones(2, 1) * x.sum(0) / 2)
-    assert torch.equal(model.weight.grad, model.weight._component(1).grad)
+    assert torch.equal(model.weight.grad, model.weight.component(1).grad)
 
 
 def test_tied_weights_train_as_on_one_device(mirrored2):

@@ -92,7 +92,7 @@ def _train(strategy, model, opt, x, zero_first=True):
 
 
 def _component_grads(model):
-    return [[p._component_grad(i) for i in range(len(p.values))] for p in model.parameters()]
+    return [[p.component_grad(i) for i in range(len(p.values))] for p in model.parameters()]
 
 
 def test_zero_grad_in_a_replica_clears_only_that_replicas_components_without_dispatch(mirrored2, monkeypatch):

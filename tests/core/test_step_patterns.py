@@ -195,7 +195,7 @@ def test_functional_call_with_other_tensors_is_per_replica(strategy_factory):
     for param, want in zip(model.parameters(), mean):
         assert isinstance(param, unison.MirroredVariable)
         for i in range(2):
-            torch.testing.assert_close(param._component(i).grad, want, rtol=0, atol=1e-6)
+            torch.testing.assert_close(param.component(i).grad, want, rtol=0, atol=1e-6)
 
 
 def test_a_parameter_deleted_inside_a_replica_is_refused_with_the_fix():

@@ -70,7 +70,7 @@ class PrimaryShadow:
             for param in group["params"]:
                 component = param
                 if isinstance(param, DistributedVariable):
-                    component = param._component(0)
+                    component = param.component(0)
                     variable_of[component] = typing.cast(torch.Tensor, param)  # a tensor subclass, not typed as one
                 components.append(component)
             groups.append({**group, "params": components})

@@ -69,7 +69,7 @@ class ReplicaGradBuffers:
                 return self._replicas or None
             self._restore_untouched()
             with torch._C.DisableTorchFunctionSubclass():
-                components = [[v._component(i) for v in variables]  # type: ignore[attr-defined]
+                components = [[v.component(i) for v in variables]  # type: ignore[attr-defined]
                               for i in range(self._num_replicas)]
             covered = [k for k in range(len(variables))
                        if all(slot_eligible(replica[k]) and replica[k].numel() <= SMALL_GRADIENT for replica in components)]

@@ -170,7 +170,7 @@ class ReplicaGradientSync:
             return
         for replica_id in range(self._num_replicas):
             with torch._C.DisableTorchFunctionSubclass():
-                torch.Tensor.register_post_accumulate_grad_hook(variable._component(replica_id),
+                torch.Tensor.register_post_accumulate_grad_hook(variable.component(replica_id),
                                                                 self._grad_hooks[replica_id])
 
     @contextlib.contextmanager
@@ -326,7 +326,7 @@ class ReplicaGradientSync:
             variables = [p for p in params if isinstance(p, DistributedVariable)]
             # the gradients replica by replica, then variable by variable (list comprehensions:
             # a third of the Python time of a loop per variable, on 400 variables)
-            by_replica = [[v._component(i).grad for v in variables] for i in range(n)]
+            by_replica = [[v.component(i).grad for v in variables] for i in range(n)]
             missing = {k for grads in by_replica for k, g in enumerate(grads) if g is None}
             for k, maybe_grads in enumerate(zip(*by_replica)):
                 if across:
@@ -339,7 +339,7 @@ class ReplicaGradientSync:
                         nowhere_here.append(len(targets))
                     made.append(len(targets))
                     param = variables[k]
-                    maybe_grads = tuple(g if g is not None else torch.zeros_like(param._component(i).detach())
+                    maybe_grads = tuple(g if g is not None else torch.zeros_like(param.component(i).detach())
                                         for i, g in enumerate(maybe_grads))
                 targets.append(variables[k])
                 per_param.append(maybe_grads)
@@ -348,8 +348,8 @@ class ReplicaGradientSync:
         if self._in_place and self._aggregate_in_place(per_param, reduction):
             for k in made:  # gradients made as zeros above become the components'
                 for i, grad in enumerate(per_param[k]):
-                    if targets[k]._component_grad(i) is not grad:
-                        targets[k]._set_component_grad(i, grad)
+                    if targets[k].component_grad(i) is not grad:
+                        targets[k].set_component_grad(i, grad)
             return
         pairs = [(PerReplica(grads), devices) for grads in per_param]
         if across:  # the same on every worker: the flags go whether or not this one needs them
@@ -367,7 +367,7 @@ class ReplicaGradientSync:
                 continue  # no replica of any worker had a gradient: none, as on one device
             reduced_grads = result.values if isinstance(result, Mirrored) else (result,)
             for i in range(self._num_replicas):
-                param._set_component_grad(i, reduced_grads[i])
+                param.set_component_grad(i, reduced_grads[i])
 
     def _aggregate_in_place(self, per_param: list[tuple[torch.Tensor, ...]],
                             reduction: "InPlaceReduction | None" = None) -> bool:
@@ -441,7 +441,7 @@ class ReplicaGradientSync:
                 for param in group["params"]:
                     if not isinstance(param, DistributedVariable):
                         continue
-                    component = param._component(replica_id)
+                    component = param.component(replica_id)
                     params.append(component)
                     variable = typing.cast(torch.Tensor, param)  # a tensor subclass, not typed as one
                     if optimizer.state.get(variable):

@@ -58,7 +58,7 @@ def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
         if known is None or len(known[0]) != len(params) or not all(map(operator.is_, known[0], params)):
             # a variable's components are made with it and never replaced: kept until the parameters change
             known = components[replica_id] = (params, [
-                param._component(replica_id) if isinstance(param, DistributedVariable) else param for param in params])
+                param.component(replica_id) if isinstance(param, DistributedVariable) else param for param in params])
         with torch._C.DisableTorchFunctionSubclass():
             clear_grads(known[1])
 
@@ -76,7 +76,7 @@ def _zero_other_replicas_grads(optimizer: torch.optim.Optimizer) -> None:
                 if not isinstance(param, DistributedVariable):
                     continue
                 for replica_id in range(1, 1 + len(param._others)):
-                    grad = param._component_grad(replica_id)
+                    grad = param.component_grad(replica_id)
                     if grad is not None:
                         if grad.grad_fn is not None:
                             grad.detach_()

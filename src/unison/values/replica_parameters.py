@@ -85,7 +85,7 @@ class ReplicaParameters(dict):
                     own = self._overlays.get(replica)
                     if own is not None and name in own:
                         return own[name]
-                component = value._component(replica)
+                component = value.component(replica)
                 if component is value and _in_compiled_region():
                     _refuse_to_compile(value, name, f"inside replica 0 of {type(value._strategy).__name__}")
                 return component
@@ -102,7 +102,7 @@ class ReplicaParameters(dict):
             dict.__setitem__(self, name, value)
             return
         assert isinstance(current, DistributedVariable)
-        if value is current or value is current._component(replica):  # the variable back: the overlay ends
+        if value is current or value is current.component(replica):  # the variable back: the overlay ends
             own = self._overlays.get(replica)
             if own is not None:
                 own.pop(name, None)

@@ -125,16 +125,20 @@ class DistributedVariable(DistributedValues):
         """The name given at creation, or None."""
         return self._var_name
 
-    def _component(self, replica_id: int) -> torch.Tensor:
+    def component(self, replica_id: int) -> torch.Tensor:
+        """Local replica ``replica_id``'s component: a plain leaf tensor on its device
+        (under central storage, every replica's is an alias of the one copy)."""
         return self._primary if replica_id == 0 else self._others[replica_id - 1]
 
-    def _component_grad(self, replica_id: int) -> torch.Tensor | None:
+    def component_grad(self, replica_id: int) -> torch.Tensor | None:
+        """The gradient of local replica ``replica_id``'s component, or None."""
         with torch._C.DisableTorchFunctionSubclass():
-            return self._component(replica_id).grad
+            return self.component(replica_id).grad
 
-    def _set_component_grad(self, replica_id: int, grad: torch.Tensor | None) -> None:
+    def set_component_grad(self, replica_id: int, grad: torch.Tensor | None) -> None:
+        """Sets the gradient of local replica ``replica_id``'s component (the gradient synchronisers' hand-out)."""
         with torch._C.DisableTorchFunctionSubclass():
-            self._component(replica_id).grad = grad
+            self.component(replica_id).grad = grad
 
     @property
     def storage(self) -> VariableStorage:
@@ -216,13 +220,13 @@ class DistributedVariable(DistributedValues):
     def _resolve_for_read(self) -> torch.Tensor:
         _, replica_id = replica_of(self)
         if replica_id is not None:
-            return self._component(replica_id)
+            return self.component(replica_id)
         return self._cross_replica_value()
 
     def _replica_op(self, func: Callable, args: tuple, kwargs: dict, context: Any, replica_id: int) -> Any:
         """Handles ``func`` in replica context when it needs more than reading; else NotImplemented."""
         if is_grad_access(func):
-            return call_plain(func, (self._component(replica_id), *args[1:]), kwargs)
+            return call_plain(func, (self.component(replica_id), *args[1:]), kwargs)
         return NotImplemented
 
     @abc.abstractmethod
@@ -255,7 +259,7 @@ def _read_in_replica(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any
         if isinstance(arg, DistributedVariable):
             if arg._strategy is not strategy:
                 return NotImplemented
-            plain[i] = arg._component(replica_id)
+            plain[i] = arg.component(replica_id)
         elif isinstance(arg, (list, tuple, dict)) and find_variables(arg, DistributedVariable, []):
             return NotImplemented
     if kwargs and find_variables(kwargs, DistributedVariable, []):
@@ -327,8 +331,8 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
             component_grad = grad
             if grad is not None and i > 0:
                 with torch._C.DisableTorchFunctionSubclass():
-                    component_grad = grad.detach().to(self._component(i).device, copy=True)
-            self._set_component_grad(i, component_grad)
+                    component_grad = grad.detach().to(self.component(i).device, copy=True)
+            self.set_component_grad(i, component_grad)
 
     def _cross_replica_op(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if is_grad_access(func):
@@ -367,7 +371,7 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
         variable's own flag that cross-replica reads see. Not the other replicas' components:
         they may be in the middle of a forward pass, and each sets its own when it gets here
         (a step runs the same code in every replica)."""
-        self._component(replica_id).requires_grad_(flag)
+        self.component(replica_id).requires_grad_(flag)
         with torch._C.DisableTorchFunctionSubclass():
             torch.Tensor.requires_grad_(self, flag)
 
@@ -389,7 +393,7 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
             )
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
         with torch.no_grad():
-            value = torch.as_tensor(args[1], dtype=self.dtype, device=self._component(context.local_replica_id).device)
+            value = torch.as_tensor(args[1], dtype=self.dtype, device=self.component(context.local_replica_id).device)
             value = value * alpha if kind != "assign" else value.clone()
             if kind == "sub":
                 value = -value
