@@ -53,7 +53,7 @@ from .input import (
     ValueContext,
 )
 
-from .strategies.cluster_coordinator import ClusterCoordinator
+from .ps.coordinator import ClusterCoordinator
 from .ps.server import Server
 from .ps.values import PerWorkerValues, RemoteValue
 from .ps.variables import ShardedVariable
@@ -72,7 +72,7 @@ from .strategies.current import (
 from .strategies.mirrored import MirroredStrategy
 from .strategies.multi_worker import CollectiveAllReduceStrategy, MultiWorkerMirroredStrategy
 from .strategies.one_device import OneDeviceStrategy
-from .strategies.parameter_server import ParameterServerStrategy
+from .ps.strategy import ParameterServerStrategy
 from .values.aggregation import VariableAggregation, VariableSynchronization
 from .values.values import DistributedValues, Mirrored, PerReplica
 from .values.variables import MirroredVariable, SyncOnReadVariable

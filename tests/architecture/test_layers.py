@@ -5,7 +5,7 @@ are independent of each other):
 
     launch
     placement | checkpoint
-coordinator
+    ps (the parameter-server strategy, its coordinator and runtime)
     strategies
     gradient_sync
     collectives | input
@@ -27,8 +27,8 @@ import pytest
 LAYERS = (
     ("launch", "partitioners"),
     ("placement", "checkpoint"),
-    ("strategies",),
     ("ps",),
+    ("strategies",),
     ("gradient_sync",),
     ("coordinator", "collectives", "input"),
     ("context",),

@@ -5,7 +5,7 @@ The first error a function raises is kept; the functions still queued are cancel
 ``join()`` or ``done()`` raises the error, once, and clears it. A function whose
 worker died is put back at the front and runs again elsewhere (at-least-once).
 
-tf.distribute equivalent: ``_CoordinatedClosureQueue`` of ``cluster_coordinator.py``.
+tf.distribute equivalent: ``_CoordinatedClosureQueue`` of TensorFlow's ``cluster_coordinator.py``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from unison.ps.closure_queue import Closure, ClosureQueue
 from unison.ps.dataset import PerWorkerDataset
 from unison.ps.transport import set_nodelay
 from unison.ps.values import RemoteValue
-from unison.strategies.parameter_server import ParameterServerStrategy
+from unison.ps.strategy import ParameterServerStrategy
 
 __all__ = ["ClusterCoordinator"]
 
