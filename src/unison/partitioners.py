@@ -1,10 +1,9 @@
-"""``import unison.partitioners``: tf.distribute.experimental.partitioners' spelling of ``unison.ps.partitioners``.
+"""``unison.partitioners``: tf.distribute.experimental.partitioners' spelling of the ps partitioners.
 
-The module replaces itself with ``unison.ps.partitioners``, so both names are one module.
+The partitioners live with the parameter servers (``unison.ps.partitioners``); this
+module re-exports the public ones under the name TensorFlow users write.
 """
 
-import sys
+from unison.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
 
-from unison.ps import partitioners
-
-sys.modules[__name__] = partitioners
+__all__ = ["Partitioner", "FixedShardsPartitioner", "MinSizePartitioner", "MaxSizePartitioner"]
