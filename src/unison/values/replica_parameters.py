@@ -148,9 +148,9 @@ def _in_compiled_region() -> bool:
 
 def _refuse_to_compile(variable: DistributedVariable, name: str, where: str) -> None:
     """Raises the error of a compiled module reading a distributed variable whose value there
-    is not a plain tensor: a sync-on-read buffer (BatchNorm's running statistics) in replica 0,
-    whose component 0 is the variable itself, or in cross-replica context, where it reads the
-    replicas' aggregate.
+    is not a plain tensor: a sync-on-read buffer (BatchNorm's running statistics) in
+    cross-replica context, where it reads the replicas' aggregate, or a variable whose
+    component is the variable itself (none today: every component 0 is a plain alias).
 
     Dynamo would trace the variable's ``__torch_function__``, break the graph inside it and
     hand the tensor subclass to AOTAutograd, which fails with "Multiple dispatch failed for
