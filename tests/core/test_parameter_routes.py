@@ -198,3 +198,21 @@ def test_copies_inside_run_or_another_strategys_scope_are_refused(strategy):
     with unison.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
         with pytest.raises(ValueError, match="inside the scope of another strategy"):
             copy.deepcopy(model)
+
+
+def test_a_plain_parameter_listed_first_is_refused_too(strategy):
+    # The step finds its synchroniser through the optimizer's first parameter: a plain one
+    # there must not hide the strategy's parameters after it.
+    with strategy.scope():
+        model = _mlp()
+    offset = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([offset, *model.parameters()], lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        _mlp_loss(model, x, y).backward()
+        opt.step()
+
+    x, y = _mlp_data(1)[0]
+    with pytest.raises(UsageError, match=r"1 of the optimizer's 5 parameters \(#0 \(3,\)\) .* strategy of its other"):
+        strategy.run(step, args=tuple(unison.PerReplica(list(t.chunk(2))) for t in (x, y)))

@@ -159,8 +159,6 @@ class BucketedGradientSync:
         self._pipeline: HierarchicalTransport | None = None  # buckets cross hosts during backward
         self._started = 0  # pipelined: buckets whose trip across hosts has started, this backward
         self.started_during_backward = 0
-        self.launched_during_backward = 0
-        """How many buckets of the last backward pass were launched from gradient hooks, before it ended (diagnostics)."""
         self._overlap_bytes: int | None = None  # see overlap_bucket_bytes
         """Pipelined: how many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
         self._reduce_op = reduce_op
@@ -502,7 +500,6 @@ class BucketedGradientSync:
             if self._dormant or self._late:
                 self._wake_dormant()
             return
-        self.launched_during_backward = self._next
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
             self._next += 1

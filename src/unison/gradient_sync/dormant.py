@@ -38,7 +38,7 @@ class DormantParameters:
 
     def take_all(self) -> list[torch.Tensor]:
         """Every parameter still alive, in registration order; all leave."""
-        alive = [p for ref in self._refs if (p := ref()) is not None]
+        alive = self.alive()
         self._refs = []
         return alive
 

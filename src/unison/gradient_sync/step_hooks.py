@@ -61,25 +61,27 @@ def _param_count(optimizer: torch.optim.Optimizer) -> int:
     return sum(len(group["params"]) for group in optimizer.param_groups)
 
 
-def _check_owners(optimizer: torch.optim.Optimizer, sync: Any) -> None:
-    """Refuses a step whose parameters are not all synchronised by ``sync`` (None: by nothing),
-    or that steps unsynchronised parameters in a run of several replicas: their gradients
-    would never be reduced, so replicas or workers would part silently."""
+def _check_owners(optimizer: torch.optim.Optimizer) -> None:
+    """Refuses a step whose parameters are not all synchronised by one strategy, or that steps
+    unsynchronised parameters in a run of several replicas: their gradients would never be
+    reduced, so replicas or workers would part silently."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    strays = [k for k, p in enumerate(params) if _owner_sync(p) is not sync]
-    if sync is None:
+    owners = [_owner_sync(p) for p in params]
+    reference = next((owner for owner in owners if owner is not None), None)
+    if reference is None:  # none is a strategy's: wrong only when stepped in a run of several replicas
         entry = STATE.top()
-        context = entry.replica_context if entry is not None else None
-        strategy = context.strategy if context is not None else None
+        strategy = entry.replica_context.strategy if entry is not None and entry.replica_context is not None else None
         if (strategy is None or strategy.extended.components.gradient_sync is None
                 or strategy.num_replicas_in_sync == 1):
             return
         strays = list(range(len(params)))
         owner = f"{type(strategy).__name__} ({strategy.num_replicas_in_sync} replicas in sync)"
-    elif not strays:
-        return
     else:
-        owner = "the strategy of the optimizer's first parameter"
+        strays = [k for k, owner in enumerate(owners) if owner is not reference]
+        if not strays:
+            return
+        owner = ("the strategy of the optimizer's first parameter" if owners[0] is reference
+                 else "the strategy of its other parameters")
     shown = ", ".join(f"#{k} {tuple(params[k].shape)}" for k in strays[:3]) + (" ..." if len(strays) > 3 else "")
     raise UsageError(
         f"opt.step(): {len(strays)} of the optimizer's {len(params)} parameters ({shown}) are not synchronised "
@@ -94,7 +96,7 @@ def _on_step_pre(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     sync = _gradient_sync_of(optimizer)
     count = _param_count(optimizer)
     if _CHECKED.get(optimizer) != count:  # once per optimizer and set of parameters
-        _check_owners(optimizer, sync)
+        _check_owners(optimizer)
         _CHECKED[optimizer] = count
     return None if sync is None else sync.pre_step(optimizer, args, kwargs)
 

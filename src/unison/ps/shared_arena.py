@@ -48,15 +48,6 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (as ``torch.empty(shape).stride()``)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def _own_tensor(data: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The contiguous ``shape``/``dtype`` tensor at byte ``offset`` of the bytes ``data``, with
     its own autograd version counter.
@@ -69,8 +60,7 @@ def _own_tensor(data: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: 
     """
     if offset % dtype.itemsize:
         raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size {dtype.itemsize}")
-    return torch.empty(0, dtype=dtype).set_(data.untyped_storage(), offset // dtype.itemsize, shape,
-                                            _contiguous_strides(shape))
+    return torch.empty(0, dtype=dtype).set_(data.untyped_storage(), offset // dtype.itemsize, shape, ())  # (): contiguous
 
 
 @final

@@ -488,7 +488,8 @@ class SyncOnReadVariable(DistributedVariable, torch.Tensor):
         # A new variable of the same strategy, each component copied (a module's buffer: the
         # copy's replicas keep their own running statistics, as the original's do).
         if self._strategy is None:
-            return self._cross_replica_value().clone()
+            memo[id(self)] = plain = self._cross_replica_value().clone()
+            return plain
         _check_copy_context(self, "buffer")
         values = self.values
         copied = self._strategy.extended.create_buffer(values[0].clone(), self._var_name)
