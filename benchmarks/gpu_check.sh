@@ -25,11 +25,13 @@ part() {  # part NAME SECONDS COMMAND...: runs it under a limit, output to $OUT/
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
-part cuda_tests 200 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu tests/input/test_input_iterator.py \
+part real_models 200 "$PY" -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_real_models_cuda.py
+part cuda_tests 170 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu --deselect tests/gpu/test_real_models_cuda.py \
+  tests/input/test_input_iterator.py \
   tests/collectives/test_gradients.py tests/multi_worker/test_configuration.py
-part bench 150 "$PY" benchmarks/gpu.py --rounds "${ROUNDS:-6}" --out "$OUT"
+part bench 130 "$PY" benchmarks/gpu.py --rounds "${ROUNDS:-6}" --out "$OUT"
 TAIL=60 part profile 60 "$PY" benchmarks/gpu.py --profile D:mwms,ddp
-part demo 120 "$PY" -m unison.launch --workers 2 examples/digits.py --epochs 3 --checkpoint "$OUT/ck/digits.pt" \
+part demo 90 "$PY" -m unison.launch --workers 2 examples/digits.py --epochs 3 --checkpoint "$OUT/ck/digits.pt" \
   --backup-dir "$OUT/ck/backup" --eval-dir "$OUT/ck/eval"
 part suite_with_gpu "${SUITE_S:-120}" "$PY" -m pytest -q -p no:cacheprovider -n 12 --timeout 100 tests/core \
   tests/collectives tests/input tests/multi_worker tests/checkpoint tests/ps --deselect tests/multi_worker/test_launch_integration.py

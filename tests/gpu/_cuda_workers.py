@@ -43,3 +43,83 @@ def reduce_on_cuda(rank: int, world: int, implementation: str = "AUTO"):
     total = strategy.reduce("sum", unison.PerReplica([torch.full((3,), float(rank + 1), device="cuda:0")]), axis=None)
     return {"inputs": tensors, "means": [m.cpu() for m in means], "mean_devices": [str(m.device) for m in means],
             "sum": total.cpu(), "sum_device": str(total.device)}
+
+
+def _real_model(name: str):
+    """A small real model definition (torchvision ResNet-18 or a 2-layer GPT-2), built
+    from seed 0, with its loss and batches (the same in every call)."""
+    from tests.real_models import _harness as h
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1234)
+    if name == "resnet18":
+        model = h.import_torchvision().models.resnet18(num_classes=10)
+        batches = [(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+                   for _ in range(4)]
+        return model, batches, lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)
+    if name == "gpt2":
+        transformers = h.import_transformers()
+        transformers.logging.set_verbosity_error()
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=97, n_positions=32,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0)
+        batches = [(torch.randint(0, 97, (8, 16), generator=g),) for _ in range(4)]
+        return transformers.GPT2LMHeadModel(config), batches, lambda m, ids: m(input_ids=ids, labels=ids).loss
+    raise ValueError(f"name={name!r}: use 'resnet18' or 'gpt2'")
+
+
+def _train_real(model, batches, loss_fn, run=lambda fn, args: fn(*args)):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(*batch):
+        opt.zero_grad()
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for batch in batches:
+        run(step, tuple(t.cuda() for t in batch))
+
+
+def real_models_on_cuda(rank: int, world: int, cases):
+    """Each ``(model, compiled)`` case trained 4 SGD steps on ``cuda:0`` as plain PyTorch
+    (eager) and under MultiWorkerMirroredStrategy in an NCCL group of one (``compiled``:
+    ``torch.compile`` with ``strategy.extended.compile_backend()``, inductor on the GPU);
+    returns per case the largest |unison - plain| over the parameters and whether the
+    parameters stayed on the GPU. cuDNN runs deterministic kernels without TF32, so eager
+    runs are bit-comparable; inductor may reorder sums."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    strategy = _strategy(rank, world, ["cuda:0"], implementation="NCCL")
+    out = {}
+    for name, compiled in cases:
+        plain, batches, loss_fn = _real_model(name)
+        plain.cuda()
+        _train_real(plain, batches, loss_fn)
+        with strategy.scope():
+            model, batches, loss_fn = _real_model(name)
+        step_model = torch.compile(model, backend=strategy.extended.compile_backend()) if compiled else model
+        _train_real_in(strategy, model, step_model, batches, loss_fn)
+        diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(model.parameters(), plain.parameters()))
+        moved = max(float((p.detach().cpu() - q.detach()).abs().max())
+                    for p, q in zip(plain.parameters(), _real_model(name)[0].parameters()))
+        out[f"{name}-{'compiled' if compiled else 'eager'}"] = {
+            "diff": diff, "moved": moved, "devices": sorted({str(p.device) for p in model.parameters()})}
+        torch._dynamo.reset()
+    return out
+
+
+def _train_real_in(strategy, model, step_model, batches, loss_fn):
+    with strategy.scope():
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(*batch):
+        opt.zero_grad()
+        loss = loss_fn(step_model, *batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for batch in batches:
+        strategy.run(step, args=tuple(t.cuda() for t in batch))
