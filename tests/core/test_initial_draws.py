@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import unison
-from unison.strategies.initial_draws import CpuDrawnFills
+from unison._state import STATE
+from unison.strategies.initial_draws import RANDOM_FILLS, CpuDrawnFills
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -79,3 +81,93 @@ def test_steps_run_without_the_mode():
         strategy.run(lambda: seen.append(len(torch.overrides._get_current_function_mode_stack())))
         seen.append(len(torch.overrides._get_current_function_mode_stack()))
     assert seen == [0, 1]  # off during the step, back after it
+
+
+def _guarded(original):
+    """A library's stand-in for an ``nn.init`` fill, as Transformers' ``guard_torch_init_functions``
+    installs while it builds a model: it skips tensors flagged as initialised."""
+    def normal_(tensor, mean=0.0, std=1.0, generator=None):
+        if not getattr(tensor, "_is_initialized", False):
+            return original(tensor, mean=mean, std=std, generator=generator)
+        return tensor
+    return normal_
+
+
+def test_a_fill_a_library_swapped_into_nn_init_is_redirected_too(monkeypatch):
+    """``nn.init.normal_`` dispatches to the mode through the name it holds at call time, so
+    the mode receives the library's wrapper, which draws on the GPU unless it is recognised."""
+    original = nn.init.normal_
+    monkeypatch.setattr(nn.init, "normal_", _guarded(original))
+
+    def in_scope() -> None:
+        with unison.OneDeviceStrategy("cpu:0").scope(), CpuDrawnFills():
+            original(torch.empty(10, device="meta"), std=2.0)  # torch's own, as the wrapper calls it
+
+    assert torch.equal(_next_draw_after(in_scope), _next_draw_after(lambda: original(torch.empty(10), std=2.0)))
+
+
+def test_a_swapped_fill_that_skips_a_tensor_leaves_it_and_draws_nothing(monkeypatch):
+    from unison.strategies import initial_draws
+
+    original = nn.init.normal_
+    monkeypatch.setattr(nn.init, "normal_", _guarded(original))
+    flagged = torch.empty(10, device="meta")
+    flagged._is_initialized = True
+
+    def in_scope() -> None:
+        with unison.OneDeviceStrategy("cpu:0").scope(), CpuDrawnFills():
+            original(flagged)
+
+    assert torch.equal(_next_draw_after(in_scope), _next_draw_after(_untouched))
+    # the values of a skipped tensor stay (a CPU target: meta tensors hold none)
+    target = torch.arange(4.0)
+    target._is_initialized = True
+    initial_draws._fill_on_cpu(nn.init.normal_, target, (target,), {}, keep_values=True)
+    assert torch.equal(target, torch.arange(4.0))
+
+
+_FILL_NAMES = {f.__name__ for f in RANDOM_FILLS}
+
+
+class _FillsOnParameters(TorchFunctionMode):
+    """Pushed below ``CpuDrawnFills``: sees what that mode passes on, and records the random
+    fills that reach a parameter itself (on a GPU they would draw from the GPU's generator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.escaped: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        fill = func in RANDOM_FILLS or getattr(func, "__name__", None) in _FILL_NAMES  # or a library's stand-in
+        if fill and isinstance(target, nn.Parameter):
+            self.escaped.append(func.__name__)
+        return func(*args, **kwargs)
+
+
+def test_every_fill_of_a_transformers_model_in_a_gpu_scope_is_drawn_on_the_cpu(monkeypatch):
+    """Transformers swaps ``nn.init``'s functions for guarded ones while it builds a model
+    (``guard_torch_init_functions``); on an H200 a GPT-2 built in ``OneDeviceStrategy("cuda:0")``'s
+    scope started from other weights than plain PyTorch's. Here CPU parameters stand in for
+    GPU ones (the mode is told they are off the CPU): no fill may reach a parameter itself,
+    and the weights are plain PyTorch's."""
+    from tests.real_models import _harness as h
+    from unison.strategies import initial_draws
+
+    if h.importlib.util.find_spec("transformers") is None:
+        pytest.skip(f"transformers not installed: {h.INSTALL_HINT}")
+    transformers = h.import_transformers()
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=8,
+                                     bos_token_id=0, eos_token_id=0)
+    monkeypatch.setattr(initial_draws, "_draw_on_cpu", lambda target, generator: isinstance(target, nn.Parameter))
+    detector = _FillsOnParameters()
+    torch.manual_seed(0)
+    with detector, STATE.push(unison.OneDeviceStrategy("cpu:0"), None), CpuDrawnFills():
+        model = transformers.GPT2LMHeadModel(config)
+    assert detector.escaped == []
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(config)
+    for (name, got), want in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(got, want), name

@@ -52,9 +52,10 @@ def _real_model(name: str):
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1234)
-    if name == "resnet18":
+    if name in ("resnet18", "resnet18_64"):  # at 32x32 the last stage's maps are 1x1
         model = h.import_torchvision().models.resnet18(num_classes=10)
-        batches = [(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+        size = 64 if name == "resnet18_64" else 32
+        batches = [(torch.randn(8, 3, size, size, generator=g), torch.randint(0, 10, (8,), generator=g))
                    for _ in range(4)]
         return model, batches, lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)
     if name == "gpt2":
@@ -65,7 +66,7 @@ def _real_model(name: str):
                                          bos_token_id=0, eos_token_id=0)
         batches = [(torch.randint(0, 97, (8, 16), generator=g),) for _ in range(4)]
         return transformers.GPT2LMHeadModel(config), batches, lambda m, ids: m(input_ids=ids, labels=ids).loss
-    raise ValueError(f"name={name!r}: use 'resnet18' or 'gpt2'")
+    raise ValueError(f"name={name!r}: use 'resnet18', 'resnet18_64' or 'gpt2'")
 
 
 def _train_real(model, batches, loss_fn, run=lambda fn, args: fn(*args)):
@@ -86,28 +87,58 @@ def real_models_on_cuda(rank: int, world: int, cases):
     """Each ``(model, compiled)`` case trained 4 SGD steps on ``cuda:0`` as plain PyTorch
     (eager) and under MultiWorkerMirroredStrategy in an NCCL group of one (``compiled``:
     ``torch.compile`` with ``strategy.extended.compile_backend()``, inductor on the GPU);
-    returns per case the largest |unison - plain| over the parameters and whether the
-    parameters stayed on the GPU. cuDNN runs deterministic kernels without TF32, so eager
-    runs are bit-comparable; inductor may reorder sums."""
+    returns per case the largest |unison - plain| over the parameters, how far training
+    moved them, and their devices -- or the error. A compiled case also compiles the plain
+    model alone and under DDP (``plain_compiled``, ``ddp_compiled``: distance to eager plain,
+    or the error), so a failure of torch's own compiler is told apart from unison's. cuDNN runs deterministic kernels
+    without TF32, so eager runs are bit-comparable; inductor may reorder sums."""
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     strategy = _strategy(rank, world, ["cuda:0"], implementation="NCCL")
     out = {}
     for name, compiled in cases:
+        case = out[f"{name}-{'compiled' if compiled else 'eager'}"] = {}
         plain, batches, loss_fn = _real_model(name)
+        initial = [p.detach().clone() for p in plain.parameters()]
         plain.cuda()
         _train_real(plain, batches, loss_fn)
-        with strategy.scope():
-            model, batches, loss_fn = _real_model(name)
-        step_model = torch.compile(model, backend=strategy.extended.compile_backend()) if compiled else model
-        _train_real_in(strategy, model, step_model, batches, loss_fn)
-        diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(model.parameters(), plain.parameters()))
-        moved = max(float((p.detach().cpu() - q.detach()).abs().max())
-                    for p, q in zip(plain.parameters(), _real_model(name)[0].parameters()))
-        out[f"{name}-{'compiled' if compiled else 'eager'}"] = {
-            "diff": diff, "moved": moved, "devices": sorted({str(p.device) for p in model.parameters()})}
+        case["moved"] = max(float((p.detach().cpu() - q).abs().max()) for p, q in zip(plain.parameters(), initial))
+        try:
+            with strategy.scope():
+                model, batches, loss_fn = _real_model(name)
+            step_model = torch.compile(model, backend=strategy.extended.compile_backend()) if compiled else model
+            _train_real_in(strategy, model, step_model, batches, loss_fn)
+            case["diff"] = _distance(model, plain)
+            case["devices"] = sorted({str(p.device) for p in model.parameters()})
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            case["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         torch._dynamo.reset()
+        if compiled:  # after unison's step: the worker group exists, for DDP too
+            case["plain_compiled"] = _compiled_control(name, plain, ddp=False)
+            case["ddp_compiled"] = _compiled_control(name, plain, ddp=True)
     return out
+
+
+def _compiled_control(name: str, plain, ddp: bool):
+    """The plain model compiled with inductor (``ddp``: wrapped in DDP over the worker's
+    NCCL group, so Dynamo's DDPOptimizer splits it as ``compile_backend`` splits unison's):
+    its distance to eager ``plain`` after the same steps, or its error."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    control, batches, loss_fn = _real_model(name)
+    control.cuda()
+    try:
+        wrapped = DistributedDataParallel(control) if ddp else control
+        _train_real(torch.compile(wrapped), batches, loss_fn)
+        return _distance(control, plain)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {str(exc)[:400]}"
+    finally:
+        torch._dynamo.reset()
+
+
+def _distance(model, reference) -> float:
+    return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 def _train_real_in(strategy, model, step_model, batches, loss_fn):

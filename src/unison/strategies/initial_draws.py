@@ -11,6 +11,14 @@ the same numbers, from the same generator state, as plain PyTorch. A fill given 
 generator explicitly is left on the GPU. Only this thread's ops in the scope pass
 through the mode (a Python call each, a few microseconds); replica threads, code outside
 the scope and ``strategy.run`` (``steps_without_fills``) never see it.
+
+Libraries may swap ``torch.nn.init``'s functions for wrappers while they build a model
+(Hugging Face Transformers' ``guard_torch_init_functions`` does, for every model it
+builds); the mode then receives the wrapper, since ``nn.init`` dispatches through the name
+it holds at call time. A function that ``torch.nn.init`` holds under a fill's name is a
+fill too, and runs on a CPU copy of the target's values (with the target's Python
+attributes), so a wrapper that skips some tensors (Transformers' ``_is_hf_initialized``)
+leaves them as they were.
 """
 
 from __future__ import annotations
@@ -34,17 +42,27 @@ RANDOM_FILLS = frozenset({
 })
 """In-place fills that draw from a generator: their first argument is the tensor filled."""
 
+_INIT_FILL_NAMES = frozenset(f.__name__ for f in RANDOM_FILLS if getattr(nn.init, f.__name__, None) is f)
+"""The names under which ``torch.nn.init`` holds its random fills (a library may swap them)."""
+
 
 class CpuDrawnFills(TorchFunctionMode):
     """Redirects random in-place fills of non-CPU tensors to the CPU while variables are created."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in RANDOM_FILLS:
+        known = func in RANDOM_FILLS
+        if known or _swapped_init_fill(func):
             target = args[0] if args else kwargs.get("tensor")
             if isinstance(target, torch.Tensor) and _draw_on_cpu(target, kwargs.get("generator")):
-                return _fill_on_cpu(func, target, args, kwargs)
+                return _fill_on_cpu(func, target, args, kwargs, keep_values=not known)
         return func(*args, **kwargs)
+
+
+def _swapped_init_fill(func: Any) -> bool:
+    """Whether ``func`` is what ``torch.nn.init`` holds now under a fill's name (a library's wrapper)."""
+    name = getattr(func, "__name__", None)
+    return name in _INIT_FILL_NAMES and getattr(nn.init, name, None) is func
 
 
 def _draw_on_cpu(target: torch.Tensor, generator: "torch.Generator | None") -> bool:
@@ -56,8 +74,16 @@ def _draw_on_cpu(target: torch.Tensor, generator: "torch.Generator | None") -> b
     return top is not None and top.replica_context is None  # creating variables, not running a step
 
 
-def _fill_on_cpu(func: Any, target: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+def _fill_on_cpu(func: Any, target: torch.Tensor, args: tuple, kwargs: dict, keep_values: bool = False) -> torch.Tensor:
+    """Runs ``func`` on a CPU tensor of ``target``'s shape and copies the result over.
+
+    ``keep_values`` (a library's wrapper, which may decide to leave the target alone): the
+    CPU tensor starts as a copy of the target and carries its Python attributes."""
     values = torch.empty(target.shape, dtype=target.dtype)
+    if keep_values:
+        if target.device.type != "meta":
+            values.copy_(target.detach())
+        values.__dict__.update(getattr(target, "__dict__", {}))
     if args:
         func(values, *args[1:], **kwargs)
     else:
