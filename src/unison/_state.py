@@ -1,4 +1,4 @@
-"""Per-thread process state: the strategy/replica context stack and the worker context.
+"""Process state: the per-thread context stacks, the worker context and the replica threads' flags.
 
 One class, one default instance (``STATE``); tests may build their own. Each thread
 has its own stack of (strategy, replica_context) entries: ``strategy.scope()`` pushes
@@ -6,17 +6,20 @@ has its own stack of (strategy, replica_context) entries: ``strategy.scope()`` p
 (strategy, its ReplicaContext). It also holds the distribute coordinator's worker
 context of the thread's ``worker_fn``, so that the cluster rules
 (``multi_worker_util.is_chief()``) can answer for it without importing the coordinator,
-which builds on them.
+which builds on them; whether this thread's optimizer step writes its replica's own
+components (read by the variables, set by the gradient synchroniser, which builds on
+them); and which replica threads are running a step.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 from contextlib import contextmanager
 
-__all__ = ["ContextEntry", "ProcessState", "STATE"]
+__all__ = ["ContextEntry", "OwnComponentWrites", "ProcessState", "STATE"]
 
 
 @dataclass(frozen=True)
@@ -25,11 +28,53 @@ class ContextEntry:
     replica_context: Any  # ReplicaContext, or None for cross-replica context
 
 
+class OwnComponentWrites(threading.local):
+    """Per thread: whether an optimizer step is writing this replica's own components.
+
+    Inside a replica, an in-place write to a MirroredVariable is normally aggregated
+    across replicas; an optimizer step instead updates each replica's own copy. The
+    gradient synchroniser marks its step with ``begin()``/``end()`` (the optimizer's pre
+    and post step hooks), and the variables read ``active``.
+    """
+
+    depth = 0
+
+    @property
+    def active(self) -> bool:
+        """True between ``begin()`` and ``end()`` in this thread."""
+        return self.depth > 0
+
+    def begin(self) -> None:
+        """Marks the start of a step that writes this thread's replica's own components."""
+        self.depth = 1
+
+    def end(self) -> None:
+        """Marks the end of that step."""
+        self.depth = 0
+
+
 class ProcessState:
-    """Holds the context stacks of every thread of this process."""
+    """Holds the context stacks of every thread of this process, and the replica threads' flags.
+
+    The flags are plain attributes, not properties: the variables read
+    ``own_component_writes`` on every operation inside a replica, and the replica threads
+    mark themselves busy on every step.
+
+    Attributes:
+        own_component_writes: per thread, whether an optimizer step is writing this
+            replica's own components (:class:`OwnComponentWrites`). Here, below both
+            ``unison.values`` (which reads it) and ``unison.gradient_sync`` (which sets
+            it), so neither owns a module global for the other to change.
+        busy_replica_threads: the replica threads running a step now; a thread that is
+            not in it waits for its next step. Weak, so a finished thread drops out. Set
+            by the threaded replica runner, read by ``replica_thread_is_idle`` (tests and
+            diagnostics wait on it).
+    """
 
     def __init__(self) -> None:
         self._local = threading.local()
+        self.own_component_writes = OwnComponentWrites()
+        self.busy_replica_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
     def stack(self) -> list[ContextEntry]:
         """This thread's stack itself, for the hot path of ``strategy.run`` (append, then pop)."""

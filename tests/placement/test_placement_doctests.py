@@ -1,4 +1,4 @@
-"""The examples in unison.placement's docstrings run and print what they show."""
+"""The examples in unison.placement's docstrings, and in the ps placement it re-exports, run and print what they show."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import doctest
 import pytest
 
 from unison.placement import config, parameter_servers, strategies
+from unison.ps import placement as ps_placement
 
 
-@pytest.mark.parametrize("module", [config, parameter_servers, strategies], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [config, parameter_servers, strategies, ps_placement], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

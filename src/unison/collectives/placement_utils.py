@@ -11,6 +11,12 @@ setter only chooses. ``ParameterServerStrategy(variable_placer="least_loaded")``
 it with ps task indices (``unison.ps.policy``), and the chosen ps task then holds the
 variable behind unison's own tensor protocol (``unison.ps.transport``).
 
+It lives here, below ``unison.ps``, although it is placement onto ps tasks: the
+collectives layer needs it too (``unison.collectives`` exports ``LeastLoadedDeviceSetter``
+for code ported from tensorpack, and ``OverrideCachingDevice`` in ``tensorpack_compat.py``
+balances with the same rule), and no layer may import a higher one
+(``tests/architecture/test_layers.py``). ``unison.ps`` imports it from here.
+
 tensorpack equivalent: ``graph_builder.utils.LeastLoadedDeviceSetter`` (from
 tf_cnn_benchmarks' ``variable_mgr_util``); its ``OverrideCachingDevice`` is in
 ``tensorpack_compat.py``.

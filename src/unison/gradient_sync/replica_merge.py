@@ -15,7 +15,7 @@ replica 0 steps, since all replicas share one storage.
 
 Each replica's per-step state (inside ``no_sync``, reduction queued, gradients
 reduced) is this object's, kept per replica context; the variables learn that a step
-writes each replica's own component from ``OWN_COMPONENT_WRITES``.
+writes each replica's own component from ``STATE.own_component_writes``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from unison.gradient_sync.shadow_optimizers import follow_hyperparameters, shado
 from unison.reduce import ReduceOp
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import Mirrored, PerReplica
-from unison.values.variables import OWN_COMPONENT_WRITES, DistributedVariable
+from unison.values.variables import DistributedVariable
 
 __all__ = ["ReplicaGradientSync"]
 
@@ -251,7 +251,7 @@ class ReplicaGradientSync:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             context.merge_call(self._aggregate, args=(params,))
         state.grads_reduced = False
-        OWN_COMPONENT_WRITES.begin()
+        STATE.own_component_writes.begin()
         replica_id = context.local_replica_id
         if replica_id == 0:
             # the other replicas' shadows copy the user's state when made: make them before
@@ -271,7 +271,7 @@ class ReplicaGradientSync:
         the variables while replica 0 writes them: a GAN's discriminator step saw the
         generator before its update (0.01 off with Adam, a whole step's change).
         """
-        OWN_COMPONENT_WRITES.end()
+        STATE.own_component_writes.end()
         if not self._storage.replicas_step:
             self._context().merge_call(_stepped)
 

@@ -1,87 +1,27 @@
-"""Dedicated parameter servers for subnetworks, and the hook a strategy offers to place them.
+"""The ps tasks dedicated to each subnetwork: AdaNet's rule for ``RoundRobinStrategy``.
 
 With ``RoundRobinStrategy(dedicate_parameter_servers=True)`` each subnetwork's
 parameters live on a group of ps tasks of its own, so a worker that trains one
 subnetwork talks to that group only (AdaNet: O(m*n/k) variable fetches for m workers, n
 ps and k subnetworks, against O(m*n*k) when every worker reads everything). The ps tasks
 are split into ``num_subnetworks`` contiguous groups; with more subnetworks than ps
-tasks, subnetworks share the one-task groups modulo the ps count. Inside a group a
-parameter goes to the task its name hashes to.
+tasks, subnetworks share the one-task groups modulo the ps count.
 
-The placing itself is the strategy's: a strategy whose ``extended`` implements
-:class:`ParameterPlacementHook` (the parameter-server strategy) places the parameters
-created inside ``place_parameters_in(assign)`` on ps task ``assign(name)``.
+Inside a group a parameter goes to the task its name hashes to, and the strategy's
+variable policy places it there: both are the parameter servers' own
+(:mod:`unison.ps.placement`: ``PsGroupAssigner``, ``OpNameHashStrategy``,
+``ParameterPlacementHook``), re-exported from ``unison.placement``. The group rule stays
+here, above ``unison.ps``, because it is a rule on subnetworks and checks them with
+:mod:`unison.placement.round_robin`.
 
-AdaNet equivalent: ``RoundRobinStrategy.subnetwork_devices`` and
-``adanet.distributed.devices._OpNameHashStrategy``; the TF device function becomes
-the hook.
+AdaNet equivalent: ``RoundRobinStrategy.subnetwork_devices``' choice of ps tasks.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import typing
-from typing import Any, Callable, ContextManager, Protocol
-
 from unison.placement.round_robin import check_num_subnetworks, check_subnetwork_index
 
-__all__ = [
-    "OpNameHashStrategy",
-    "array_split",
-    "subnetwork_ps_group",
-    "PsGroupAssigner",
-    "ParameterPlacementHook",
-]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@typing.final
-class OpNameHashStrategy:
-    """Picks one of ``num_tasks`` tasks for a name: ``sha256(name) mod num_tasks``.
-
-    A stable hash (not Python's salted ``hash``) so every process, in every run, puts
-    the same parameter on the same task.
-
-    AdaNet equivalent: ``adanet.distributed.devices._OpNameHashStrategy`` (which hashes
-    a TF op's name; here the name is given directly).
-
-    Args:
-        num_tasks: how many tasks to choose among (>= 1).
-
-    Raises:
-        ValueError: if ``num_tasks`` is not an integer >= 1.
-
-    Example:
-        >>> [OpNameHashStrategy(3)(name) for name in ("foo", "bar", "baz")]
-        [2, 0, 1]
-    """
-
-    def __init__(self, num_tasks: int):
-        if not _is_int(num_tasks) or num_tasks < 1:
-            raise ValueError(f"OpNameHashStrategy needs num_tasks >= 1, got {num_tasks!r}; fix `num_tasks`")
-        self._num_tasks = num_tasks
-
-    @property
-    def num_tasks(self) -> int:
-        """How many tasks names are spread over."""
-        return self._num_tasks
-
-    def __call__(self, name: str) -> int:
-        """The task (``0..num_tasks - 1``) for ``name``.
-
-        Raises:
-            TypeError: if ``name`` is not a str.
-        """
-        if not isinstance(name, str):
-            raise TypeError(f"OpNameHashStrategy hashes names (str), got {type(name).__name__} {name!r}")
-        return int(hashlib.sha256(name.encode()).hexdigest(), 16) % self._num_tasks
-
-    def __repr__(self) -> str:
-        return f"OpNameHashStrategy({self._num_tasks})"
+__all__ = ["array_split", "subnetwork_ps_group"]
 
 
 def array_split(length: int, sections: int) -> list[range]:
@@ -89,6 +29,10 @@ def array_split(length: int, sections: int) -> list[range]:
 
     The first ``length % sections`` ranges are one longer than the rest; with more
     sections than elements the trailing ranges are empty.
+
+    Example:
+        >>> array_split(5, 3)
+        [range(0, 2), range(2, 4), range(4, 5)]
     """
     size, longer = divmod(length, sections)
     parts, start = [], 0
@@ -110,8 +54,14 @@ def subnetwork_ps_group(num_ps_replicas: int, num_subnetworks: int, subnetwork_i
     Raises:
         ValueError: if ``num_ps_replicas < 1``, ``num_subnetworks < 1`` or the index is out
             of range.
+
+    Example:
+        >>> [subnetwork_ps_group(4, 2, index) for index in range(2)]
+        [range(0, 2), range(2, 4)]
+        >>> [subnetwork_ps_group(2, 3, index) for index in range(3)]
+        [range(0, 1), range(1, 2), range(0, 1)]
     """
-    if not _is_int(num_ps_replicas) or num_ps_replicas < 1:
+    if not isinstance(num_ps_replicas, int) or isinstance(num_ps_replicas, bool) or num_ps_replicas < 1:
         raise ValueError(
             f"subnetwork_ps_group needs num_ps_replicas >= 1, got {num_ps_replicas!r}: without parameter "
             f"servers there is nothing to dedicate; fix `num_ps_replicas`"
@@ -120,62 +70,3 @@ def subnetwork_ps_group(num_ps_replicas: int, num_subnetworks: int, subnetwork_i
     check_subnetwork_index(num_subnetworks, subnetwork_index)
     group = subnetwork_index % num_ps_replicas if num_subnetworks > num_ps_replicas else subnetwork_index
     return array_split(num_ps_replicas, num_subnetworks)[group]
-
-
-@dataclasses.dataclass(frozen=True)
-class PsGroupAssigner:
-    """``assign(name)`` for a subnetwork: ``ps_group[0] + OpNameHashStrategy(len(ps_group))(name)``.
-
-    The ``assign`` function :class:`RoundRobinStrategy` hands to
-    :meth:`ParameterPlacementHook.place_parameters_in`. Picklable (a frozen dataclass
-    of a range), so a strategy may send it to another process.
-
-    Args:
-        ps_group: the subnetwork's ps tasks, a non-empty contiguous range.
-
-    Raises:
-        ValueError: if ``ps_group`` is not a non-empty range with step 1.
-    """
-
-    ps_group: range
-
-    def __post_init__(self) -> None:
-        group = self.ps_group
-        if not isinstance(group, range) or len(group) == 0 or group.step != 1 or group.start < 0:
-            raise ValueError(
-                f"PsGroupAssigner needs a non-empty range of ps task indices with step 1, got {group!r}; "
-                f"fix `ps_group`, e.g. subnetwork_ps_group(num_ps, num_subnetworks, index)"
-            )
-
-    def __call__(self, name: str) -> int:
-        """The ps task (an index into the cluster's ps job) for the parameter called ``name``."""
-        return self.ps_group.start + OpNameHashStrategy(len(self.ps_group))(name)
-
-
-@typing.runtime_checkable
-class ParameterPlacementHook(Protocol):
-    """What a strategy's variable policy (``strategy.extended.components.variable_policy``)
-    offers for ``subnetwork_devices`` to place parameters.
-
-    ``place_parameters_in(assign)`` returns a context manager. Each parameter created
-    inside it on a module created inside it is placed on parameter-server task
-    ``assign(name)`` (an index into the cluster's ``ps`` job, ``0..num_ps - 1``), where
-    ``name`` is the parameter's name in ``named_parameters()`` of its outermost module
-    created inside the context (one that is not a submodule of another module created
-    inside), e.g. ``"0.weight"`` for ``Sequential(Linear(...))``. So the strategy may
-    decide the placement when the context exits, once the module tree is complete.
-    Modules created outside the context, and variables that belong to no module created
-    inside it, keep the strategy's default placement. ``assign`` is a pure, picklable
-    function of the name. When the context exits with an exception, the strategy need
-    place nothing; the exception propagates.
-
-    A strategy whose policy has no such hook (every strategy but the parameter-server one) keeps
-    its default placement: ``subnetwork_devices`` is then a no-op.
-
-    AdaNet equivalent: the device function that ``subnetwork_devices`` installs with
-    ``tf.device`` (``"/job:ps/task:{assign(op)}"`` for variable ops).
-    """
-
-    def place_parameters_in(self, assign: Callable[[str], int]) -> ContextManager[Any]:
-        """A context in which created parameters are placed on ps task ``assign(name)``."""
-        ...

@@ -24,7 +24,8 @@ from unison.strategies import current as _current
 from unison.errors import PlacementError
 from unison.placement import round_robin
 from unison.placement.config import PlacementConfig
-from unison.placement.parameter_servers import ParameterPlacementHook, PsGroupAssigner, subnetwork_ps_group
+from unison.placement.parameter_servers import subnetwork_ps_group
+from unison.ps.placement import ParameterPlacementHook, PsGroupAssigner
 
 __all__ = ["PlacementStrategy", "ReplicationStrategy", "RoundRobinStrategy"]
 

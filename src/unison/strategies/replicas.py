@@ -223,12 +223,9 @@ def _autocast(state: tuple[tuple[str, torch.dtype], ...]) -> contextlib.Abstract
     return stack
 
 
-_BUSY: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
-
-
 def replica_thread_is_idle(thread: threading.Thread) -> bool:
     """Whether a replica thread is waiting for its next step (for tests and diagnostics)."""
-    return thread not in _BUSY
+    return thread not in STATE.busy_replica_threads
 
 
 def _serve_replica(requests: "queue.SimpleQueue[Any]", threads: int, ready: threading.Event) -> None:
@@ -241,12 +238,12 @@ def _serve_replica(requests: "queue.SimpleQueue[Any]", threads: int, ready: thre
         item = requests.get()
         if item is None:
             return
-        _BUSY.add(me)
+        STATE.busy_replica_threads.add(me)
         try:
             target, args = item
             target(*args)
         finally:
-            _BUSY.discard(me)
+            STATE.busy_replica_threads.discard(me)
         del item, target, args  # drop the step's references while waiting for the next
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import abc
 import sys
-import threading
 import types
 import typing
 from typing import Any, Callable, Sequence, cast
@@ -37,35 +36,8 @@ from unison.values.dispatch import (call_plain, find_variables, is_grad_access, 
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import DistributedValues, PerReplica
 
-__all__ = ["DistributedVariable", "MirroredVariable", "SyncOnReadVariable", "OwnComponentWrites", "OWN_COMPONENT_WRITES"]
+__all__ = ["DistributedVariable", "MirroredVariable", "SyncOnReadVariable"]
 
-
-class OwnComponentWrites(threading.local):
-    """Per thread: whether an optimizer step is writing this replica's own components.
-
-    Inside a replica, an in-place write to a MirroredVariable is normally aggregated
-    across replicas; an optimizer step instead updates each replica's own copy. The
-    gradient synchroniser marks its step with ``begin()``/``end()`` (the optimizer's pre
-    and post step hooks), and the variables read ``active``.
-    """
-
-    depth = 0
-
-    @property
-    def active(self) -> bool:
-        """True between ``begin()`` and ``end()`` in this thread."""
-        return self.depth > 0
-
-    def begin(self) -> None:
-        """Marks the start of a step that writes this thread's replica's own components."""
-        self.depth = 1
-
-    def end(self) -> None:
-        """Marks the end of that step."""
-        self.depth = 0
-
-
-OWN_COMPONENT_WRITES = OwnComponentWrites()
 
 _ASSIGN_OPS = {"copy_": "assign", "add_": "add", "sub_": "sub", "__iadd__": "add", "__isub__": "sub"}
 
@@ -200,7 +172,7 @@ class DistributedVariable(DistributedValues):
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if is_plain_read(func) or OWN_COMPONENT_WRITES.active:  # an optimizer step writes its own component
+        if is_plain_read(func) or STATE.own_component_writes.active:  # an optimizer step writes its own component
             handled = _read_in_replica(func, args, kwargs)
             if handled is not NotImplemented:
                 return handled
@@ -357,7 +329,7 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
 
     def _replica_op(self, func: Callable, args: tuple, kwargs: dict, context: Any, replica_id: int) -> Any:
         handled = super()._replica_op(func, args, kwargs, context, replica_id)
-        if handled is not NotImplemented or OWN_COMPONENT_WRITES.active or not is_mutation(func, args, kwargs, self):
+        if handled is not NotImplemented or STATE.own_component_writes.active or not is_mutation(func, args, kwargs, self):
             return handled
         flag = requires_grad_written(func, args, kwargs, self)
         if flag is not None:
