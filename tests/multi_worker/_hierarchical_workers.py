@@ -128,7 +128,7 @@ def train_pipelined(rank: int, world: int, out_of_order: bool = False):
     def step(x, y):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        started.append(sync.started_during_backward)
+        started.append(sync.bucket_transport.started_during_backward)
         opt.step()
 
     for x, y in global_batches(steps=8):

@@ -132,7 +132,7 @@ def killed_mid_training(rank: int, world: int, timeout: float, implementation: s
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sync = strategy.extended.components.gradient_sync
     shared = all(b.segment is not None for b in sync._buckets)
-    signals = sync._transport is not None and sync._transport.signals is not None
+    signals = getattr(sync.bucket_transport, "shared_counters", False)
     for step, (x, y) in enumerate(global_batches(steps=1000)):
         if rank == 1 and step == 5:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -20,10 +20,10 @@ so a reduction reads straight through:
   processes). It falls back to the packed transport, on every host together, when a
   host cannot give the memory.
 
-All take the per-call check as an argument and run it before any data moves. The
-shared-memory ones also carry gradient buckets (``bucket_sharing``): a bucket lives in
-the shared file, a full bucket only announces itself, and when backward ends the
-transport completes the sums.
+All take the per-call check as an argument and run it before any data moves. Each
+names the way gradient buckets travel with it (``bucket_transport``, one of
+``bucket_transports.py``): over the group, compressed, through PowerSGD, or in the shared
+files, where a full bucket only announces itself and the transport completes the sums.
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from unison.collectives.bucket_transports import (
+    AllReduceBuckets,
+    BucketTransport,
+    CompressedBuckets,
+    PipelinedHostBuckets,
+    PowerSGDBuckets,
+    SharedMemoryBuckets,
+)
 from unison.collectives.compression import Compressor
 from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
 from unison.collectives.powersgd import PowerSGDReducer
@@ -47,7 +55,6 @@ from unison.collectives.worker_control import WorkerControl
 
 __all__ = [
     "CrossWorkerTransport",
-    "BucketSharing",
     "PackedTransport",
     "SharedMemoryTransport",
     "HierarchicalTransport",
@@ -61,24 +68,6 @@ _BUCKETS = "gradient all-reduce"
 
 
 @runtime_checkable
-class BucketSharing(Protocol):
-    """How gradient buckets that live in shared memory are reduced."""
-
-    @property
-    def shared_memory(self) -> SharedMemoryAllReduce:
-        """The engine whose files the buckets live in."""
-        ...
-
-    def announce(self, flag: torch.Tensor) -> Any:
-        """Starts the tiny collective that says this worker's slot of a bucket is written."""
-        ...
-
-    def complete(self, segments: list[SharedSegment]) -> None:
-        """After this worker summed its slice of every bucket: waits until the totals are final."""
-        ...
-
-
-@runtime_checkable
 class CrossWorkerTransport(Protocol):
     """Sums dense tensors across the workers of a group."""
 
@@ -86,19 +75,13 @@ class CrossWorkerTransport(Protocol):
         """The sums (divided by ``divisor``) in input order; runs ``check`` before any data moves."""
         ...
 
-    @property
-    def bucket_sharing(self) -> "BucketSharing | None":
-        """How gradient buckets live in shared memory with this transport, or None."""
+    def bucket_transport(self) -> BucketTransport:
+        """How gradient buckets travel with this transport (a new one for each gradient synchroniser)."""
         ...
 
 
 class _OverTheGroup(abc.ABC):
     """A transport whose every byte goes through the group's collectives: no shared memory."""
-
-    @property
-    def bucket_sharing(self) -> None:
-        """None: gradient buckets travel over the group."""
-        return None
 
     @property
     def shared_memory(self) -> None:
@@ -117,6 +100,9 @@ class PackedTransport(_OverTheGroup):
     def __init__(self, control: WorkerControl, bytes_per_pack: int):
         self._control = control
         self._packed = PackedAllReduce(bytes_per_pack)
+
+    def bucket_transport(self) -> BucketTransport:
+        return AllReduceBuckets(self._control)
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         check()
@@ -139,10 +125,8 @@ class SharedMemoryTransport:
         self._engine: SharedMemoryAllReduce | None = None
         self._summed = torch.zeros(1, dtype=torch.int32)
 
-    @property
-    def bucket_sharing(self) -> "SharedMemoryTransport":
-        """This transport: buckets live in its files."""
-        return self
+    def bucket_transport(self) -> BucketTransport:
+        return SharedMemoryBuckets(self._control, self)
 
     def announce(self, flag: torch.Tensor) -> Any:
         return _announce(self.shared_memory, lambda: self._control.launch(_BUCKETS, dist.all_reduce, flag))
@@ -237,10 +221,8 @@ class HierarchicalTransport:
             )
         return self._engine
 
-    @property
-    def bucket_sharing(self) -> "HierarchicalTransport":
-        """This transport: buckets live in its files."""
-        return self
+    def bucket_transport(self) -> BucketTransport:
+        return PipelinedHostBuckets(self._control, self)
 
     @property
     def slices_cross_hosts(self) -> bool:
@@ -354,8 +336,12 @@ class CompressedTransport(_OverTheGroup):
     """
 
     def __init__(self, control: WorkerControl, bytes_per_pack: int, compression: Compression):
+        self._control = control
         self._packed = PackedTransport(control, bytes_per_pack)
         self.compressor = Compressor(compression)
+
+    def bucket_transport(self) -> BucketTransport:
+        return CompressedBuckets(self._control, self.compressor)
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         check()
@@ -385,6 +371,9 @@ class PowerSGDTransport(_OverTheGroup):
         self._packed = PackedTransport(control, bytes_per_pack)
         self.powersgd = PowerSGDReducer(config, lambda tensors: self._packed.all_reduce(tensors, 1, _checked),
                                         control.world_size)
+
+    def bucket_transport(self) -> BucketTransport:
+        return PowerSGDBuckets(self.powersgd)
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         return self._packed.all_reduce(tensors, divisor, check)

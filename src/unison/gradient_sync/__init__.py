@@ -3,7 +3,9 @@
 - ``replica_merge``: several replica threads of one worker merge their gradients when
   backward ends (and across workers, through the strategy's CrossDeviceOps);
 - ``buckets``: one replica per worker, gradients all-reduced in buckets from autograd
-  hooks while backward runs (DDP's and Horovod's mechanism), over a cross-worker transport;
+  hooks while backward runs (DDP's and Horovod's mechanism), moved by the bucket transport
+  its cross-worker transport names (``collectives/bucket_transports.py``);
+  ``bucket_gradients``: how gradients get into a bucket and the sums back out;
 - ``step_hooks``: the optimizer step hooks through which ``opt.step()`` finds and
   completes its model's synchronisation.
 

@@ -18,35 +18,21 @@ on one device and under DDP's ``find_unused_parameters``, so an optimizer skips 
 (AdamW's decay and moments would move it); one that some worker computed gets the
 workers' mean everywhere.
 
-When every worker is on this host (gloo, ``implementation=AUTO``), each bucket's buffer
-is this worker's slot of a shared-memory file instead (``shared_memory.py``). There is
-nothing to overlap then (no transfer runs beside backward), so only a backward pass's
-first gradient has work to do (its hook remembers the autograd graph task; the others
-return at once); when it ends, each worker writes every gradient into its slots, says so
-through a counter in the shared file, sums its slice of every bucket, and, once every
-worker has, copies the sums back into its gradients. Memory speed instead of gloo's
-loopback TCP, and the same sums as gloo's (gradients are divided before they are added).
-From the second step on, a bucket of more than 16 gradients that were all dense lives in
-flat slots of its own (``grad_slots.py``): the first gradient points the others at them,
-autograd accumulates into them, and the bucket goes to the shared file and back in one
-pass each, instead of a copy per gradient each way. A bucket of few (large) gradients
-divides each straight into the shared file instead: slots would add a pass over its
-bytes (``benchmarks/RESULTS.md``, 'Shared-memory slots per bucket').
-
-When the workers span hosts with equally many workers each (the hierarchical transport's
-columns), there is a transfer to overlap again: each bucket is written into its slot as
-soon as it is complete, and as soon as every worker of the host wrote it (a look at the
-shared counters from a later gradient's hook, never a wait) this worker sums its slice
-and starts that slice's all-reduce across hosts, while backward goes on. Buckets are then
-2 MB by default, so that a model's first buckets leave early. This gains where the link
-between hosts is the bottleneck, and nothing where the workers and gloo's threads
-compete for the same cores (``benchmarks/RESULTS.md``, 'Pipelined buckets across hosts').
+How a bucket travels is its transport's (``collectives/bucket_transports.py``: over the
+group, compressed, PowerSGD, one host's shared memory, or slices across hosts): this
+class fills buckets, launches them through that contract and hands the sums out. Where
+every bucket is reduced when backward ends (shared memory, PowerSGD) only a backward
+pass's first gradient has work to do (its hook remembers the autograd graph task; the
+others return at once). Where the sums are copied out of shared memory, a bucket of more
+than 16 gradients that were all dense lives, from the second step on, in flat slots of
+its own (``grad_slots.py``): the first gradient points the others at them, autograd
+accumulates into them, and the bucket reaches the shared file and back in one pass each;
+a bucket of few (large) gradients divides each straight into the file instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import typing
 import weakref
 from typing import Any, Callable, Iterator
@@ -54,79 +40,32 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from unison.collectives.compression import Compressor
+from unison.collectives.bucket_transports import DEFAULT_BUCKET_BYTES, BucketTransport, GradientBucket, HandOut
 from unison.collectives.flat_buffers import views_of
 from unison.collectives.packing import group_by_size
-from unison.collectives.powersgd import PowerSGDReducer
-from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
-from unison.collectives.transports import BucketSharing, CrossWorkerTransport, HierarchicalTransport
+from unison.collectives.transports import CrossWorkerTransport
 from unison.collectives.worker_control import WorkerControl
 from unison.errors import GradientSyncError
 from unison.gradient_sync.dormant import DormantParameters, LateParameters
 from unison.gradient_sync.grad_access import grads_of
-from unison.gradient_sync.grad_slots import GradSlots, fits
+from unison.gradient_sync.bucket_gradients import (
+    copy_sums_out,
+    fill_from_slots,
+    hand_out_views,
+    point_grads_at_slots,
+    set_flags,
+)
+from unison.gradient_sync.grad_slots import fits
 from unison.reduce import ReduceOp
 
 __all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]
 
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
-PIPELINED_BUCKET_BYTES = 2 * 1024 * 1024
-"""Default bucket size when buckets cross hosts one by one during backward.
-
-Small enough that a model's first buckets leave early, large enough to keep the
-collectives few (``benchmarks/RESULTS.md``, 'Pipelined buckets across hosts')."""
 # Up to this many gradients a bucket divides each into place (MEAN); above it, a bucket of
 # dense gradients gets flat slots of its own on the shared-memory path.
 _FUSED_DIVIDE_MAX_PARAMS = 16
 _OPERATION = "gradient all-reduce"
-
-
-@dataclasses.dataclass
-class _Bucket:
-    params: list[torch.Tensor]
-    views: list[torch.Tensor]  # one view of `flat` per parameter, in its shape: made once, reused every step
-    flat: torch.Tensor  # with a segment: this worker's input slot of it
-    ready: int = 0
-    work: Any = None
-    segment: SharedSegment | None = None  # shared memory: `work` then only says every worker wrote its slot
-    results: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per parameter, views of segment.result
-    across: list[Any] = dataclasses.field(default_factory=list)  # pipelined: the works adding it across hosts
-    wire: torch.Tensor | None = None  # with compression: what travels (flat in the half type), reused
-    written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
-    plain: bool = False  # every parameter is a plain tensor (not a distributed variable)
-    slots: GradSlots | None = None  # one host's shared memory: the gradients' own flat buffer
-    in_slots_next: bool = False  # the last step's gradients could all live in `slots` (none sparse or missing)
-    launched_from_slots: bool = False  # this step's gradients went to the shared file from `slots`
-    unwritten: tuple[int, ...] = ()  # from slots: the parameters whose slot autograd left unwritten this step
-
-    # After the gradients, `flat` holds one flag per parameter: 1 where this worker has a
-    # gradient for it (before the division for MEAN). Summed with the gradients, they say
-    # which parameters no worker computed one for; those keep no gradient (see used_sums).
-    @property
-    def size(self) -> int:
-        """The gradients' elements in ``flat`` (the flags follow)."""
-        return self.flat.numel() - len(self.params)
-
-    @property
-    def used(self) -> torch.Tensor:
-        """This worker's flags: the tail of its ``flat``."""
-        return self.flat[self.size:]
-
-    def used_sums(self) -> list[float]:
-        """The flags summed over the workers (in the reduced ``flat`` or the shared result)."""
-        reduced = self.segment.result if self.segment is not None else self.flat
-        return reduced[self.size:].tolist()
-
-
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _current_graph_task_id = torch._C._current_graph_task_id
-
-
-def _set_flags(used: torch.Tensor, missing: "list[int] | tuple[int, ...]") -> None:
-    """This worker's flags: 1 for each parameter of the bucket, 0 for those in ``missing``."""
-    used.fill_(1)
-    if missing:
-        used[list(missing)] = 0
 
 
 @typing.final
@@ -148,19 +87,12 @@ class BucketedGradientSync:
     def __init__(self, control: WorkerControl, transport: CrossWorkerTransport, bucket_bytes: int,
                  reduce_op: Callable[[], ReduceOp], sparse_all_reduce: Callable[[torch.Tensor], torch.Tensor]):
         self._control = control
-        self._cross_worker = transport
-        self._transport: SharedMemoryAllReduce | None = None
-        self._sharing: BucketSharing | None = None
-        self._compressor: Compressor | None = getattr(transport, "compressor", None)
-        self._powersgd: PowerSGDReducer | None = getattr(transport, "powersgd", None)
+        self._chosen = transport.bucket_transport()  # the way this group moves buckets
+        self._transport: BucketTransport = self._chosen  # what carries the current buckets (see finalize)
         self._sparse_all_reduce = sparse_all_reduce
         self._sparse: set[int] = set()
         self._bucket_bytes = bucket_bytes  # <= 0: the default for the transport (see finalize)
-        self._pipeline: HierarchicalTransport | None = None  # buckets cross hosts during backward
-        self._started = 0  # pipelined: buckets whose trip across hosts has started, this backward
-        self.started_during_backward = 0
         self._overlap_bytes: int | None = None  # see overlap_bucket_bytes
-        """Pipelined: how many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
         self._reduce_op = reduce_op
         # Registered parameters, held weakly: a model the program dropped must not live on
         # (nor be all-reduced every step) because it was once built in scope. The buckets
@@ -176,15 +108,16 @@ class BucketedGradientSync:
         # registration order). _observed records that step's order.
         self._order: list[int] | None = None
         self._observed: list[int] | None = None
-        self._buckets: list[_Bucket] = []
+        self._buckets: list[GradientBucket] = []
         self._bucket_of: dict[int, int] = {}
         self._next = 0
         self._fired = False
         self._enabled = True
-        # One host's shared memory: every bucket is reduced when backward ends, so only a
-        # backward pass's first gradient has something to do, and the gradients live in
-        # flat buffers of their own (GradSlots) that reach the shared file in one pass.
-        self._reduces_at_end_in_memory = False
+        # A transport that reduces every bucket when backward ends: only a backward pass's
+        # first gradient has something to do, and where the sums are copied out (shared
+        # memory) the gradients live in flat buffers of their own (GradSlots) that reach
+        # the transport's flat in one pass.
+        self._at_end = False
         self._settled_task = -1  # the autograd graph task whose first gradient was seen (that mode)
 
     @property
@@ -203,6 +136,11 @@ class BucketedGradientSync:
     def buckets_in_shared_memory(self) -> list[bool]:
         """For each bucket, whether it lives in shared memory (for tests and diagnostics)."""
         return [bucket.segment is not None for bucket in self._buckets]
+
+    @property
+    def bucket_transport(self) -> BucketTransport:
+        """What carries the buckets now (for tests and diagnostics)."""
+        return self._transport
 
     def register(self, param: torch.Tensor) -> None:
         """Adds a parameter; its hook is installed and buckets rebuilt by :meth:`finalize`.
@@ -267,61 +205,30 @@ class BucketedGradientSync:
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for param in order:
             by_kind.setdefault((param.dtype, param.device), []).append(param)
-        sharing = self._cross_worker.bucket_sharing
-        pipelines = isinstance(sharing, HierarchicalTransport) and sharing.slices_cross_hosts
-        bucket_bytes = self._bucket_bytes
-        if bucket_bytes <= 0:  # smaller buckets when they can leave during backward: more of the trip overlaps
-            bucket_bytes = PIPELINED_BUCKET_BYTES if pipelines else DEFAULT_BUCKET_BYTES
-        self._buckets, self._bucket_of = [], {}
+        bucket_bytes = self._bucket_bytes if self._bucket_bytes > 0 else self._chosen.default_bucket_bytes()
+        buckets: list[GradientBucket] = []
         for params in by_kind.values():
             for group in group_by_size([p.detach() for p in params], bucket_bytes):
                 members = [params[i] for i in group]
                 size = sum(p.numel() for p in members)  # then one "has a gradient" flag per parameter
                 flat = torch.zeros(size + len(members), dtype=members[0].dtype, device=members[0].device)
-                views = views_of(flat[:size], members)
                 for p in members:
-                    self._bucket_of[id(p)] = len(self._buckets)
-                self._buckets.append(_Bucket(members, views, flat, plain=all(type(p) in _PLAIN_TYPES for p in members)))
-        self._share_buckets()
-        self._pipeline = None
-        if (pipelines and self._transport is not None and self._transport.signals is not None
-                and self._compressor is None and self._powersgd is None):
-            self._pipeline = typing.cast(HierarchicalTransport, sharing)
+                    self._bucket_of[id(p)] = len(buckets)
+                buckets.append(GradientBucket(members, views_of(flat[:size], members), flat,
+                                       plain=all(type(p) in _PLAIN_TYPES for p in members)))
+        self._buckets = buckets
+        transport = self._transport = self._chosen.plan(buckets)
         # Learn backward's order where buckets leave during backward (gloo, across hosts);
         # one host's shared memory and PowerSGD reduce everything at its end.
-        overlaps = self._powersgd is None and (self._sharing is None or self._pipeline is not None)
+        overlaps = transport.overlaps_backward
         self._overlap_bytes = bucket_bytes if overlaps else None
         self._observed = [] if self._order is None and overlaps else None
-        self._reduces_at_end_in_memory = (self._sharing is not None and self._pipeline is None
-                                          and self._compressor is None and self._powersgd is None)
+        self._at_end = not overlaps
 
     @property
     def crosses_hosts_during_backward(self) -> bool:
-        """Whether buckets start across hosts while backward runs (for tests and diagnostics)."""
-        return self._pipeline is not None
-
-    def _share_buckets(self) -> None:
-        """Moves every bucket into a shared-memory file when the workers can share one."""
-        self._transport, self._sharing = None, None
-        sharing = self._cross_worker.bucket_sharing
-        transport = sharing.shared_memory if sharing is not None else None
-        if (transport is None or not transport.available or not self._buckets
-                or not all(b.flat.is_cpu for b in self._buckets)
-                or any(b.flat.numel() == 0 for b in self._buckets)):
-            return
-        segments = []
-        for bucket in self._buckets:
-            segment = transport.new_segment(bucket.flat.dtype, bucket.flat.numel())
-            if segment is None:
-                return  # the workers cannot share memory: every bucket stays on gloo
-            segments.append(segment)
-        for bucket, segment in zip(self._buckets, segments):
-            flat = transport.my_slot(segment)
-            flat.zero_()
-            size = bucket.size
-            bucket.flat, bucket.views, bucket.segment = flat, views_of(flat[:size], bucket.params), segment
-            bucket.results = views_of(segment.result[:size], bucket.params)
-        self._transport, self._sharing = transport, sharing
+        """Whether buckets start across hosts while backward runs (tests and diagnostics)."""
+        return self._transport.overlaps_backward and self._transport.hand_out is HandOut.COPIES
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -335,18 +242,18 @@ class BucketedGradientSync:
     # -- hooks ------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._settled_task == _current_graph_task_id() != -1:
-            return  # one host's shared memory: this backward pass's first gradient did the work
+            return  # reduced when backward ends: this backward pass's first gradient did the work
         if not self._enabled:
             return
         index = self._bucket_of.get(id(param))
         if index is None:
             return
-        if self._reduces_at_end_in_memory:
+        if self._at_end:
             self._settled_task = _current_graph_task_id()
             if not self._fired:
                 self._fired = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-                self._point_grads_at_slots()
+                point_grads_at_slots(self._buckets)
             return
         bucket = self._buckets[index]
         if self._observed is not None:
@@ -364,14 +271,11 @@ class BucketedGradientSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if param.grad is not None and param.grad.layout != torch.strided:
             self._reduce_sparse(param)
-        if self._powersgd is not None or (self._sharing is not None and self._pipeline is None):
-            return  # one host's shared memory, PowerSGD: every bucket is reduced when backward ends
         bucket.ready += 1
         while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
             self._launch(self._buckets[self._next])
             self._next += 1
-        if self._pipeline is not None:
-            self._start_written_buckets()
+        self._transport.poll()
 
     def _reduce_sparse(self, param: torch.Tensor) -> None:
         """Sums a sparse gradient over the workers now (all-gather); its bucket slot stays empty."""
@@ -381,57 +285,26 @@ class BucketedGradientSync:
         reduced = self._sparse_all_reduce(grad)
         param.grad = reduced / self._control.world_size if self._reduce_op() is ReduceOp.MEAN else reduced
 
-    def _point_grads_at_slots(self) -> None:
-        """At the first gradient of a backward pass (one host's shared memory): the gradients
-        of each bucket whose last step's gradients could all live in flat slots are pointed at
-        them, so autograd accumulates into them and the bucket reaches the shared file in one
-        pass. Buckets with a sparse or a missing gradient last step keep their own tensors:
-        a sparse gradient added into a dense slot would stop being sparse."""
-        for bucket in self._buckets:
-            if not bucket.in_slots_next:
-                continue
-            grads = grads_of(bucket.params)
-            slots = bucket.slots
-            if slots is not None and slots.in_slots(grads):
-                slots.untouched = []  # zero_grad(set_to_none=False): every gradient is a tensor already
-                continue  # accumulating into the slots already
-            if slots is None or slots.held_elsewhere(grads):  # never overwrite a gradient someone kept
-                slots = bucket.slots = GradSlots(bucket.params)
-            try:
-                # a slot autograd never writes is a gradient this worker did not compute (see unwritten)
-                slots.point_grads(grads, track_unwritten=True)
-            except RuntimeError:  # a parameter resized since (param.data = ...): its own tensors from now on
-                bucket.slots, bucket.in_slots_next = None, False
-
-    def _start_written_buckets(self) -> None:
-        """Pipelined: every posted bucket that all of this host's workers have written too (a
-        look at the shared counters, no wait) is summed in this worker's slice and starts
-        across hosts, in bucket order (the same on every worker)."""
-        assert self._pipeline is not None and self._transport is not None
-        while self._started < self._next:
-            bucket = self._buckets[self._started]
-            if not bucket.work.is_completed():
-                return
-            self._start_across(bucket)
-
-    def _start_across(self, bucket: _Bucket) -> None:
-        assert self._pipeline is not None and self._transport is not None and bucket.segment is not None
-        self._transport.sum_my_slice(bucket.segment)
-        bucket.across = self._pipeline.start_across_hosts(bucket.segment)
-        self._started += 1
-
-    def _launch(self, bucket: _Bucket) -> None:
-        flat = bucket.flat
+    def _launch(self, bucket: GradientBucket) -> None:
+        """Fills a ready bucket with this worker's gradients (divided for MEAN) and flags, and launches it."""
         divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
-        if self._reduces_at_end_in_memory and self._launch_from_slots(bucket, divisor):
-            return
+        transport = self._transport
+        if transport.reads_gradients:
+            self._gather_gradients(bucket)
+        elif not (self._at_end and transport.hand_out is HandOut.COPIES and fill_from_slots(bucket, divisor)):
+            self._fill(bucket, divisor)
+        transport.launch(bucket, divisor)
+
+    def _fill(self, bucket: GradientBucket, divisor: int) -> None:
+        """Copies (dividing) each gradient into its view of the bucket's flat, and sets the flags."""
+        flat = bucket.flat
         # Few, large gradients (MEAN): divide each straight into its slot, one pass over the
         # bytes instead of a copy and then a division of the whole bucket. Many small ones:
         # one foreach copy, since a Python-level op per gradient costs more than the
         # all-reduce it feeds.
         fused = divisor != 1 and len(bucket.params) <= _FUSED_DIVIDE_MAX_PARAMS
         targets, sources = [], []
-        at_end = self._reduces_at_end_in_memory
+        at_end = self._at_end
         missing = []  # parameters without a dense gradient here
         for k, (param, view) in enumerate(zip(bucket.params, bucket.views)):
             grad = param.grad
@@ -452,53 +325,37 @@ class BucketedGradientSync:
                 sources.append(grad)
         if targets:
             torch._foreach_copy_(targets, sources)
-        _set_flags(bucket.used, missing)
+        set_flags(bucket.used, missing)
         if divisor != 1 and not fused:
             flat.div_(divisor)
-        compressor = self._compressor
-        if compressor is not None and compressor.compresses(flat):  # divided above: cast, and send the half
-            if bucket.wire is None:
-                bucket.wire = torch.empty(flat.shape, dtype=compressor.wire_dtype, device=flat.device)
-            bucket.work = self._control.launch(_OPERATION, dist.all_reduce, compressor.to_wire(flat, out=bucket.wire))
-        elif self._sharing is None:
-            bucket.work = self._control.launch(_OPERATION, dist.all_reduce, flat)
-        else:  # shared memory: only say that this worker's slot is written
-            bucket.work = self._sharing.announce(bucket.written)
-
-    def _launch_from_slots(self, bucket: _Bucket, divisor: int) -> bool:
-        """Writes a bucket whose gradients all live in its slots into the shared file in one
-        pass (divided for MEAN, as the per-gradient path divides); False otherwise, after
-        noting whether they can from the next step on."""
-        grads = grads_of(bucket.params)
-        slots = bucket.slots
-        bucket.launched_from_slots = slots is not None and slots.in_slots(grads)
-        if slots is None or not bucket.launched_from_slots:
-            # Few gradients are divided straight into the shared file (one pass each); slots
-            # would add a pass (zeroing, and autograd adding where it took the tensor over)
+        if self._at_end and self._transport.hand_out is HandOut.COPIES:
+            # Few gradients are divided straight into the flat (one pass each); slots would
+            # add a pass (zeroing, and autograd adding where it took the tensor over)
+            grads = grads_of(bucket.params)
             bucket.in_slots_next = len(bucket.params) > _FUSED_DIVIDE_MAX_PARAMS and bucket.plain and all(
                 g is not None and fits(g, v) for g, v in zip(grads, bucket.views))
-            return False
-        (gradients,) = slots.flats.values()  # a bucket holds one dtype
-        body = bucket.flat[:bucket.size]
-        if divisor != 1:
-            torch.div(gradients, divisor, out=body)
-        else:
-            body.copy_(gradients)
-        bucket.unwritten = tuple(sorted(slots.never_written())) if slots.untouched else ()
-        slots.untouched = []
-        _set_flags(bucket.used, bucket.unwritten)
-        assert self._sharing is not None
-        bucket.work = self._sharing.announce(bucket.written)
-        return True
+
+    def _gather_gradients(self, bucket: GradientBucket) -> None:
+        """For a transport that reduces the gradients themselves: every dense gradient (zeros
+        for a trainable parameter without one here; sparse ones are summed now)."""
+        grads = []
+        for param in bucket.params:
+            grad = param.grad
+            if grad is not None and grad.layout != torch.strided:
+                self._reduce_sparse(param)  # when backward ends, in bucket order: the same on every worker
+                continue
+            if id(param) in self._sparse:
+                continue
+            if grad is None:
+                if not param.requires_grad:
+                    continue  # frozen: no worker computed one, and the optimizer must skip it
+                param.grad = grad = torch.zeros_like(param)
+            grads.append(grad)
+        bucket.grads = grads
 
     def _finish(self) -> None:
         """Launches what is left, waits for every bucket, and hands out the reduced gradients."""
         if not self._fired:
-            return
-        if self._powersgd is not None:
-            self._finish_powersgd()
-            if self._dormant or self._late:
-                self._wake_dormant()
             return
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
@@ -507,8 +364,8 @@ class BucketedGradientSync:
             self._reduce_buckets()
         finally:
             for bucket in self._buckets:
-                bucket.work, bucket.ready, bucket.across, bucket.launched_from_slots = None, 0, [], False
-            self._next, self._started, self._fired = 0, 0, False
+                bucket.work, bucket.ready, bucket.launched_from_slots = None, 0, False
+            self._next, self._fired = 0, False
         if self._observed:
             self._follow_gradient_order()
         if self._dormant or self._late:
@@ -546,22 +403,15 @@ class BucketedGradientSync:
 
     def _reduce_buckets(self) -> None:
         """Waits for every launched bucket and hands out (or copies out) the reduced gradients."""
-        if self._pipeline is not None:
-            self._finish_pipelined()
-            return
-        for bucket in self._buckets:
-            self._control.wait(bucket.work, _OPERATION)
-            if bucket.segment is None:
-                if bucket.wire is not None:
-                    self._from_wire(bucket)
-                self._hand_out(bucket)
-        if self._transport is not None and self._sharing is not None:
-            shared = [(bucket, bucket.segment) for bucket in self._buckets if bucket.segment is not None]
-            for _, segment in shared:
-                self._transport.sum_my_slice(segment)
-            self._sharing.complete([segment for _, segment in shared])
-            for bucket, _ in shared:
-                self._copy_sums_out(bucket)
+        transport = self._transport
+        transport.finish(self._buckets)
+        hand_out = transport.hand_out
+        if hand_out is HandOut.VIEWS:
+            for bucket in self._buckets:
+                hand_out_views(bucket, transport, self._sparse)
+        elif hand_out is HandOut.COPIES:
+            for bucket in self._buckets:
+                copy_sums_out(bucket, transport, self._sparse)
 
     def _follow_gradient_order(self) -> None:
         """After the first synchronised backward: buckets follow the order its gradients came in.
@@ -580,99 +430,6 @@ class BucketedGradientSync:
         self._order = order
         if order != current:
             self.finalize()  # a collective when the buckets live in shared memory: every worker is here
-
-    def _finish_pipelined(self) -> None:
-        """The buckets not yet on their way across hosts go (in order, once the host wrote
-        them), then every trip is waited for and the sums are copied out."""
-        assert self._pipeline is not None
-        self.started_during_backward = self._started
-        for bucket in self._buckets[self._started:]:
-            self._control.wait(bucket.work, _OPERATION)
-            self._start_across(bucket)
-        self._pipeline.finish_across_hosts([work for bucket in self._buckets for work in bucket.across])
-        for bucket in self._buckets:
-            self._copy_sums_out(bucket)
-
-    def _finish_powersgd(self) -> None:
-        """Every dense gradient of the step through PowerSGD (a parameter without one: zeros)."""
-        assert self._powersgd is not None
-        try:
-            grads = []
-            for bucket in self._buckets:
-                for param in bucket.params:
-                    if id(param) in self._sparse:
-                        continue
-                    if param.grad is None:
-                        if not param.requires_grad:
-                            continue  # frozen: no worker computed one, and the optimizer must skip it
-                        param.grad = torch.zeros_like(param)
-                    grads.append(param.grad)
-            divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
-            self._powersgd.reduce(grads, divisor)  # its collectives name a lost task themselves
-        finally:
-            self._fired = False
-
-    def _from_wire(self, bucket: _Bucket) -> None:
-        """A compressed bucket's sum back into its flat buffer, or the bucket again exactly if float16 overflowed."""
-        assert self._compressor is not None and bucket.wire is not None
-        if self._compressor.overflowed(bucket.wire):  # every worker holds this very sum: all redo it
-            self._control.call(_OPERATION, dist.all_reduce, bucket.flat)  # flat still holds this worker's share
-        else:
-            bucket.flat.copy_(bucket.wire)
-
-    def _copy_sums_out(self, bucket: _Bucket) -> None:
-        """Copies a shared bucket's sums into the parameters' own gradients (one foreach copy).
-
-        The shared result cannot become the gradient itself: a worker that zeroes its
-        gradients in place (``zero_grad(set_to_none=False)``) would zero a peer's too.
-        Gradients that live in the bucket's own slots take one copy.
-        """
-        if bucket.launched_from_slots:  # no user code ran since: the gradients are still the slots
-            assert bucket.slots is not None and bucket.segment is not None
-            (gradients,) = bucket.slots.flats.values()
-            gradients.copy_(bucket.segment.result[:bucket.size])
-            if bucket.unwritten:  # slots this worker left unwritten: None again where no worker wrote one
-                everywhere = bucket.used_sums()
-                for k in bucket.unwritten:
-                    if everywhere[k] == 0:
-                        bucket.params[k].grad = None
-            return
-        targets, sources = [], []
-        sums: list[float] | None = None
-        for k, (param, result) in enumerate(zip(bucket.params, bucket.results)):
-            grad = param.grad
-            if id(param) in self._sparse:
-                continue
-            if grad is None:
-                if not param.requires_grad:
-                    continue  # frozen: no worker computed one
-                if sums is None:
-                    sums = bucket.used_sums()
-                if sums[k] != 0:  # else no worker computed one (a head this step skipped)
-                    param.grad = result.clone()  # no gradient here this step; the peers' mean still applies
-            elif grad.is_contiguous() and grad.layout == torch.strided:
-                targets.append(grad)
-                sources.append(result)
-            else:
-                param.grad = result.clone()
-        if targets:
-            torch._foreach_copy_(targets, sources)
-
-    def _hand_out(self, bucket: _Bucket) -> None:
-        sums: list[float] | None = None
-        for k, (param, view) in enumerate(zip(bucket.params, bucket.views)):
-            # still the view when zero_grad(set_to_none=False) kept it: setting .grad costs more
-            grad = param.grad
-            if grad is view or id(param) in self._sparse:
-                continue
-            if grad is None:
-                if not param.requires_grad:
-                    continue  # frozen: no worker computed one (and no look at the sums: on a GPU, a sync)
-                if sums is None:
-                    sums = bucket.used_sums()
-                if sums[k] == 0:
-                    continue  # no worker computed one (a head this step skipped): the optimizer skips it
-            param.grad = view
 
     # -- optimizer step ---------------------------------------------------------------
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

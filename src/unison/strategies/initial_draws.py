@@ -62,7 +62,7 @@ class CpuDrawnFills(TorchFunctionMode):
 def _swapped_init_fill(func: Any) -> bool:
     """Whether ``func`` is what ``torch.nn.init`` holds now under a fill's name (a library's wrapper)."""
     name = getattr(func, "__name__", None)
-    return name in _INIT_FILL_NAMES and getattr(nn.init, name, None) is func
+    return isinstance(name, str) and name in _INIT_FILL_NAMES and getattr(nn.init, name, None) is func
 
 
 def _draw_on_cpu(target: torch.Tensor, generator: "torch.Generator | None") -> bool:

@@ -1,0 +1,416 @@
+"""Bucket transports: how a gradient synchroniser's buckets travel between the workers.
+
+A gradient synchroniser (``gradient_sync/buckets.py``) owns registration, layout, the
+order buckets fill in, and handing gradients out; it drives one :class:`BucketTransport`
+through five calls, the same for every way of moving bytes:
+
+1. ``plan(buckets)``, when the buckets are (re)built: the transport may move each
+   bucket's flat buffer somewhere of its own (a shared-memory file) and returns the
+   transport that carries them from now on (itself, or the one it falls back to);
+2. ``launch(bucket, divisor)``, when a bucket is ready: its ``flat`` holds this worker's
+   gradients, already divided, then one "has a gradient" flag per parameter (a transport
+   that ``reads_gradients`` gets the gradient tensors in ``bucket.grads`` instead, not yet
+   divided);
+3. ``poll()``, from later gradients' hooks: start what can start now;
+4. ``finish(buckets)``, when backward ends: wait for every launched bucket;
+5. ``sums(bucket)``: where the bucket's reduced ``flat`` lives, handed out as
+   ``hand_out`` says.
+
+``overlaps_backward`` says whether buckets leave while backward runs (the synchroniser
+then launches each as soon as it is complete and learns backward's order) or all at its
+end. One final class per way: :class:`AllReduceBuckets` (packed gloo or NCCL collectives),
+:class:`CompressedBuckets`, :class:`SharedMemoryBuckets` (one host),
+:class:`PipelinedHostBuckets` (several hosts, each bucket's slices crossing hosts during
+backward) and :class:`PowerSGDBuckets`. A cross-worker transport names its own
+(``CrossWorkerTransport.bucket_transport``).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import typing
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unison.collectives.compression import Compressor
+from unison.collectives.flat_buffers import views_of
+from unison.collectives.powersgd import PowerSGDReducer
+from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
+from unison.collectives.worker_control import WorkerControl
+
+__all__ = [
+    "GradientBucket",
+    "HandOut",
+    "BucketTransport",
+    "AllReduceBuckets",
+    "CompressedBuckets",
+    "SharedMemoryBuckets",
+    "PipelinedHostBuckets",
+    "PowerSGDBuckets",
+    "DEFAULT_BUCKET_BYTES",
+    "PIPELINED_BUCKET_BYTES",
+]
+
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+PIPELINED_BUCKET_BYTES = 2 * 1024 * 1024
+"""Default bucket size when buckets cross hosts one by one during backward: small enough
+that a model's first buckets leave early, large enough to keep the collectives few."""
+
+_OPERATION = "gradient all-reduce"
+
+
+class HandOut(enum.Enum):
+    """How a transport's sums reach the gradients."""
+
+    VIEWS = "views"  # the reduced flat is the bucket's own: each gradient becomes a view of it
+    COPIES = "copies"  # the sums live in memory the workers share: copied into each gradient
+    IN_PLACE = "in place"  # the transport reduced the gradient tensors themselves
+
+
+@dataclasses.dataclass(eq=False)
+class GradientBucket:
+    """One bucket: its parameters, their gradients' views of ``flat``, and the transport's state.
+
+    ``flat`` holds the gradients' elements, then one flag per parameter (1 where this worker
+    has a gradient for it), summed with them: a parameter whose flags sum to zero got no
+    gradient on any worker and keeps none.
+    """
+
+    params: list[torch.Tensor]
+    views: list[torch.Tensor]  # one view of `flat` per parameter, in its shape: made once, reused every step
+    flat: torch.Tensor  # in shared memory: this worker's input slot of `segment`
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)  # reads_gradients: this step's gradients
+    work: Any = None  # the launched collective (shared memory: "every worker wrote its slot")
+    segment: SharedSegment | None = None
+    results: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per parameter, views of segment.result
+    across: list[Any] = dataclasses.field(default_factory=list)  # pipelined: the works adding it across hosts
+    wire: torch.Tensor | None = None  # compression: what travels (flat in the half type), reused
+    written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
+    # Kept by the gradient synchroniser (one record per bucket, as DDP's reducer keeps):
+    ready: int = 0  # this backward pass's gradients counted in so far
+    plain: bool = False  # every parameter is a plain tensor (not a distributed variable)
+    slots: Any = None  # reduced when backward ends: the gradients' own flat buffer (``GradSlots``)
+    in_slots_next: bool = False  # the last step's gradients could all live in `slots` (none sparse or missing)
+    launched_from_slots: bool = False  # this step's gradients went to the flat from `slots`
+    unwritten: tuple[int, ...] = ()  # from slots: the parameters whose slot autograd left unwritten this step
+
+    @property
+    def size(self) -> int:
+        """The gradients' elements in ``flat`` (the flags follow)."""
+        return self.flat.numel() - len(self.params)
+
+    @property
+    def used(self) -> torch.Tensor:
+        """This worker's flags: the tail of its ``flat``."""
+        return self.flat[self.size:]
+
+
+class BucketTransport(abc.ABC):
+    """Moves gradient buckets between the workers for a gradient synchroniser (abstract)."""
+
+    @property
+    @abc.abstractmethod
+    def overlaps_backward(self) -> bool:
+        """Whether buckets leave while backward runs (else every bucket goes when it ends)."""
+
+    @property
+    def hand_out(self) -> HandOut:
+        """How the sums reach the gradients."""
+        return HandOut.VIEWS
+
+    @property
+    def reads_gradients(self) -> bool:
+        """Whether ``launch`` takes the gradient tensors themselves (``bucket.grads``), not a filled ``flat``."""
+        return False
+
+    def default_bucket_bytes(self) -> int:
+        """The bucket size used when the user asked for none."""
+        return DEFAULT_BUCKET_BYTES
+
+    def plan(self, buckets: list[GradientBucket]) -> "BucketTransport":
+        """Takes the freshly built buckets; returns the transport that carries them (this one here)."""
+        return self
+
+    @abc.abstractmethod
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        """Starts moving a ready bucket."""
+
+    def poll(self) -> None:
+        """Starts, without waiting, what can start now (called from later gradients' hooks)."""
+
+    @abc.abstractmethod
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        """Waits until every bucket's sums are final."""
+
+    def sums(self, bucket: GradientBucket) -> torch.Tensor:
+        """The bucket's reduced flat (gradients, then the flags' sums)."""
+        return bucket.flat
+
+    def used_sums(self, bucket: GradientBucket) -> list[float]:
+        """The flags summed over the workers."""
+        return self.sums(bucket)[bucket.size:].tolist()
+
+
+@typing.final
+class AllReduceBuckets(BucketTransport):
+    """One asynchronous ``all_reduce`` of each bucket's flat over the group (gloo or NCCL)."""
+
+    def __init__(self, control: WorkerControl):
+        self._control = control
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return True
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        bucket.work = self._control.launch(_OPERATION, dist.all_reduce, bucket.flat)
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        for bucket in buckets:
+            self._control.wait(bucket.work, _OPERATION)
+
+
+@typing.final
+class CompressedBuckets(BucketTransport):
+    """Each bucket travels in a half type (``compression.py``); exactly again if float16 overflowed."""
+
+    def __init__(self, control: WorkerControl, compressor: Compressor):
+        self._control = control
+        self._compressor = compressor
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return True
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        flat, compressor = bucket.flat, self._compressor
+        if not compressor.compresses(flat):
+            bucket.work = self._control.launch(_OPERATION, dist.all_reduce, flat)
+            return
+        if bucket.wire is None:
+            bucket.wire = torch.empty(flat.shape, dtype=compressor.wire_dtype, device=flat.device)
+        bucket.work = self._control.launch(_OPERATION, dist.all_reduce, compressor.to_wire(flat, out=bucket.wire))
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        for bucket in buckets:
+            self._control.wait(bucket.work, _OPERATION)
+            if bucket.wire is None or not self._compressor.compresses(bucket.flat):
+                continue
+            if self._compressor.overflowed(bucket.wire):  # every worker holds this very sum: all redo it
+                self._control.call(_OPERATION, dist.all_reduce, bucket.flat)  # flat still holds this worker's share
+            else:
+                bucket.flat.copy_(bucket.wire)
+
+
+class _SharedFile(typing.Protocol):
+    """What the shared-memory bucket transports need of their cross-worker transport."""
+
+    @property
+    def shared_memory(self) -> SharedMemoryAllReduce: ...
+
+    def announce(self, flag: torch.Tensor) -> Any: ...
+
+    def complete(self, segments: list[SharedSegment]) -> None: ...
+
+
+def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket]) -> bool:
+    """Moves every bucket's flat into a slot of a shared file; False (nothing moved) where the workers cannot share one."""
+    if not engine.available or not buckets or any(not b.flat.is_cpu or b.flat.numel() == 0 for b in buckets):
+        return False
+    segments = []
+    for bucket in buckets:
+        segment = engine.new_segment(bucket.flat.dtype, bucket.flat.numel())
+        if segment is None:
+            return False  # the workers cannot share memory: every bucket stays on the group
+        segments.append(segment)
+    for bucket, segment in zip(buckets, segments):
+        flat = engine.my_slot(segment)
+        flat.zero_()
+        size = bucket.size
+        bucket.flat, bucket.views, bucket.segment = flat, views_of(flat[:size], bucket.params), segment
+        bucket.results = views_of(segment.result[:size], bucket.params)
+    return True
+
+
+@typing.final
+class SharedMemoryBuckets(BucketTransport):
+    """The workers of a host share one file per bucket; each sums a slice of everyone's when backward ends.
+
+    A full bucket only says that this worker's slot is written (a shared counter); when
+    backward ends each worker sums its slice of every bucket and, once every worker has
+    (and, on several hosts, the hosts' sums are added), copies the totals out. Falls back
+    to :class:`AllReduceBuckets` where the workers cannot share a file.
+    """
+
+    def __init__(self, control: WorkerControl, shared: _SharedFile):
+        self._control = control
+        self._shared = shared
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return False
+
+    @property
+    def hand_out(self) -> HandOut:
+        return HandOut.COPIES  # a peer zeroing its gradients in place must not zero the shared result
+
+    def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
+        if _into_shared_memory(self._shared.shared_memory, buckets):
+            return self
+        return AllReduceBuckets(self._control)
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        bucket.work = self._shared.announce(bucket.written)
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        engine = self._shared.shared_memory
+        for bucket in buckets:
+            self._control.wait(bucket.work, _OPERATION)
+        segments = [typing.cast(SharedSegment, bucket.segment) for bucket in buckets]
+        for segment in segments:
+            engine.sum_my_slice(segment)
+        self._shared.complete(segments)
+
+    def sums(self, bucket: GradientBucket) -> torch.Tensor:
+        return typing.cast(SharedSegment, bucket.segment).result
+
+    @property
+    def shared_counters(self) -> bool:
+        """Whether the workers signal through counters in the shared file (else tiny collectives; diagnostics)."""
+        return self._shared.shared_memory.signals is not None
+
+
+class _AcrossHosts(typing.Protocol):
+    """What the hierarchical bucket transport needs: the shared file, and sending a host's slice across hosts."""
+
+    @property
+    def shared_memory(self) -> SharedMemoryAllReduce: ...
+
+    def announce(self, flag: torch.Tensor) -> Any: ...
+
+    def complete(self, segments: list[SharedSegment]) -> None: ...
+
+    @property
+    def slices_cross_hosts(self) -> bool: ...
+
+    def start_across_hosts(self, segment: SharedSegment) -> list[Any]: ...
+
+    def finish_across_hosts(self, works: list[Any]) -> None: ...
+
+
+@typing.final
+class PipelinedHostBuckets(BucketTransport):
+    """Several hosts with equally many workers: each bucket's slices cross hosts while backward runs.
+
+    Each bucket goes into its slot as soon as it is complete; as soon as every worker of
+    the host wrote it (a look at the shared counters from a later hook, never a wait),
+    this worker sums its slice and starts that slice's all-reduce with the same slice
+    on the other hosts. Where the hosts differ in size (one leader per host adds the
+    sums) or a host has no shared counters, its plan is :class:`SharedMemoryBuckets`
+    (the hosts' sums added when backward ends).
+    """
+
+    def __init__(self, control: WorkerControl, hosts: _AcrossHosts):
+        self._control = control
+        self._hosts = hosts
+        self._buckets: list[GradientBucket] = []
+        self._launched = 0
+        self._started = 0
+        self.started_during_backward = 0
+        """How many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return True
+
+    @property
+    def hand_out(self) -> HandOut:
+        return HandOut.COPIES
+
+    def default_bucket_bytes(self) -> int:
+        """Smaller buckets where they cross hosts during backward: more of the trip overlaps.
+        (Forms the host groups on first use: a collective, asked where the buckets are built.)"""
+        return PIPELINED_BUCKET_BYTES if self._hosts.slices_cross_hosts else DEFAULT_BUCKET_BYTES
+
+    def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
+        if not self._hosts.slices_cross_hosts:
+            return SharedMemoryBuckets(self._control, self._hosts).plan(buckets)
+        engine = self._hosts.shared_memory
+        if not _into_shared_memory(engine, buckets):
+            return AllReduceBuckets(self._control)
+        if engine.signals is None:
+            return SharedMemoryBuckets(self._control, self._hosts)
+        self._buckets, self._launched, self._started = buckets, 0, 0
+        return self
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        bucket.work = self._hosts.announce(bucket.written)
+        self._launched += 1
+
+    def poll(self) -> None:
+        while self._started < self._launched:
+            bucket = self._buckets[self._started]
+            if not bucket.work.is_completed():
+                return
+            self._start_across(bucket)
+
+    def _start_across(self, bucket: GradientBucket) -> None:
+        segment = typing.cast(SharedSegment, bucket.segment)
+        self._hosts.shared_memory.sum_my_slice(segment)
+        bucket.across = self._hosts.start_across_hosts(segment)
+        self._started += 1
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        self.started_during_backward = self._started
+        try:
+            for bucket in buckets[self._started:]:
+                self._control.wait(bucket.work, _OPERATION)
+                self._start_across(bucket)
+            self._hosts.finish_across_hosts([work for bucket in buckets for work in bucket.across])
+        finally:
+            self._launched = self._started = 0
+            for bucket in buckets:
+                bucket.across = []
+
+    def sums(self, bucket: GradientBucket) -> torch.Tensor:
+        return typing.cast(SharedSegment, bucket.segment).result
+
+
+@typing.final
+class PowerSGDBuckets(BucketTransport):
+    """Every dense gradient of a step through PowerSGD when backward ends (``powersgd.py``).
+
+    It reads the gradients themselves (low-rank factors travel, not the buckets) and
+    reduces them in place; a parameter without a gradient takes part as zeros.
+    """
+
+    def __init__(self, reducer: PowerSGDReducer):
+        self._reducer = reducer
+        self._pending: list[torch.Tensor] = []
+        self._divisor = 1
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return False
+
+    @property
+    def hand_out(self) -> HandOut:
+        return HandOut.IN_PLACE
+
+    @property
+    def reads_gradients(self) -> bool:
+        return True
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        self._pending += bucket.grads  # reduced with the others in finish: PowerSGD spans the whole step
+        self._divisor = divisor
+        bucket.grads = []
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        grads, self._pending = self._pending, []
+        if grads:
+            self._reducer.reduce(grads, self._divisor)  # its collectives name a lost task themselves
