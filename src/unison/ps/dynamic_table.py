@@ -1,0 +1,398 @@
+"""One shard of an embedding table keyed by any int64 id, with rows made on first touch.
+
+A recommendation model's categorical features are 64-bit hashes, not a dense range, and
+new ones keep arriving: a fixed ``nn.Embedding`` would need ``2**64`` rows or a lossy
+``id % n``. A :class:`DynamicTable` stores only the rows it has been asked for, each
+created from its id alone (``id_initializers``), updated in place by a sparse row
+optimizer whose state sits beside it (``row_optimizers``), dropped by an eviction policy
+(``row_eviction``), and exported or imported so a checkpoint can be re-split over any
+number of shards (``shard_of``). Both the one-device module and each ps task's store
+hold one per table shard.
+
+Layout: ids map to slots through :class:`~unison.ps.id_index.IdIndex`; rows, optimizer
+state, touch counts and last-seen steps are growable tensors indexed by slot (capacity
+doubles), and evicted slots go to a free list for reuse.
+
+tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addons'
+``dynamic_embedding.Variable`` is the nearest. Not thread-safe: the holder serialises calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, final
+
+import torch
+
+from unison.ps.id_hash import shard_of
+from unison.ps.id_index import IdIndex
+from unison.ps.id_initializers import Initializer, initializer_from_config, normal
+from unison.ps.row_eviction import EvictionPolicy
+from unison.ps.row_optimizers import RowOptimizer, RowState
+
+__all__ = ["DynamicTable", "shard_of"]
+
+_EXPORT_KEYS = ("ids", "rows", "state", "counts", "last_seen", "meta")
+_META_KEYS = ("embedding_dim", "dtype", "seed", "step", "initializer", "state_init")
+_MIN_CAPACITY = 16
+
+
+def _ids_arg(ids: Any, where: str) -> torch.Tensor:
+    """Ids as an int64 CPU tensor, or an error that names the call and the fix."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{where}: `ids` must be an integer torch.Tensor, got {type(ids).__name__}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{where}: `ids` must be an integer tensor, got dtype {ids.dtype}; fix: pass ids.long()")
+    if ids.device.type != "cpu":
+        raise ValueError(f"{where}: `ids` must be on the CPU, got device {ids.device}; fix: pass ids.cpu()")
+    return ids.to(torch.int64)
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"export meta names dtype {name!r}, which is not a torch dtype")
+    return dtype
+
+
+@final
+class DynamicTable:
+    """One shard of a dynamic embedding table: int64 id -> row of ``embedding_dim`` values.
+
+    Args:
+        embedding_dim: columns per row, >= 1.
+        dtype: floating dtype of rows and optimizer state.
+        initializer: how a missing row is made (default ``normal(0, 1)``, as ``nn.Embedding``).
+        seed: mixed into the initializer's hash; shards of one table share it.
+        eviction: policy applied by :meth:`evict`; None keeps every row.
+
+    Example:
+        >>> from unison.ps.row_optimizers import RowSGD
+        >>> table = DynamicTable(4, seed=1)
+        >>> ids = torch.tensor([[2**63 - 1, -7], [-7, 0]])
+        >>> table.lookup(ids).shape, table.num_rows
+        (torch.Size([2, 2, 4]), 3)
+        >>> table.apply_gradients(ids.reshape(-1), torch.ones(4, 4), RowSGD(lr=0.1))
+    """
+
+    def __init__(self, embedding_dim: int, *, dtype: torch.dtype = torch.float32,
+                 initializer: Initializer | None = None, seed: int = 0,
+                 eviction: EvictionPolicy | None = None) -> None:
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"DynamicTable: `embedding_dim` must be an int >= 1, got {embedding_dim!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"DynamicTable: `dtype` must be a floating torch dtype, got {dtype!r}")
+        if initializer is not None and not isinstance(initializer, Initializer):
+            raise TypeError(f"DynamicTable: `initializer` must be an Initializer (e.g. uniform(-0.05, 0.05)), "
+                            f"got {initializer!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"DynamicTable: `seed` must be an int, got {seed!r}")
+        if eviction is not None and not isinstance(eviction, EvictionPolicy):
+            raise TypeError(f"DynamicTable: `eviction` must be an EvictionPolicy (e.g. EvictUnseen(100)) or None, "
+                            f"got {eviction!r}")
+        self._dim, self._dtype, self._seed = embedding_dim, dtype, seed
+        self._initializer: Initializer = initializer if initializer is not None else normal(0.0, 1.0)
+        self._eviction = eviction
+        self._index = IdIndex()
+        self._rows = torch.zeros(0, embedding_dim, dtype=dtype)
+        self._slot_ids = torch.zeros(0, dtype=torch.int64)
+        self._live = torch.zeros(0, dtype=torch.bool)
+        self._counts = torch.zeros(0, dtype=torch.int64)
+        self._last_seen = torch.zeros(0, dtype=torch.int64)
+        self._state: dict[str, torch.Tensor] = {}
+        self._state_init: dict[str, float] = {}
+        self._free = torch.zeros(0, dtype=torch.int64)
+        self._used = 0  # slots [0, _used) have held a row at some time
+        self._num_rows = 0
+        self._step = 0
+
+    @property
+    def embedding_dim(self) -> int:
+        """Columns per row."""
+        return self._dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of rows and optimizer state."""
+        return self._dtype
+
+    @property
+    def seed(self) -> int:
+        """Seed of the initializer's hash."""
+        return self._seed
+
+    @property
+    def initializer(self) -> Initializer:
+        """How missing rows are made."""
+        return self._initializer
+
+    @property
+    def current_step(self) -> int:
+        """How many times :meth:`step` was called (carried over by export and import)."""
+        return self._step
+
+    @property
+    def num_rows(self) -> int:
+        """Rows stored now."""
+        return self._num_rows
+
+    @property
+    def bytes(self) -> int:
+        """Bytes allocated for rows, optimizer state, per-row counters and the id index."""
+        tensors = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, self._free,
+                   *self._state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors) + self._index.nbytes
+
+    def step(self) -> int:
+        """Advance the table's clock by one (the unit of ``EvictUnseen``); returns the new step."""
+        self._step += 1
+        return self._step
+
+    def lookup(self, ids: torch.Tensor, create: bool = True) -> torch.Tensor:
+        """Rows of ``ids`` (any shape) as a new ``[*ids.shape, embedding_dim]`` tensor.
+
+        With ``create=True`` missing rows are made and stored, and every id counts as
+        touched (its count grows by its occurrences, its last-seen step becomes the
+        current step). With ``create=False`` (evaluation) nothing changes: a missing id
+        gets the row the initializer would give it, unstored.
+        """
+        ids = _ids_arg(ids, "DynamicTable.lookup")
+        unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        slots = self._index.find(unique)
+        if create:
+            slots = self._with_created(unique, slots)
+            self._counts.index_add_(0, slots, occurrences)
+            self._last_seen[slots] = self._step
+            rows = self._rows.index_select(0, slots)
+        else:
+            rows = torch.empty(unique.numel(), self._dim, dtype=self._dtype)
+            present = slots >= 0
+            rows[present] = self._rows.index_select(0, slots[present])
+            rows[~present] = self._initial_rows(unique[~present])
+        return rows.index_select(0, inverse).reshape(*ids.shape, self._dim)
+
+    def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """Update the rows of ``ids`` in place with ``optimizer`` and their sparse gradients.
+
+        Gradients of an id repeated in ``ids`` are summed first (as a coalesced sparse
+        gradient). A missing id (e.g. evicted since it was read) is created first. Rows
+        touched get the current step as last seen; their lookup counts do not change.
+
+        Args:
+            ids: 1-D integer tensor of ``N`` ids.
+            grads: ``[N, embedding_dim]`` floating tensor (cast to the table's dtype).
+            optimizer: the row optimizer; its state is allocated on first use.
+        """
+        ids = _ids_arg(ids, "DynamicTable.apply_gradients")
+        if ids.dim() != 1:
+            raise ValueError(f"DynamicTable.apply_gradients: `ids` must be 1-D, got shape {tuple(ids.shape)}; "
+                             f"fix: pass ids.reshape(-1) and grads.reshape(-1, {self._dim})")
+        if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
+            raise TypeError(f"DynamicTable.apply_gradients: `grads` must be a floating tensor, got {grads!r:.80}")
+        if tuple(grads.shape) != (ids.numel(), self._dim):
+            raise ValueError(f"DynamicTable.apply_gradients: `grads` must have shape {(ids.numel(), self._dim)} "
+                             f"(one row per id), got {tuple(grads.shape)}")
+        if not isinstance(optimizer, RowOptimizer):
+            raise TypeError(f"DynamicTable.apply_gradients: `optimizer` must be a RowOptimizer (e.g. RowSGD(lr)), "
+                            f"got {optimizer!r}")
+        spec = optimizer.state_per_row(self._dim)
+        self._ensure_state(spec, f"optimizer {optimizer!r}")
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros(unique.numel(), self._dim, dtype=self._dtype)
+        summed.index_add_(0, inverse, grads.to(self._dtype))
+        slots = self._with_created(unique, self._index.find(unique))
+        state = {name: self._state[name].index_select(0, slots) for name in spec}
+        rows, state = optimizer.update(self._rows.index_select(0, slots), summed, state)
+        self._rows.index_copy_(0, slots, rows.to(self._dtype))
+        for name in spec:
+            self._state[name].index_copy_(0, slots, state[name].to(self._dtype))
+        self._last_seen[slots] = self._step
+
+    def evict(self) -> torch.Tensor:
+        """Remove the rows the eviction policy names; returns their ids, ascending.
+
+        Without a policy nothing is removed. A removed row's slot is reused by the next
+        rows created; if its id returns, the row starts again from its initial value.
+        """
+        if self._eviction is None:
+            return torch.zeros(0, dtype=torch.int64)
+        live = self._live_slots()
+        chosen = self._eviction.select(self._counts[live], self._last_seen[live], self._step)
+        if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool or chosen.shape != live.shape:
+            raise TypeError(f"{self._eviction!r}.select must return a bool mask of shape {tuple(live.shape)}, "
+                            f"got {chosen!r:.80}")
+        slots = live[chosen]
+        ids = self._slot_ids[slots]
+        self._index.remove(ids)
+        self._live[slots] = False
+        self._free = torch.cat([self._free, slots])
+        self._num_rows -= slots.numel()
+        return ids.sort().values
+
+    def export(self) -> dict[str, Any]:
+        """The stored rows, sorted by id, as new tensors (a checkpoint of this shard).
+
+        Returns:
+            ``{"ids": [n], "rows": [n, dim], "state": {name: [n, columns]}, "counts": [n],
+            "last_seen": [n], "meta": {...}}``; ``meta`` holds the dimension, dtype name,
+            seed, step, the initializer's config and each state's initial value.
+        """
+        live = self._live_slots()
+        ids, order = self._slot_ids[live].sort()
+        slots = live[order]
+        return {
+            "ids": ids,
+            "rows": self._rows.index_select(0, slots),
+            "state": {name: values.index_select(0, slots) for name, values in self._state.items()},
+            "counts": self._counts.index_select(0, slots),
+            "last_seen": self._last_seen.index_select(0, slots),
+            "meta": {"embedding_dim": self._dim, "dtype": str(self._dtype), "seed": self._seed,
+                     "step": self._step, "initializer": self._initializer.config(),
+                     "state_init": dict(self._state_init)},
+        }
+
+    @classmethod
+    def from_export(cls, export: dict[str, Any], *, initializer: Initializer | None = None,
+                    eviction: EvictionPolicy | None = None) -> DynamicTable:
+        """A table holding exactly an export's rows; the initializer is rebuilt from its
+        config unless given (needed for an initializer that is not a built-in)."""
+        meta = _checked_meta(export)
+        table = cls(meta["embedding_dim"], dtype=_dtype_from_name(meta["dtype"]),
+                    initializer=initializer if initializer is not None else initializer_from_config(meta["initializer"]),
+                    seed=meta["seed"], eviction=eviction)
+        table.import_(export)
+        return table
+
+    def import_(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
+        """Store an export's rows here, replacing any rows with the same ids.
+
+        With ``shard`` and ``num_shards`` only the ids with ``shard_of(ids, num_shards) ==
+        shard`` are taken, so importing every old shard's export into new shard ``j`` of
+        ``num_shards`` re-splits a table. The step becomes the larger of the two.
+        """
+        meta = _checked_meta(export)
+        for field, mine in (("embedding_dim", self._dim), ("dtype", str(self._dtype)), ("seed", self._seed)):
+            if meta[field] != mine:
+                raise ValueError(f"DynamicTable.import_: export has {field}={meta[field]!r} but this table has "
+                                 f"{mine!r}; fix: import into a table made with the same {field} (or use from_export)")
+        if (shard is None) != (num_shards is None):
+            raise ValueError(f"DynamicTable.import_: pass both `shard` and `num_shards` or neither, "
+                             f"got shard={shard!r}, num_shards={num_shards!r}")
+        ids = export["ids"]
+        pick = torch.arange(ids.numel())
+        if shard is not None and num_shards is not None:
+            if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < num_shards:
+                raise ValueError(f"DynamicTable.import_: `shard` must be an int in 0..{num_shards - 1}, got {shard!r}")
+            pick = (shard_of(ids, num_shards) == shard).nonzero().squeeze(1)
+        ids = ids.index_select(0, pick)
+        rows = export["rows"].index_select(0, pick)
+        self._ensure_state({name: RowState(values.shape[1], meta["state_init"][name])
+                            for name, values in export["state"].items()}, "the export")
+        slots = self._index.find(ids)
+        missing = slots < 0
+        if bool(missing.any()):
+            slots[missing] = self._create(ids[missing], rows[missing])
+        self._rows.index_copy_(0, slots, rows)
+        for name, values in self._state.items():
+            if name in export["state"]:
+                values.index_copy_(0, slots, export["state"][name].index_select(0, pick))
+            else:
+                values[slots] = self._state_init[name]
+        self._counts.index_copy_(0, slots, export["counts"].index_select(0, pick))
+        self._last_seen.index_copy_(0, slots, export["last_seen"].index_select(0, pick))
+        self._step = max(self._step, meta["step"])
+
+    def _live_slots(self) -> torch.Tensor:
+        return self._live[:self._used].nonzero().squeeze(1)
+
+    def _initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._initializer(ids, self._dim, self._seed, self._dtype)
+        if tuple(rows.shape) != (ids.numel(), self._dim) or rows.dtype != self._dtype:
+            raise ValueError(f"initializer {self._initializer!r} returned {tuple(rows.shape)} {rows.dtype} for "
+                             f"{ids.numel()} ids; it must return [{ids.numel()}, {self._dim}] {self._dtype}")
+        return rows
+
+    def _with_created(self, unique: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` of ``unique`` ids with the missing ones (-1) created."""
+        missing = slots < 0
+        if bool(missing.any()):
+            new_ids = unique[missing]
+            slots[missing] = self._create(new_ids, self._initial_rows(new_ids))
+        return slots
+
+    def _create(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Store distinct absent ids with their rows and fresh counters and state; returns their slots."""
+        slots = self._allocate(ids.numel())
+        self._rows[slots] = rows
+        for name, values in self._state.items():
+            values[slots] = self._state_init[name]
+        self._counts[slots] = 0
+        self._last_seen[slots] = self._step
+        self._slot_ids[slots] = ids
+        self._live[slots] = True
+        self._index.insert(ids, slots)
+        self._num_rows += ids.numel()
+        return slots
+
+    def _allocate(self, count: int) -> torch.Tensor:
+        """``count`` free slots: freed ones first (the most recent first), then never used ones."""
+        reused = min(count, self._free.numel())
+        taken = self._free[self._free.numel() - reused:].flip(0)
+        self._free = self._free[:self._free.numel() - reused]
+        fresh = count - reused
+        if self._used + fresh > self._rows.shape[0]:
+            self._grow(self._used + fresh)
+        slots = torch.cat([taken, torch.arange(self._used, self._used + fresh)])
+        self._used += fresh
+        return slots
+
+    def _grow(self, needed: int) -> None:
+        """Reallocate per-slot storage to at least ``needed`` slots, doubling."""
+        capacity = max(_MIN_CAPACITY, 2 * self._rows.shape[0], needed)
+
+        def grown(old: torch.Tensor, fill: float | bool) -> torch.Tensor:
+            new = torch.full((capacity, *old.shape[1:]), fill, dtype=old.dtype)
+            new[:old.shape[0]] = old
+            return new
+
+        self._rows = grown(self._rows, 0.0)
+        self._slot_ids, self._counts, self._last_seen = (grown(t, 0) for t in
+                                                          (self._slot_ids, self._counts, self._last_seen))
+        self._live = grown(self._live, False)
+        self._state = {name: grown(values, self._state_init[name]) for name, values in self._state.items()}
+
+    def _ensure_state(self, spec: dict[str, RowState], source: str) -> None:
+        """Allocate the state ``spec`` names; refuse one whose shape or start differs from the kept one."""
+        for name, wanted in spec.items():
+            if name not in self._state:
+                self._state[name] = torch.full((self._rows.shape[0], wanted.columns), wanted.initial,
+                                               dtype=self._dtype)
+                self._state_init[name] = wanted.initial
+            elif (self._state[name].shape[1], self._state_init[name]) != (wanted.columns, wanted.initial):
+                raise ValueError(f"{source} declares row state {name!r} with {wanted.columns} columns starting at "
+                                 f"{wanted.initial!r}, but this table keeps it with {self._state[name].shape[1]} "
+                                 f"columns starting at {self._state_init[name]!r}; fix: use one optimizer "
+                                 f"configuration per table")
+
+
+def _checked_meta(export: Any) -> dict[str, Any]:
+    """An export's meta after checking that its parts fit together."""
+    if not isinstance(export, dict) or any(key not in export for key in _EXPORT_KEYS):
+        raise ValueError(f"not a DynamicTable export: needs keys {_EXPORT_KEYS}, got "
+                         f"{sorted(export) if isinstance(export, dict) else type(export).__name__}")
+    meta: dict[str, Any] = export["meta"]
+    missing = [key for key in _META_KEYS if key not in meta]
+    if missing:
+        raise ValueError(f"DynamicTable export meta lacks {missing}; fix: pass what DynamicTable.export() returned")
+    ids, n = export["ids"], export["ids"].numel()
+    if ids.dtype != torch.int64 or ids.dim() != 1 or torch.unique(ids).numel() != n:
+        raise ValueError(f"DynamicTable export `ids` must be distinct int64 in a 1-D tensor, got {ids.dtype} "
+                         f"shape {tuple(ids.shape)} with {n - torch.unique(ids).numel()} duplicates")
+    shapes = {"rows": (n, meta["embedding_dim"]), "counts": (n,), "last_seen": (n,)}
+    for key, shape in shapes.items():
+        if tuple(export[key].shape) != shape:
+            raise ValueError(f"DynamicTable export `{key}` has shape {tuple(export[key].shape)}, expected {shape}")
+    for name, values in export["state"].items():
+        if values.dim() != 2 or values.shape[0] != n or name not in meta["state_init"]:
+            raise ValueError(f"DynamicTable export state {name!r} must be [{n}, columns] with an initial value in "
+                             f"meta['state_init'], got shape {tuple(values.shape)}")
+    return meta

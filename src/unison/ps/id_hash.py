@@ -1,0 +1,83 @@
+"""SplitMix64 over int64 tensors, and the shard an id lives on.
+
+A dynamic embedding table is keyed by arbitrary int64 ids (64-bit feature hashes,
+negative ones included), so everything that places or initialises a row hashes the id
+instead of trusting it to be dense or uniform. The hash is SplitMix64's finaliser
+(Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014), run in
+torch int64 arithmetic, whose additions and multiplications wrap modulo 2**64; right
+shifts are made logical by masking off the sign-extended bits. It is a bijection of the
+64-bit integers, so distinct ids never collide before a final reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["splitmix64", "splitmix64_int", "shard_of", "GOLDEN_GAMMA"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+#: SplitMix64's stream increment, 0x9E3779B97F4A7C15, as a signed int64.
+GOLDEN_GAMMA = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+# Added to an id before hashing it for placement, so a shard and the position of the id
+# in a shard's hash index (which uses the same finaliser) are unrelated.
+_SHARD_SALT = _signed(0xD1B54A32D192ED03)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser applied elementwise to an int64 tensor (bits as unsigned).
+
+    ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB;
+    z ^= z >> 31`` modulo 2**64, returned as int64 with the same bits.
+    """
+    if x.dtype != torch.int64:
+        raise TypeError(f"splitmix64 needs an int64 tensor, got dtype {x.dtype}; fix: pass x.long()")
+    z = (x ^ _shift_right(x, 30)) * _MUL1
+    z = (z ^ _shift_right(z, 27)) * _MUL2
+    return z ^ _shift_right(z, 31)
+
+
+def splitmix64_int(x: int) -> int:
+    """The same finaliser on one Python int (its low 64 bits), returned as a signed int64."""
+    z = x & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return _signed(z ^ (z >> 31))
+
+
+def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """The shard (``0 .. num_shards - 1``) that each int64 id lives on.
+
+    ``(splitmix64(id + 0xD1B54A32D192ED03) >> 1) % num_shards`` with wrapping addition and
+    the hash read as unsigned. This is a stable function of the id alone: a checkpoint
+    written with one shard count is re-split for another by calling it again, and the
+    formula must never change. It is not ``id % num_shards``, which puts sequential ids
+    (and hashes that share low bits) on shards in a fixed cycle, so a range of popular
+    ids or a family of hashes lands unevenly; the mixed hash spreads any id pattern.
+
+    Args:
+        ids: int64 tensor of any shape.
+        num_shards: number of shards, >= 1.
+
+    Returns:
+        int64 tensor of the shape of ``ids``.
+    """
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"shard_of: `num_shards` must be an int >= 1, got {num_shards!r}")
+    if ids.dtype != torch.int64:
+        raise TypeError(f"shard_of: `ids` must be an int64 tensor, got dtype {ids.dtype}; fix: pass ids.long()")
+    return _shift_right(splitmix64(ids + _SHARD_SALT), 1) % num_shards
