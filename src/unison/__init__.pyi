@@ -23,10 +23,10 @@ from .cluster import (
     TorchrunClusterResolver,
     detect_cluster_resolver,
 )
-from .collectives.base import CrossDeviceOps
-from .collectives.collective import CollectiveAllReduce
+from .collectives.ops.base import CrossDeviceOps
+from .collectives.ops.collective import CollectiveAllReduce
 from .collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
-from .collectives.local import (
+from .collectives.ops.local import (
     AllReduceCrossDeviceOps,
     HierarchicalCopyAllReduce,
     NcclAllReduce,

@@ -15,12 +15,12 @@ import pathlib
 import pytest
 
 import unison.gradient_sync
-from unison.collectives import bucket_transports, transports
+from unison.collectives.transport import bucket_transports, cross_worker
 
 pytestmark = pytest.mark.timeout(30)
 
 CONCRETE = sorted(
-    name for module in (bucket_transports, transports) for name, value in vars(module).items()
+    name for module in (bucket_transports, cross_worker) for name, value in vars(module).items()
     if inspect.isclass(value) and value.__module__ == module.__name__ and getattr(value, "__final__", False)
 )
 
@@ -40,7 +40,9 @@ def test_the_concrete_transports_are_found():
 
 def test_gradient_sync_names_no_transport_class():
     offenders = []
-    for path in sorted(pathlib.Path(unison.gradient_sync.__file__).parent.glob("*.py")):
+    paths = sorted(pathlib.Path(unison.gradient_sync.__file__).parent.rglob("*.py"))  # subpackages too
+    assert {"buckets.py", "replica_merge.py"} <= {path.name for path in paths}, paths
+    for path in paths:
         named = _names(path) & set(CONCRETE)
         offenders += [f"{path.name}: {name}" for name in sorted(named)]
     assert not offenders, offenders

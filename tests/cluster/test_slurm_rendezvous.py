@@ -20,7 +20,7 @@ from unison.cluster.resolved import RendezvousKind
 from unison.cluster.slurm import PORT_LOW, PORT_SLOTS, PORT_STRIDE, SlurmClusterResolver, rendezvous_port
 from unison.cluster.threads import ThreadDefault, ThreadsDefaultWarning, cpu_share
 from unison.cluster.torchrun import TorchrunClusterResolver
-from unison.collectives.process_group import WorkerGroup, store_prefix
+from unison.collectives.group.process_group import WorkerGroup, store_prefix
 from unison.errors import ClusterError
 
 # What `srun -N 2 -n 4` sets in task 3 (job 4242, its first step).
@@ -194,7 +194,7 @@ def test_docstring_examples(module):
 
 
 def test_a_leader_name_that_does_not_resolve_is_named_with_the_override():
-    from unison.collectives.store_connect import join_rendezvous
+    from unison.collectives.group.store_connect import join_rendezvous
 
     start = time.monotonic()
     with pytest.raises(ClusterError, match=r"host name 'node17\.invalid' does not resolve.*set MASTER_ADDR"):

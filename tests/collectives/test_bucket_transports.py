@@ -1,4 +1,4 @@
-"""Each bucket transport alone, against a plain sum (``collectives/bucket_transports.py``).
+"""Each bucket transport alone, against a plain sum (``collectives/transport/bucket_transports.py``).
 
 Two warm pool workers build the transport their strategy's options choose, hand it
 buckets of known values (this worker's gradients already divided, then one flag per
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import unison
-from unison.collectives.bucket_transports import (
+from unison.collectives.transport.bucket_transports import (
     AllReduceBuckets,
     CompressedBuckets,
     GradientBucket,
@@ -19,7 +19,7 @@ from unison.collectives.bucket_transports import (
     PowerSGDBuckets,
     SharedMemoryBuckets,
 )
-from unison.collectives.flat_buffers import views_of
+from unison.collectives.transport.flat_buffers import views_of
 
 pytestmark = pytest.mark.timeout(60)
 

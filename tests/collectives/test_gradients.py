@@ -1,4 +1,4 @@
-"""Tests for unison.collectives.gradients and unison.collectives.placement_utils."""
+"""Tests for unison.collectives.transport.in_process and unison.collectives.compat.placement."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.collectives.gradients import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
-from unison.collectives.placement_utils import LeastLoadedDeviceSetter
-from unison.collectives.tensorpack_compat import (
+from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
+from unison.collectives.compat.placement import LeastLoadedDeviceSetter
+from unison.collectives.compat.tensorpack import (
     OverrideCachingDevice,
     aggregate_grads_colocate,
     allreduce_grads_naive,

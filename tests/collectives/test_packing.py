@@ -1,4 +1,4 @@
-"""Tests for unison.collectives.packing."""
+"""Tests for unison.collectives.transport.packing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.collectives.packing import (
+from unison.collectives.transport.packing import (
     TensorPacker,
     flatten_tensors,
     group_by_size,
@@ -16,7 +16,7 @@ from unison.collectives.packing import (
     unflatten_tensors,
 )
 
-from unison.collectives.tensorpack_compat import GradientPacker
+from unison.collectives.compat.tensorpack import GradientPacker
 
 FAST = settings(max_examples=60, deadline=None)
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.int32, torch.int64]

@@ -16,7 +16,7 @@ from unison.cluster.spec import ClusterSpec
 from unison.collectives.options import CommunicationOptions
 from unison.cluster.env import UNISON_RENDEZVOUS as RENDEZVOUS_ENV
 from unison.cluster.resolved import ResolvedCluster
-from unison.collectives.process_group import form_worker_group
+from unison.collectives.group.process_group import form_worker_group
 from unison.errors import ClusterError
 
 TIMEOUT = 3.0
@@ -90,7 +90,7 @@ def test_a_task_that_never_arrives_is_named_with_the_address(monkeypatch):
 # copying the parent's pages (0.5 s of CPU a child without it, 0.2 s with it).
 _FAILED_RENDEZVOUS_CHILDREN = textwrap.dedent("""
     import gc, os, socket, sys
-    from unison.collectives.store_connect import join_rendezvous
+    from unison.collectives.group.store_connect import join_rendezvous
     from unison.errors import ClusterError
 
     RUNS, BATCH = int(sys.argv[1]), int(sys.argv[2])

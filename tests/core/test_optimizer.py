@@ -27,7 +27,7 @@ def sgd_momentum(params):
 
 def _shadow_optimizers(strategy, opt):
     # White-box: the optimizers that step replicas 1.. (the user's one steps replica 0).
-    return strategy.extended.components.gradient_sync._shadows[opt]
+    return strategy.extended.components.gradient_sync.optimizers._shadows[opt]
 
 
 def test_optimizer_state_is_per_device(mirrored2):

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import unison
-from unison.collectives.local import ReductionToOneDevice
-from unison.gradient_sync import replica_grad_buffers
+from unison.collectives.ops.local import ReductionToOneDevice
+from unison.gradient_sync.replicas import replica_grad_buffers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,7 +33,7 @@ def _general() -> unison.MirroredStrategy:
     """Mirrored with a reduction that takes the general path (no buffers)."""
     strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ReductionToOneDevice(
         accumulation_fn=lambda tensors: sum(tensors[1:], tensors[0].clone())))
-    assert strategy.extended.components.gradient_sync._buffers is None
+    assert strategy.extended.components.gradient_sync.merge.buffers is None
     return strategy
 
 
@@ -163,7 +163,7 @@ def test_two_dtypes_get_a_buffer_each_and_train_as_the_general_path(mirrored2):
         for _ in range(3):
             strategy.run(step, args=(_halves(x),))
         weights.append([p.detach().clone() for p in model.parameters()])
-    buffers = mirrored2.extended.components.gradient_sync._buffers
+    buffers = mirrored2.extended.components.gradient_sync.merge.buffers
     assert set(buffers._replicas[0].flats) == {torch.float64, torch.float32}
     for a, b in zip(*weights):
         assert torch.equal(a, b)
@@ -194,7 +194,7 @@ def test_create_graph_and_later_variables_take_the_general_path_then_the_buffers
         model.unused = nn.Linear(3, 2)  # a variable made after the layout
     mirrored2.run(step, args=(_halves(x), False))
     assert out[0][0] == [True, True] and not out[0][2] and torch.equal(out[0][1], general_value)
-    layout = mirrored2.extended.components.gradient_sync._buffers._replicas[0]
+    layout = mirrored2.extended.components.gradient_sync.merge.buffers._replicas[0]
     assert len(layout.aliases) == 6 and any(c is model.unused.weight.component(0) for c in layout.components)
     gc.collect()
     assert replaced() is None  # the layout does not keep a replaced layer's variables alive
@@ -219,7 +219,7 @@ def test_large_gradients_and_small_models_keep_the_general_path(mirrored2, monke
 
         strategy.run(step, args=(_halves(x),))
         results.append(out)
-    buffers = mirrored2.extended.components.gradient_sync._buffers._replicas
+    buffers = mirrored2.extended.components.gradient_sync.merge.buffers._replicas
     for replica in (0, 1):
         flat = buffers[replica].flats[torch.float32].untyped_storage().data_ptr()
         in_buffer = [ptr == flat for _, ptr in results[0][replica]]
@@ -232,7 +232,7 @@ def test_large_gradients_and_small_models_keep_the_general_path(mirrored2, monke
     with few.scope():
         small = _TwoHeads()
     few.run(lambda batch: small(batch).pow(2).sum().backward(), args=(_halves(x),))
-    assert few.extended.components.gradient_sync._buffers._replicas == []
+    assert few.extended.components.gradient_sync.merge.buffers._replicas == []
 
 
 def test_a_resized_parameter_gets_a_new_layout(mirrored2):
@@ -253,7 +253,7 @@ def test_a_resized_parameter_gets_a_new_layout(mirrored2):
     with torch._C.DisableTorchFunctionSubclass():
         for i in range(2):  # param.data = ... on every replica's component of the unused head
             torch.Tensor.data.__set__(model.unused.weight.component(i), torch.zeros(3, 3))
-    buffers = mirrored2.extended.components.gradient_sync._buffers
+    buffers = mirrored2.extended.components.gradient_sync.merge.buffers
     for _ in range(2):  # the first step meets the resized slot and takes the general path; the next, a new layout
         mirrored2.run(step, args=(_halves(x),))
         assert torch.equal(out[0][0], before) and torch.equal(out[1][0], before)
@@ -272,7 +272,7 @@ def test_a_buffer_nobody_else_holds_is_reused_step_after_step(mirrored2):
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # in place, on the reduced gradients
         opt.step()
 
-    buffers = mirrored2.extended.components.gradient_sync._buffers
+    buffers = mirrored2.extended.components.gradient_sync.merge.buffers
     g = torch.Generator().manual_seed(9)
     flats = []
     for _ in range(4):

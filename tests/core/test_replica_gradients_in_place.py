@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import unison
-from unison.collectives.local import ReductionToOneDevice
-from unison.gradient_sync import replica_reduction
+from unison.collectives.ops.local import ReductionToOneDevice
+from unison.gradient_sync.replicas import replica_reduction
 
 
 def _grads_after_backward(strategy, use_in_replica: "callable") -> list[list[torch.Tensor]]:
@@ -35,7 +35,7 @@ def test_in_place_mean_equals_the_general_reduction():
     fast = unison.MirroredStrategy(["cpu:0", "cpu:1"])
     general = unison.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ReductionToOneDevice(
         accumulation_fn=lambda tensors: sum(tensors[1:], tensors[0].clone())))
-    assert fast.extended.components.gradient_sync._in_place and not general.extended.components.gradient_sync._in_place
+    assert fast.extended.components.gradient_sync.merge.in_place and not general.extended.components.gradient_sync.merge.in_place
     got = _grads_after_backward(fast, lambda replica: True)
     want = _grads_after_backward(general, lambda replica: True)
     for g, w in zip(got[0] + got[1], want[0] + want[1]):

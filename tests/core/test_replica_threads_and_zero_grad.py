@@ -156,7 +156,7 @@ def test_other_zero_grad_forms_and_the_optimizers_life_are_unchanged(mirrored2):
     # the replicas' shadow optimizers do not carry the user's instance's zero_grad
     _train(mirrored2, model, opt, x, zero_first=False)
     sync = mirrored2.extended.components.gradient_sync
-    for shadows in sync._shadows.values():
+    for shadows in sync.optimizers._shadows.values():
         assert all("zero_grad" not in vars(shadow) for shadow in shadows if shadow is not None)
     # copies and pickles carry the state, not the installed function
     assert "zero_grad" not in vars(copy.deepcopy(opt)) and "zero_grad" not in vars(pickle.loads(pickle.dumps(opt)))

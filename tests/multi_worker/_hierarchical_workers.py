@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import unison
-from unison.collectives.transports import HierarchicalTransport
+from unison.collectives.transport.cross_worker import HierarchicalTransport
 
 from tests.multi_worker._workers import global_batches, mlp_and_step
 

@@ -11,8 +11,8 @@ import time
 import torch
 
 import unison
-from unison.collectives import shared_memory
-from unison.collectives.collective import CollectiveAllReduce
+from unison.collectives.transport import shared_memory
+from unison.collectives.ops.collective import CollectiveAllReduce
 
 from tests.multi_worker._workers import global_batches, make_mlp, strategy_for
 

@@ -11,7 +11,7 @@ import torch
 
 import unison
 from unison.cluster.resolved import ResolvedCluster
-from unison.collectives.process_group import choose_backend
+from unison.collectives.group.process_group import choose_backend
 
 CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
 
@@ -121,7 +121,7 @@ def test_nccl_with_more_workers_than_gpus_on_a_host_names_the_fix(gpus):
 
 
 def test_gloo_between_gpu_replicas_uses_packed_collectives_not_shared_memory():
-    from unison.collectives.transports import PackedTransport, SharedMemoryTransport, choose_transport
+    from unison.collectives.transport.cross_worker import PackedTransport, SharedMemoryTransport, choose_transport
 
     options = unison.CommunicationOptions()
     assert type(choose_transport(None, options, "gloo", ["a", "a"])) is SharedMemoryTransport

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from unison._testing import run_workers
-from unison.collectives import shm_signals
+from unison.collectives.transport import shm_signals
 from tests.multi_worker import _workers as w
 
 

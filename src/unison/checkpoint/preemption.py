@@ -46,7 +46,7 @@ from unison.checkpoint.collective_save import (
     load_main,
     restore_generators,
 )
-from unison.collectives.collective import CollectiveAllReduce
+from unison.collectives.ops.collective import CollectiveAllReduce
 from unison.cluster.env import PREEMPTED_EXIT_CODE, UNISON_PREEMPTION_NOTICES
 from unison.errors import PeerLostError
 

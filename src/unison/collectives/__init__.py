@@ -1,23 +1,29 @@
 """Cross-device and cross-process reductions, packing, and the K x N gradient helpers.
 
+Four homes, top to bottom: ``ops/`` (the CrossDeviceOps, the public face), ``compat/``
+(tensorpack utilities the CrossDeviceOps are not built from), ``transport/`` (how bytes
+move) and ``group/`` (the workers' process group and its plumbing); below them all,
+``options.py`` (the CommunicationOptions). ``tests/architecture/test_layers.py``
+checks that no layer imports a higher one.
+
 The gradient-list helpers follow tensorpack's ``graph_builder/utils.py``: K lists (one
 per device) of N gradients. Those the CrossDeviceOps are built from live in
-``gradients.py``/``packing.py``; the rest, kept for code ported from tensorpack, in
-``tensorpack_compat.py``.
+``transport/in_process.py``/``transport/packing.py``; the rest, kept for code ported
+from tensorpack, in ``compat/tensorpack.py``.
 """
 
-from unison.collectives.base import CrossDeviceOps
-from unison.collectives.gradients import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
-from unison.collectives.local import (
+from unison.collectives.ops.base import CrossDeviceOps
+from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
+from unison.collectives.ops.local import (
     AllReduceCrossDeviceOps,
     HierarchicalCopyAllReduce,
     NcclAllReduce,
     ReductionToOneDevice,
     select_cross_device_ops,
 )
-from unison.collectives.packing import TensorPacker, group_by_size
-from unison.collectives.placement_utils import LeastLoadedDeviceSetter
-from unison.collectives.tensorpack_compat import (
+from unison.collectives.transport.packing import TensorPacker, group_by_size
+from unison.collectives.compat.placement import LeastLoadedDeviceSetter
+from unison.collectives.compat.tensorpack import (
     GradientPacker,
     OverrideCachingDevice,
     aggregate_grads_colocate,

@@ -9,7 +9,7 @@ task) and drops the local values.
 
 Placement is round-robin over ps tasks in creation order (TensorFlow's rule), each
 shard taking the next task; a placer passed to the strategy replaces the rule (e.g.
-tensorpack's least-loaded rule, :class:`~unison.collectives.placement_utils.LeastLoadedDeviceSetter`).
+tensorpack's least-loaded rule, :class:`~unison.collectives.LeastLoadedDeviceSetter`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from unison.collectives.placement_utils import LeastLoadedDeviceSetter
+from unison.collectives import LeastLoadedDeviceSetter
 from unison.ps.client import PSClient
 from unison.ps.partitioners import shard_rows
 from unison.ps.specs import Placement, VariableSpec

@@ -19,7 +19,7 @@ from typing import Any
 
 from unison.cluster.multi_worker_util import TASK_TYPES
 from unison.cluster.resolved import ResolvedCluster
-from unison.collectives.local import ReductionToOneDevice
+from unison.collectives.ops.local import ReductionToOneDevice
 from unison.coordinator.channel import require_authkey
 from unison.ps.optimizer_state import install_optimizer_state_on_ps
 from unison.ps.policy import PSVariablePolicy

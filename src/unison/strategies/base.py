@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from unison._state import STATE
-from unison.collectives.base import CrossDeviceOps
+from unison.collectives.ops.base import CrossDeviceOps
 from unison.devices import canonicalize, canonicalize_all, is_cuda, torch_device
 from unison.gradient_sync.step_hooks import install_step_hooks
 from unison.input.context import ValueContext

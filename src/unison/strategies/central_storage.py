@@ -7,9 +7,9 @@ from typing import Sequence
 
 import torch
 
-from unison.collectives.local import ReductionToOneDevice
+from unison.collectives.ops.local import ReductionToOneDevice
 from unison.devices import canonicalize, canonicalize_all, local_devices, torch_device
-from unison.gradient_sync.replica_merge import ReplicaGradientSync
+from unison.gradient_sync.replicas.replica_sync import ReplicaGradientSync
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import ReplicatedVariablePolicy

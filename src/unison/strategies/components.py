@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from unison.cluster.resolved import ResolvedCluster
-from unison.collectives.base import CrossDeviceOps
-from unison.collectives.transports import CrossWorkerTransport
+from unison.collectives.ops.base import CrossDeviceOps
+from unison.collectives.transport.cross_worker import CrossWorkerTransport
 from unison.values.aggregation import VariableAggregation, VariableSynchronization
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import typing
 
-from unison.collectives.local import ReductionToOneDevice
+from unison.collectives.ops.local import ReductionToOneDevice
 from unison.context import ReplicaContext
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents

@@ -7,10 +7,10 @@ from typing import Sequence
 
 import torch
 
-from unison.collectives.base import CrossDeviceOps
-from unison.collectives.local import select_cross_device_ops
+from unison.collectives.ops.base import CrossDeviceOps
+from unison.collectives.ops.local import select_cross_device_ops
 from unison.devices import canonicalize_all, local_devices
-from unison.gradient_sync.replica_merge import ReplicaGradientSync
+from unison.gradient_sync.replicas.replica_sync import ReplicaGradientSync
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import ReplicatedVariablePolicy

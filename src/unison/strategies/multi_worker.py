@@ -11,13 +11,13 @@ from unison.cluster.base import ClusterResolver
 from unison.cluster.detect import detect_cluster_resolver
 from unison.cluster.resolved import ResolvedCluster
 from unison.cluster.simple import SimpleClusterResolver
-from unison.collectives.collective import CollectiveAllReduce
-from unison.collectives.local import select_cross_device_ops
+from unison.collectives.ops.collective import CollectiveAllReduce
+from unison.collectives.ops.local import select_cross_device_ops
 from unison.collectives.options import CommunicationOptions
-from unison.collectives.process_group import LazyWorkerGroup, choose_backend
+from unison.collectives.group.process_group import LazyWorkerGroup, choose_backend
 from unison.devices import canonicalize_all, local_devices
-from unison.gradient_sync.buckets import BucketedGradientSync
-from unison.gradient_sync.replica_merge import ReplicaGradientSync
+from unison.gradient_sync.bucketed.buckets import BucketedGradientSync
+from unison.gradient_sync.replicas.replica_sync import ReplicaGradientSync
 from unison.strategies.base import Strategy, StrategyExtended
 from unison.strategies.components import GradientSync, StrategyComponents
 from unison.strategies.policies import ReplicatedVariablePolicy

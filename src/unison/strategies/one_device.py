@@ -6,7 +6,7 @@ import typing
 
 import torch
 
-from unison.collectives.local import ReductionToOneDevice
+from unison.collectives.ops.local import ReductionToOneDevice
 from unison.devices import canonicalize
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents

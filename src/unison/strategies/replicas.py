@@ -23,8 +23,8 @@ from unison._state import STATE, ContextEntry
 from unison.context import ReplicaContext
 from unison.devices import is_cuda, torch_device
 from unison.errors import MergeCallError
-from unison.gradient_sync.grad_scaler import install_grad_scaler_replicas
-from unison.gradient_sync.once_per_step import install_once_per_step
+from unison.interpose.grad_scaler import install_grad_scaler_replicas
+from unison.interpose.once_per_step import install_once_per_step
 from unison.strategies.switch_interval import SHORT_SWITCH_INTERVAL
 from unison.values.values import may_hold_components, regroup, select_replica
 
@@ -277,8 +277,8 @@ class ThreadedReplicaRunner:
     """
 
     def __init__(self, strategy: "Strategy", devices: Sequence[str]):
-        install_grad_scaler_replicas()  # a step's one GradScaler serves every replica (grad_scaler.py)
-        install_once_per_step()  # and scheduler.step(), ema.update_parameters() run once per step (once_per_step.py)
+        install_grad_scaler_replicas()  # a step's one GradScaler serves every replica (interpose/grad_scaler.py)
+        install_once_per_step()  # and scheduler.step(), ema.update_parameters() run once per step (interpose/once_per_step.py)
         self._strategy = strategy
         self._devices = tuple(devices)
         self._queues: list["queue.SimpleQueue[Any]"] = []

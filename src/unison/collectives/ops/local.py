@@ -1,8 +1,9 @@
 """In-process CrossDeviceOps: reduce across the devices of one worker.
 
-All of them are built from the K x N gradient-list helpers of ``gradients.py`` and
-the shared ``TensorPacker``: a batch of PerReplica values becomes K device lists of N
-tensors, is packed into K x P buffers, reduced, and unpacked again.
+All of them are built from the K x N gradient-list helpers of
+``transport/in_process.py`` and the shared ``TensorPacker``: a batch of PerReplica
+values becomes K device lists of N tensors, is packed into K x P buffers, reduced, and
+unpacked again.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from unison.collectives.base import CrossDeviceOps, Destinations, to_destinations
-from unison.collectives.gradients import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
-from unison.collectives.packing import TensorPacker
+from unison.collectives.ops.base import CrossDeviceOps, Destinations, to_destinations
+from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
+from unison.collectives.transport.packing import TensorPacker
 from unison.devices import canonicalize, canonicalize_all, is_cuda, torch_device
 from unison.reduce import ReduceOp
 from unison.values.values import Mirrored, PerReplica

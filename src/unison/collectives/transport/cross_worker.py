@@ -36,7 +36,10 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from unison.collectives.bucket_transports import (
+from unison.collectives.group.process_group import WorkerGroup
+from unison.collectives.group.worker_control import WorkerControl
+from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
+from unison.collectives.transport.bucket_transports import (
     AllReduceBuckets,
     BucketTransport,
     CompressedBuckets,
@@ -44,14 +47,11 @@ from unison.collectives.bucket_transports import (
     PowerSGDBuckets,
     SharedMemoryBuckets,
 )
-from unison.collectives.compression import Compressor
-from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
-from unison.collectives.powersgd import PowerSGDReducer
-from unison.collectives.packed_all_reduce import PackedAllReduce
-from unison.collectives.process_group import WorkerGroup
-from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
-from unison.collectives.shm_signals import WRITTEN
-from unison.collectives.worker_control import WorkerControl
+from unison.collectives.transport.compression import Compressor
+from unison.collectives.transport.packed_all_reduce import PackedAllReduce
+from unison.collectives.transport.powersgd import PowerSGDReducer
+from unison.collectives.transport.shared_memory import SharedMemoryAllReduce, SharedSegment
+from unison.collectives.transport.shm_signals import WRITTEN
 
 __all__ = [
     "CrossWorkerTransport",

@@ -1,4 +1,4 @@
-"""Parameters made frozen, waiting until a program makes them trainable.
+"""Parameters kept aside until used: frozen ones until trainable, late ones until a gradient shows them used.
 
 ``nn.Parameter(t, requires_grad=False)`` gets no gradient hook (PyTorch refuses one on
 a tensor that does not require grad), and reducing it every step would cost an

@@ -1,9 +1,10 @@
 """How this worker's gradients get into a gradient bucket and the sums back out.
 
 The bucket's own part of a synchroniser's step, apart from how it travels: the flags,
-the gradients that live in flat slots of the bucket (``grad_slots.py``, where the sums are
-copied out of shared memory), and handing the sums out as views or copies. A parameter
-whose flags sum to zero got no gradient on any worker and keeps none.
+the gradients that live in flat slots of the bucket (``GradSlots``,
+``gradient_sync/grads_as_buffer_views.py``, where the sums are copied out of shared
+memory), and handing the sums out as views or copies. A parameter whose flags sum to
+zero got no gradient on any worker and keeps none.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from unison.collectives.bucket_transports import BucketTransport, GradientBucket
+from unison.collectives.transport.bucket_transports import BucketTransport, GradientBucket
 from unison.gradient_sync.grad_access import grads_of
-from unison.gradient_sync.grad_slots import GradSlots
+from unison.gradient_sync.grads_as_buffer_views import GradSlots
 
 __all__ = ["set_flags", "point_grads_at_slots", "fill_from_slots", "copy_sums_out", "hand_out_views"]
 

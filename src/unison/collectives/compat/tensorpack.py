@@ -3,12 +3,13 @@
 tensorpack (``graph_builder/utils.py``) works on K lists (one per device) of N
 gradients or (gradient, variable) pairs. The helpers unison's CrossDeviceOps are built
 from (``allreduce_grads``, ``allreduce_grads_hierarchical``, ``aggregate_grads``,
-``TensorPacker``) live in ``gradients.py`` and ``packing.py``; least-loaded placement
-(``LeastLoadedDeviceSetter``) places parameter-server variables. What is left —
-merging (grad, var) lists (splitting them, which ``aggregate_grads`` uses, is in
-``gradients.py`` and re-exported here), the colocated and naive aggregations, the
-fixed-split ``GradientPacker`` and ``OverrideCachingDevice`` — is here, for code ported
-from tensorpack, and re-exported from ``unison.collectives``.
+``TensorPacker``) live in ``transport/in_process.py`` and ``transport/packing.py``;
+least-loaded placement (``LeastLoadedDeviceSetter``, ``compat/placement.py``) places
+parameter-server variables. What is left — merging (grad, var) lists (splitting them,
+which ``aggregate_grads`` uses, is in ``transport/in_process.py`` and re-exported
+here), the colocated and naive aggregations, the fixed-split ``GradientPacker`` and
+``OverrideCachingDevice`` — is here, for code ported from tensorpack, and re-exported
+from ``unison.collectives``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
-from unison.collectives.gradients import aggregate_grads, check_average, check_grads, split_grad_list, sum_on
-from unison.collectives.packing import check_count, flatten_tensors, split_sizes, unflatten_tensors
-from unison.collectives.placement_utils import VariableLike, check_devices, least_loaded, num_elements
+from unison.collectives.compat.placement import VariableLike, check_devices, least_loaded, num_elements
+from unison.collectives.transport.in_process import aggregate_grads, check_average, check_grads, split_grad_list, sum_on
+from unison.collectives.transport.packing import check_count, flatten_tensors, split_sizes, unflatten_tensors
 from unison.errors import UsageError
 from unison.devices import canonicalize, canonicalize_all, torch_device
 

@@ -31,8 +31,8 @@ from typing import Any, Sequence
 import torch
 
 from unison.gradient_sync.grad_access import grads_of
-from unison.gradient_sync.grad_slots import GradSlots, fits, slot_eligible
-from unison.gradient_sync.replica_reduction import InPlaceReduction
+from unison.gradient_sync.grads_as_buffer_views import GradSlots, fits, slot_eligible
+from unison.gradient_sync.replicas.replica_reduction import InPlaceReduction
 
 __all__ = ["ReplicaGradBuffers"]
 

@@ -25,8 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from unison.collectives.flat_buffers import BufferPool, dtype_groups, fill, views_of
-from unison.collectives.packing import _group_sizes
+from unison.collectives.transport.flat_buffers import BufferPool, dtype_groups, fill, views_of
+from unison.collectives.transport.packing import _group_sizes
 
 __all__ = ["PackedAllReduce", "LANE_SPLIT_BYTES"]
 

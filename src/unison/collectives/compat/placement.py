@@ -13,13 +13,14 @@ variable behind unison's own tensor protocol (``unison.ps.transport``).
 
 It lives here, below ``unison.ps``, although it is placement onto ps tasks: the
 collectives layer needs it too (``unison.collectives`` exports ``LeastLoadedDeviceSetter``
-for code ported from tensorpack, and ``OverrideCachingDevice`` in ``tensorpack_compat.py``
+for code ported from tensorpack, and ``OverrideCachingDevice`` in ``compat/tensorpack.py``
 balances with the same rule), and no layer may import a higher one
-(``tests/architecture/test_layers.py``). ``unison.ps`` imports it from here.
+(``tests/architecture/test_layers.py``). ``unison.ps`` imports it from
+``unison.collectives``, the only module that imports ``compat/``.
 
 tensorpack equivalent: ``graph_builder.utils.LeastLoadedDeviceSetter`` (from
 tf_cnn_benchmarks' ``variable_mgr_util``); its ``OverrideCachingDevice`` is in
-``tensorpack_compat.py``.
+``compat/tensorpack.py``.
 """
 
 from __future__ import annotations

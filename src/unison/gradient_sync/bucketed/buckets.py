@@ -18,16 +18,16 @@ on one device and under DDP's ``find_unused_parameters``, so an optimizer skips 
 (AdamW's decay and moments would move it); one that some worker computed gets the
 workers' mean everywhere.
 
-How a bucket travels is its transport's (``collectives/bucket_transports.py``: over the
-group, compressed, PowerSGD, one host's shared memory, or slices across hosts): this
-class fills buckets, launches them through that contract and hands the sums out. Where
-every bucket is reduced when backward ends (shared memory, PowerSGD) only a backward
-pass's first gradient has work to do (its hook remembers the autograd graph task; the
-others return at once). Where the sums are copied out of shared memory, a bucket of more
-than 16 gradients that were all dense lives, from the second step on, in flat slots of
-its own (``grad_slots.py``): the first gradient points the others at them, autograd
-accumulates into them, and the bucket reaches the shared file and back in one pass each;
-a bucket of few (large) gradients divides each straight into the file instead.
+How a bucket travels is its transport's (``collectives/transport/bucket_transports.py``:
+over the group, compressed, PowerSGD, one host's shared memory, or slices across hosts):
+this class fills buckets, launches them through that contract and hands the sums out.
+Where every bucket is reduced when backward ends (shared memory, PowerSGD) only a
+backward pass's first gradient has work to do (its hook remembers the autograd graph
+task; the others return at once). Where the sums are copied out of shared memory, a
+bucket of more than 16 gradients that were all dense lives, from the second step on, in
+flat slots of its own (``gradient_sync/grads_as_buffer_views.py``): the first gradient
+points the others at them, autograd accumulates into them, and the bucket reaches the
+shared file and back in one pass each; few (large) gradients go straight into the file.
 """
 
 from __future__ import annotations
@@ -40,22 +40,17 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from unison.collectives.bucket_transports import DEFAULT_BUCKET_BYTES, BucketTransport, GradientBucket, HandOut
-from unison.collectives.flat_buffers import views_of
-from unison.collectives.packing import group_by_size
-from unison.collectives.transports import CrossWorkerTransport
-from unison.collectives.worker_control import WorkerControl
+from unison.collectives.transport.bucket_transports import DEFAULT_BUCKET_BYTES, BucketTransport, GradientBucket, HandOut
+from unison.collectives.transport.flat_buffers import views_of
+from unison.collectives.transport.packing import group_by_size
+from unison.collectives.transport.cross_worker import CrossWorkerTransport
+from unison.collectives.group.worker_control import WorkerControl
 from unison.errors import GradientSyncError
-from unison.gradient_sync.dormant import DormantParameters, LateParameters
+from unison.gradient_sync.bucketed.bucket_gradients import (copy_sums_out, fill_from_slots, hand_out_views,
+                                                         point_grads_at_slots, set_flags)
 from unison.gradient_sync.grad_access import grads_of
-from unison.gradient_sync.bucket_gradients import (
-    copy_sums_out,
-    fill_from_slots,
-    hand_out_views,
-    point_grads_at_slots,
-    set_flags,
-)
-from unison.gradient_sync.grad_slots import fits
+from unison.gradient_sync.grads_as_buffer_views import fits
+from unison.gradient_sync.waiting_parameters import DormantParameters, LateParameters
 from unison.reduce import ReduceOp
 
 __all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]

@@ -2,7 +2,7 @@
 
 A batch of values is first reduced in-process over this worker's replicas, then summed
 across workers by the cross-worker transport chosen when the ops are built
-(``transports.py``: shared memory between the workers of one host, else packed
+(``transport/cross_worker.py``: shared memory between the workers of one host, else packed
 collectives). Sparse tensors travel by all-gather of indices and values. Every call is
 first checked across workers (``WorkerControl.check_call``: shapes, dtypes, reduce op
 and call sequence), so a mismatch raises ``CollectiveMismatchError`` on every worker
@@ -17,12 +17,12 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from unison.collectives.base import CrossDeviceOps, Destinations, to_destinations
+from unison.collectives.group.process_group import LazyWorkerGroup, WorkerGroup
+from unison.collectives.group.worker_control import WorkerControl
+from unison.collectives.ops.base import CrossDeviceOps, Destinations, to_destinations
 from unison.collectives.options import CommunicationOptions
-from unison.collectives.packing import TensorPacker
-from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
-from unison.collectives.transports import CrossWorkerTransport, choose_transport
-from unison.collectives.worker_control import WorkerControl
+from unison.collectives.transport.cross_worker import CrossWorkerTransport, choose_transport
+from unison.collectives.transport.packing import TensorPacker
 from unison.devices import canonicalize_all, is_cuda, torch_device
 from unison.reduce import ReduceOp
 from unison.values.values import PerReplica

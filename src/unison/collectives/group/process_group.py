@@ -23,9 +23,9 @@ from unison.cluster.resolved import RendezvousKind, ResolvedCluster
 from unison.cluster.scheduler import LAUNCH
 from unison.cluster.spec import split_address
 from unison.cluster.threads import THREAD_DEFAULT
-from unison.collectives.liveness import Liveness
+from unison.collectives.group.liveness import Liveness
+from unison.collectives.group.store_connect import join_rendezvous
 from unison.collectives.options import CommunicationImplementation, CommunicationOptions
-from unison.collectives.store_connect import join_rendezvous
 from unison.devices import is_cuda
 from unison.errors import ClusterError, PeerLostError
 

@@ -1,6 +1,6 @@
 """Bucket transports: how a gradient synchroniser's buckets travel between the workers.
 
-A gradient synchroniser (``gradient_sync/buckets.py``) owns registration, layout, the
+A gradient synchroniser (``gradient_sync/bucketed/buckets.py``) owns registration, layout, the
 order buckets fill in, and handing gradients out; it drives one :class:`BucketTransport`
 through five calls, the same for every way of moving bytes:
 
@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unison.collectives.compression import Compressor
-from unison.collectives.flat_buffers import views_of
-from unison.collectives.powersgd import PowerSGDReducer
-from unison.collectives.shared_memory import SharedMemoryAllReduce, SharedSegment
-from unison.collectives.worker_control import WorkerControl
+from unison.collectives.group.worker_control import WorkerControl
+from unison.collectives.transport.compression import Compressor
+from unison.collectives.transport.flat_buffers import views_of
+from unison.collectives.transport.powersgd import PowerSGDReducer
+from unison.collectives.transport.shared_memory import SharedMemoryAllReduce, SharedSegment
 
 __all__ = [
     "GradientBucket",

@@ -31,10 +31,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from unison.collectives import shm_signals
-from unison.collectives.flat_buffers import BufferPool, dtype_groups, fill, views_of
-from unison.collectives.process_group import WorkerGroup
-from unison.collectives.shm_signals import SharedSignals
+from unison.collectives.group.process_group import WorkerGroup
+from unison.collectives.transport import shm_signals
+from unison.collectives.transport.flat_buffers import BufferPool, dtype_groups, fill, views_of
+from unison.collectives.transport.shm_signals import SharedSignals
 
 __all__ = ["SharedMemoryAllReduce", "SharedSegment", "SHARED_MEMORY_DIR", "MAX_SEGMENTS", "MAX_IDLE_CALLS"]
 

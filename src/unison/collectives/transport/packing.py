@@ -16,7 +16,7 @@ from typing import Sequence, Union
 
 import torch
 
-from unison.collectives.gradients import check_grads
+from unison.collectives.transport.in_process import check_grads
 from unison.errors import UsageError
 
 __all__ = [

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from unison.gradient_sync.shadow_optimizers import follow_hyperparameters, shadow_optimizer
+from unison.gradient_sync.replicas.shadow_optimizers import follow_hyperparameters, shadow_optimizer
 from unison.values.variables import DistributedVariable
 
 __all__ = ["PrimaryShadow"]

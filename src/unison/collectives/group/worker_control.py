@@ -23,12 +23,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from unison.collectives.process_group import LazyWorkerGroup, WorkerGroup
+from unison.collectives.group.process_group import LazyWorkerGroup, WorkerGroup
 from unison.errors import CollectiveMismatchError
 
 __all__ = ["WorkerControl", "layout_crc", "call_site"]
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# The directory of the ``unison`` package (this file is unison/collectives/group/worker_control.py):
+# call_site skips every frame inside it.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 _DTYPE_CODES: dict[torch.dtype, int] = {}  # a dtype's CRC, the same in every process
 _OP_CODES: dict[str, int] = {}
