@@ -1,7 +1,7 @@
 """Types of unison's public API, for type checkers; at run time ``__init__.py`` loads each name
 on first use (``lazy_loader.attach_stub`` reads this file's imports)."""
 
-from . import checkpoint, cluster, collectives, errors, partitioners, placement
+from . import checkpoint, cluster, collectives, embeddings, errors, partitioners, placement
 from .checkpoint import (
     BackupAndRestore,
     PreemptionCheckpointHandler,
@@ -72,6 +72,7 @@ from .strategies.current import (
 from .strategies.mirrored import MirroredStrategy
 from .strategies.multi_worker import CollectiveAllReduceStrategy, MultiWorkerMirroredStrategy
 from .strategies.one_device import OneDeviceStrategy
+from .ps.dynamic_embedding import DynamicEmbedding
 from .ps.strategy import ParameterServerStrategy
 from .values.aggregation import VariableAggregation, VariableSynchronization
 from .values.values import DistributedValues, Mirrored, PerReplica
@@ -96,11 +97,13 @@ __all__ = [
     "experimental_set_strategy",
     "ClusterCoordinator",
     "ParameterServerStrategy",
+    "DynamicEmbedding",
     "PerWorkerValues",
     "RemoteValue",
     "Server",
     "ShardedVariable",
     "partitioners",
+    "embeddings",
     "ClusterResolver",
     "UnionResolver",
     "KubernetesClusterResolver",

@@ -36,7 +36,7 @@ import grimp
 import pytest
 
 LAYERS = (
-    ("launch", "partitioners"),
+    ("launch", "partitioners", "embeddings"),
     ("placement", "checkpoint"),
     ("ps",),
     ("strategies",),

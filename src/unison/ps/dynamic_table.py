@@ -121,6 +121,11 @@ class DynamicTable:
         return self._seed
 
     @property
+    def eviction(self) -> EvictionPolicy | None:
+        """The eviction policy, or None."""
+        return self._eviction
+
+    @property
     def initializer(self) -> Initializer:
         """How missing rows are made."""
         return self._initializer

@@ -1,0 +1,248 @@
+"""``unison.DynamicEmbedding``: an embedding keyed by any int64 id, rows made on first touch.
+
+Recommendation models look up 64-bit feature hashes (user ids, item ids, crossed
+features), not a dense range known in advance; a fixed ``nn.Embedding`` forces them into
+``id % n`` and collisions. This module holds a :class:`~unison.ps.dynamic_table.DynamicTable`:
+a forward pass creates the rows of ids it has not seen (each from the table's
+initializer and the id alone, so the order rows are made in never changes their values),
+and the optimizer that holds the module's ``weight`` handle updates exactly the rows the
+batch touched, with their optimizer state kept next to each row.
+
+How rows train. Rows are not parameters a ``torch.optim`` optimizer can hold (they come
+and go). The module registers one empty parameter, ``weight``, as a handle; backward
+records each batch's row gradients (summed per id, across backward passes until the
+step, as gradients accumulate), and the ``step()`` of an optimizer whose param groups
+hold the handle applies them with that group's hyper-parameters (a process-wide
+optimizer step pre-hook, installed with the first module). ``SGD`` (plain: no momentum,
+weight decay, or maximize) and ``Adagrad`` (no ``lr_decay``/weight decay) map to the
+row updates ``RowSGD`` and ``RowAdagrad``, which equal theirs on a sparse gradient;
+others are refused with the fix. Other parameters of the same optimizer step as usual.
+
+Checkpoints: ``state_dict()`` holds the rows that exist (ids, rows, their optimizer
+state, touch counts) and no capacity; ``load_state_dict`` restores them.
+
+This release runs on one device: no strategy or ``OneDeviceStrategy``. Under
+ParameterServerStrategy its rows are to live on the ps tasks (issue 33, not built yet):
+made in another strategy's scope it is refused with a message that says so.
+
+tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addons'
+``dynamic_embedding.get_variable`` with ``embedding_lookup``, and TorchRec's
+``EmbeddingBagCollection`` with ``mode`` bags.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from unison._once import Interposition
+from unison._state import STATE
+from unison.ps.dynamic_table import DynamicTable
+from unison.ps.id_initializers import Initializer
+from unison.ps.row_eviction import EvictionPolicy
+from unison.ps.row_optimizers import RowAdagrad, RowOptimizer, RowSGD
+from unison.strategies.one_device import OneDeviceStrategy
+
+__all__ = ["DynamicEmbedding"]
+
+_MODES = (None, "sum", "mean")
+_TABLE_KEYS = ("ids", "rows", "counts", "last_seen")
+
+_OWNER = WeakIdKeyDictionary()
+"""Each module's ``weight`` handle -> a weak reference to the module (a dropped model leaves)."""
+
+
+class DynamicEmbedding(nn.Module):
+    """Embedding rows for any int64 ids, created on first touch; optionally pooled into bags.
+
+    Args:
+        embedding_dim: columns per row, >= 1.
+        initializer: how a missing row is made (``unison.ps.id_initializers``: ``normal``,
+            ``uniform``, ``zeros``); default ``normal(0, 1)``, as ``nn.Embedding``.
+        mode: None (one row per id, output ``[*ids.shape, dim]``), or ``"sum"``/``"mean"``:
+            each bag of ids pooled to one row, as ``nn.EmbeddingBag`` (a 2-D ``ids`` of
+            equal bags, or 1-D ``ids`` with ``offsets``; ``per_sample_weights`` with "sum").
+        eviction: a policy (``EvictUnseen(steps)``, ``EvictBelowCount(count)``) applied after
+            every optimizer step; None keeps every row.
+        seed: mixed into every row's initial values.
+        dtype: the rows' floating dtype.
+
+    Example:
+        >>> emb = DynamicEmbedding(4, mode="sum")
+        >>> opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
+        >>> out = emb(torch.tensor([[2**62, -5], [-5, 7]]))
+        >>> out.shape, emb.num_rows
+        (torch.Size([2, 4]), 3)
+        >>> out.sum().backward(); opt.step()
+    """
+
+    def __init__(self, embedding_dim: int, *, initializer: Initializer | None = None, mode: str | None = None,
+                 eviction: EvictionPolicy | None = None, seed: int = 0, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if mode not in _MODES:
+            raise ValueError(f"DynamicEmbedding: `mode` must be None, 'sum' or 'mean', got {mode!r}")
+        _refuse_other_strategies()
+        self.table = DynamicTable(embedding_dim, dtype=dtype, initializer=initializer, seed=seed, eviction=eviction)
+        self.mode = mode
+        self.weight = nn.Parameter(torch.zeros(0, embedding_dim, dtype=dtype))
+        """A handle, no values: an optimizer that holds it updates the rows the last backward passes touched."""
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        _OWNER[self.weight] = weakref.ref(self)
+        install_row_updates()
+
+    @property
+    def embedding_dim(self) -> int:
+        """Columns per row."""
+        return self.table.embedding_dim
+
+    @property
+    def num_rows(self) -> int:
+        """How many rows exist."""
+        return self.table.num_rows
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); missing rows are made when training."""
+        ids = _checked_ids(ids, self.mode, offsets, per_sample_weights)
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        create = self.training and torch.is_grad_enabled()
+        rows = self.table.lookup(unique, create=create)
+        if torch.is_grad_enabled():
+            rows.requires_grad_()
+            rows.register_hook(lambda grad: self._record(unique, grad))
+        inverse = inverse.reshape(ids.shape)
+        if self.mode is None:
+            return nn.functional.embedding(inverse, rows)
+        return nn.functional.embedding_bag(inverse, rows, offsets, mode=self.mode,
+                                           per_sample_weights=per_sample_weights)
+
+    def _record(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        self._pending.append((ids, grad.detach()))
+
+    def apply_row_gradients(self, optimizer: RowOptimizer) -> None:
+        """Applies the row gradients recorded since the last step with ``optimizer``, then evicts.
+
+        Called by the step of an optimizer that holds ``weight``; call it yourself only
+        to train the rows without one.
+        """
+        pending, self._pending = self._pending, []
+        if pending:
+            ids = torch.cat([i for i, _ in pending])
+            grads = torch.cat([g.reshape(-1, self.embedding_dim) for _, g in pending])
+            self.table.apply_gradients(ids, grads, optimizer)
+        self.table.step()
+        self.table.evict()
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        export = self.table.export()
+        for key in _TABLE_KEYS:
+            destination[prefix + key] = export[key]
+        for name, values in export["state"].items():
+            destination[f"{prefix}state.{name}"] = values
+        destination[prefix + "_extra_state"] = export["meta"]
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        keys = [prefix + key for key in (*_TABLE_KEYS, "_extra_state")]
+        absent = [key for key in keys if key not in state_dict]
+        if absent:
+            missing_keys.extend(absent)
+            return
+        state_prefix = prefix + "state."
+        export = {key: state_dict[prefix + key] for key in _TABLE_KEYS}
+        export["state"] = {key[len(state_prefix):]: value for key, value in state_dict.items()
+                           if key.startswith(state_prefix)}
+        export["meta"] = state_dict[prefix + "_extra_state"]
+        try:
+            self.table = DynamicTable.from_export(export, initializer=self.table.initializer,
+                                                  eviction=self.table.eviction)
+        except (TypeError, ValueError) as exc:
+            error_msgs.append(f"{prefix or 'DynamicEmbedding'}: {exc}")
+
+    def extra_repr(self) -> str:
+        mode = f", mode={self.mode!r}" if self.mode else ""
+        return f"{self.embedding_dim}{mode}, rows={self.num_rows}"
+
+
+def _checked_ids(ids: Any, mode: str | None, offsets: Any, per_sample_weights: Any) -> torch.Tensor:
+    """``ids`` as given, or an error that names the argument and the fix."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"DynamicEmbedding: `ids` must be an int64 tensor of feature ids, got {ids!r:.80}; "
+                        f"fix: hash string features to int64 first")
+    if mode is None and (offsets is not None or per_sample_weights is not None):
+        raise ValueError("DynamicEmbedding: `offsets` and `per_sample_weights` pool bags of ids; "
+                         "build the module with mode='sum' or mode='mean'")
+    if mode is not None and offsets is None and ids.dim() != 2:
+        raise ValueError(f"DynamicEmbedding(mode={mode!r}): `ids` must be 2-D (equal bags, one per row) or 1-D "
+                         f"with `offsets`, got shape {tuple(ids.shape)}")
+    if mode is not None and offsets is not None and ids.dim() != 1:
+        raise ValueError(f"DynamicEmbedding(mode={mode!r}): with `offsets`, `ids` must be 1-D, "
+                         f"got shape {tuple(ids.shape)}")
+    if per_sample_weights is not None and mode != "sum":
+        raise ValueError(f"DynamicEmbedding(mode={mode!r}): `per_sample_weights` needs mode='sum' (as nn.EmbeddingBag)")
+    return ids.to(torch.int64)
+
+
+def _refuse_other_strategies() -> None:
+    top = STATE.top()
+    strategy = top.strategy if top is not None else None
+    if strategy is None or isinstance(strategy, OneDeviceStrategy):
+        return
+    raise NotImplementedError(
+        f"DynamicEmbedding in {type(strategy).__name__}'s scope: this release keeps the rows on one device "
+        f"(no strategy or OneDeviceStrategy); rows on ps tasks under ParameterServerStrategy are not built yet")
+
+
+def row_optimizer_for(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> RowOptimizer:
+    """The row update that equals ``optimizer``'s on a sparse gradient, with ``group``'s hyper-parameters."""
+    name = type(optimizer).__name__
+    if type(optimizer) is torch.optim.SGD:
+        if not (group.get("momentum", 0) or group.get("weight_decay", 0) or group.get("maximize", False)):
+            return RowSGD(lr=float(group["lr"]))
+    elif type(optimizer) is torch.optim.Adagrad:
+        if not (group.get("lr_decay", 0) or group.get("weight_decay", 0) or group.get("maximize", False)):
+            return RowAdagrad(lr=float(group["lr"]), initial_accumulator_value=group["initial_accumulator_value"],
+                              eps=group["eps"])
+    raise ValueError(
+        f"DynamicEmbedding rows cannot be trained by {name} with {dict((k, v) for k, v in group.items() if k != 'params')}: "
+        f"rows train with torch.optim.SGD (no momentum, weight decay or maximize) or torch.optim.Adagrad (no lr_decay "
+        f"or weight decay); put the module's parameters in a param group (or optimizer) of their own with one of those")
+
+
+_HOLDERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]]" = weakref.WeakKeyDictionary()
+"""Per optimizer: (how many param groups it had, its (handle, group) pairs), found once."""
+
+
+def _handles_of(optimizer: torch.optim.Optimizer) -> list:
+    groups = optimizer.param_groups
+    known = _HOLDERS.get(optimizer)
+    if known is not None and known[0] == len(groups):
+        return known[1]
+    found = [(p, group) for group in groups for p in group["params"] if p in _OWNER]
+    _HOLDERS[optimizer] = (len(groups), found)
+    return found
+
+
+def _apply_rows_before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for handle, group in _handles_of(optimizer):
+        module = _OWNER[handle]()
+        if module is not None:
+            module.apply_row_gradients(row_optimizer_for(optimizer, group))
+
+
+def _install_row_updates() -> None:
+    register_optimizer_step_pre_hook(_apply_rows_before_step)
+
+
+install_row_updates = Interposition(
+    "a global optimizer step pre-hook that applies DynamicEmbedding row gradients",
+    "torch.optim.Optimizer (all instances)",
+    "rows are not parameters an optimizer can hold; the optimizer that holds a module's weight handle "
+    "updates the rows its batches touched, with its own hyper-parameters",
+    _install_row_updates,
+)
