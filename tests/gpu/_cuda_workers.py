@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import unison
@@ -69,18 +71,26 @@ def _real_model(name: str):
     raise ValueError(f"name={name!r}: use 'resnet18', 'resnet18_64' or 'gpt2'")
 
 
-def _train_real(model, batches, loss_fn, run=lambda fn, args: fn(*args)):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+def _train_real(model, batches, loss_fn, step_model=None, strategy=None):
+    """4 SGD (momentum) steps over ``model``'s parameters, each running ``step_model``
+    (default ``model``): in ``strategy.run`` with the optimizer made in its scope, or plainly."""
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    forward = model if step_model is None else step_model
 
     def step(*batch):
         opt.zero_grad()
-        loss = loss_fn(model, *batch)
+        loss = loss_fn(forward, *batch)
         loss.backward()
         opt.step()
         return loss
 
     for batch in batches:
-        run(step, tuple(t.cuda() for t in batch))
+        args = tuple(t.cuda() for t in batch)
+        if strategy is not None:
+            strategy.run(step, args=args)
+        else:
+            step(*args)
 
 
 def real_models_on_cuda(rank: int, world: int, cases):
@@ -107,7 +117,7 @@ def real_models_on_cuda(rank: int, world: int, cases):
             with strategy.scope():
                 model, batches, loss_fn = _real_model(name)
             step_model = torch.compile(model, backend=strategy.extended.compile_backend()) if compiled else model
-            _train_real_in(strategy, model, step_model, batches, loss_fn)
+            _train_real(model, batches, loss_fn, step_model=step_model, strategy=strategy)
             case["diff"] = _distance(model, plain)
             case["devices"] = sorted({str(p.device) for p in model.parameters()})
         except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -129,7 +139,7 @@ def _compiled_control(name: str, plain, ddp: bool):
     control.cuda()
     try:
         wrapped = DistributedDataParallel(control) if ddp else control
-        _train_real(torch.compile(wrapped), batches, loss_fn)
+        _train_real(control, batches, loss_fn, step_model=torch.compile(wrapped))
         return _distance(control, plain)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return f"{type(exc).__name__}: {str(exc)[:400]}"
@@ -139,18 +149,3 @@ def _compiled_control(name: str, plain, ddp: bool):
 
 def _distance(model, reference) -> float:
     return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
-
-
-def _train_real_in(strategy, model, step_model, batches, loss_fn):
-    with strategy.scope():
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def step(*batch):
-        opt.zero_grad()
-        loss = loss_fn(step_model, *batch)
-        loss.backward()
-        opt.step()
-        return loss
-
-    for batch in batches:
-        strategy.run(step, args=tuple(t.cuda() for t in batch))
