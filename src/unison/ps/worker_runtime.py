@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 from torch.utils._pytree import tree_map
 
 from unison.ps.client import PSClient
@@ -149,6 +150,7 @@ class WorkerRuntime:
         self.client = client
         self.worker_index = worker_index
         self._cache: dict[str, nn.Parameter] = {}
+        self._spec_of = WeakIdKeyDictionary()  # each cached parameter -> its VariableSpec (no attribute on the tensor)
         self._touched: dict[str, nn.Parameter] = {}
         self._rows: list[tuple[WorkerShardedParameter, "torch.Tensor | None", torch.Tensor]] = []
         self._pulled: dict[str, torch.Tensor] = {}  # non-trainable values as pulled, to find the changes
@@ -171,10 +173,10 @@ class WorkerRuntime:
         if param is None:
             if _is_lazy(spec):
                 param = WorkerShardedParameter(torch.zeros((), dtype=spec.dtype).expand(spec.shape), spec.requires_grad)
-                param._ps_runtime = self
+                param._ps_runtime, param._ps_spec = self, spec
             else:
                 param = nn.Parameter(self.client.new_tensor(spec.shape, spec.dtype), requires_grad=spec.requires_grad)
-            param._ps_spec = spec
+            self._spec_of[param] = spec
             attach(param, self._sync)
             self._cache[spec.key] = param
         if not isinstance(param, WorkerShardedParameter):
@@ -185,12 +187,12 @@ class WorkerRuntime:
         """Pulls every touched whole variable, one request per ps task."""
         by_ps: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for param in self._touched.values():
-            part = getattr(param, "_ps_spec").parts[0]
+            part = self._spec_of[param].parts[0]
             by_ps.setdefault(part.task, []).append((part.key, param.detach()))
         if by_ps:
             self.client.pull_into(by_ps)
         self._pulled = {key: param.detach().clone() for key, param in self._touched.items()
-                        if not getattr(param, "_ps_spec").requires_grad}
+                        if not self._spec_of[param].requires_grad}
 
     def push_changes(self) -> None:
         """Sends what the function changed in non-trainable whole variables: differences to
@@ -201,7 +203,7 @@ class WorkerRuntime:
             now = self._touched[key].detach()
             if torch.equal(now, before):
                 continue
-            part = getattr(self._touched[key], "_ps_spec").parts[0]
+            part = self._spec_of[self._touched[key]].parts[0]
             placed, values = assigns if now.dtype == torch.bool else adds
             placed.append((part.task, part.key))
             values.append(now.clone() if now.dtype == torch.bool else now - before)
@@ -254,7 +256,7 @@ class WorkerRuntime:
         for group in optimizer.param_groups:
             hyper = {k: v for k, v in group.items() if k != "params"}
             for param in group["params"]:
-                spec = getattr(param, "_ps_spec", None)
+                spec = self._spec_of.get(param)
                 if spec is None:
                     continue
                 if isinstance(param, WorkerShardedParameter):
@@ -266,7 +268,7 @@ class WorkerRuntime:
                 grad = param.grad
                 if grad is None:
                     continue
-                part = param._ps_spec.parts[0]
+                part = spec.parts[0]
                 if grad.is_sparse:
                     grad = grad.coalesce()
                     entry = (part.key, grad.indices()[0].contiguous(), grad.values().contiguous(), cls, hyper)
