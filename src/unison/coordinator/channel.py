@@ -3,12 +3,13 @@
 A standalone client sends functions to standard servers, and unpickling is running
 code, so every connection first proves that both ends hold the cluster's key: the
 HMAC challenge of ``multiprocessing.connection`` (``deliver_challenge`` /
-``answer_challenge``), exchanged as raw bytes, before a single pickle is read. A peer
-without the key is dropped; a peer that says nothing (or drips bytes) is dropped at a
-deadline on its whole handshake, and either way only its own handshake thread ever
-waited for it. At most ``MAX_HANDSHAKES`` such threads exist per listener, fewer where
-the free file descriptors carry fewer (see ``unison.coordinator.admission``). A client's
-``connect(timeout=...)`` bounds its whole handshake too, and says which end gave up.
+``answer_challenge``, run by ``unison.coordinator.handshake``), exchanged as raw bytes,
+before a single pickle is read. A peer without the key is dropped; a peer that says
+nothing (or drips bytes) is dropped at a deadline on its whole handshake, and either
+way only its own handshake thread ever waited for it. At most ``MAX_HANDSHAKES`` such
+threads exist per listener, fewer where the free file descriptors carry fewer (see
+``unison.coordinator.admission``). A client's ``connect(timeout=...)`` bounds its whole
+handshake too, and says which end gave up.
 
 The key comes from ``UNISON_AUTHKEY`` (hex) or ``UNISON_AUTHKEY_FILE`` (a file holding
 the hex), which ``unison launch`` fills with a fresh random key per cluster.
@@ -18,15 +19,13 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import pickle
 import secrets
 import socket
-import struct
 import threading
 import time
 from multiprocessing import AuthenticationError as _MpAuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Mapping
 
 import cloudpickle
@@ -40,6 +39,7 @@ from unison.coordinator.admission import (
     descriptor_usage,
     handshake_budget,
 )
+from unison.coordinator.handshake import HandshakeCut, duplicate_connection, guarded_handshake
 from unison.errors import AuthenticationError, ClusterError
 
 __all__ = [
@@ -103,13 +103,6 @@ def require_authkey(authkey: "bytes | None" = None, environ: "Mapping[str, str] 
     return authkey
 
 
-def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
-    # A kernel-level timeout, so the blocking reads inside the stdlib handshake give up.
-    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
 class Channel:
     """An authenticated connection that sends objects with cloudpickle.
 
@@ -152,73 +145,6 @@ class Channel:
     def close(self) -> None:
         """Closes the connection."""
         self._connection.close()
-
-
-def _handshake(sock: socket.socket, connection: Connection, authkey: bytes, *, server: bool, seconds: float) -> None:
-    """Runs the mutual HMAC handshake over ``connection``; closes it and raises if that fails.
-
-    ``connection`` holds its own descriptor of ``sock``'s socket (``_duplicate``). The
-    caller registers ``sock`` with a ``PendingHandshakes`` (which bounds the whole
-    handshake, not only each read) and closes ``sock`` afterwards.
-    """
-    _set_io_timeout(sock, seconds)  # no single read outlives the whole handshake's deadline
-    try:
-        if server:
-            deliver_challenge(connection, authkey)
-            answer_challenge(connection, authkey)
-        else:
-            answer_challenge(connection, authkey)
-            deliver_challenge(connection, authkey)
-        # Socket options belong to the shared open socket: clear the deadline for normal use.
-        _set_io_timeout(sock, 0)
-    except BaseException:
-        connection.close()
-        raise
-
-
-def _duplicate(sock: socket.socket) -> Connection:
-    """A Connection on its own descriptor of ``sock``'s socket (the reaper keeps ``sock``).
-
-    The accept loop makes it itself, so that only that loop opens a handshake's
-    descriptors and its count of the free ones holds until the next accept.
-    """
-    return Connection(os.dup(sock.fileno()))
-
-
-class _HandshakeCut(EOFError):
-    """The handshake was cut: its deadline passed, or newer ones took its place."""
-
-
-def _guarded_handshake(
-    sock: socket.socket,
-    connection: Connection,
-    token: int,
-    authkey: bytes,
-    handshakes: PendingHandshakes,
-    *,
-    server: bool,
-) -> Connection:
-    """``_handshake`` of ``sock``, admitted to ``handshakes`` as ``token``; closes ``sock`` either way,
-    and ``connection`` (``_duplicate(sock)``) unless it returns it.
-
-    Raises:
-        _HandshakeCut: if the handshake was cut (deadline, or evicted by newer ones), even
-            when it finished just as it was cut, or a read outlived the deadline.
-    """
-    cut = _HandshakeCut(f"the handshake did not finish within {handshakes.seconds:g} s")
-    try:
-        _handshake(sock, connection, authkey, server=server, seconds=handshakes.seconds)
-    except BaseException as e:
-        finished = handshakes.release(token, sock)
-        if isinstance(e, (BlockingIOError, TimeoutError)):  # SO_RCVTIMEO: the deadline, seen first by a read
-            raise cut from e
-        if not finished and isinstance(e, (EOFError, OSError)):  # woken by the cut
-            raise cut from e
-        raise
-    if not handshakes.release(token, sock):
-        connection.close()
-        raise cut
-    return connection
 
 
 def _bind_target(address: str) -> tuple[str, int]:
@@ -342,7 +268,7 @@ class ChannelListener:
                 sock, peer = self._socket.accept()
                 token = self.handshakes.admit(sock)
                 try:
-                    connection = _duplicate(sock)
+                    connection = duplicate_connection(sock)
                 except OSError:
                     self.handshakes.release(token, sock)
                     raise
@@ -407,7 +333,7 @@ class ChannelListener:
     def _admit(self, sock: socket.socket, connection: Connection, peer: Any, token: int) -> None:
         name = f"{peer[0]}:{peer[1]}"
         try:
-            connection = _guarded_handshake(sock, connection, token, self._authkey, self.handshakes, server=True)
+            connection = guarded_handshake(sock, connection, token, self._authkey, self.handshakes, server=True)
         except (_MpAuthenticationError, OSError, EOFError):
             with self._lock:
                 self.refused += 1
@@ -457,19 +383,19 @@ def connect(address: str, authkey: bytes, timeout: float = 60.0) -> Channel:
     started = time.monotonic()
     seconds = max(deadline - started, min(timeout, _LATE_HANDSHAKE_SECONDS))
     try:
-        duplicate = _duplicate(sock)
+        duplicate = duplicate_connection(sock)
     except OSError:
         sock.close()
         raise
     handshakes = PendingHandshakes(1, seconds, name=f"client-{address}")
     try:
-        connection = _guarded_handshake(sock, duplicate, handshakes.admit(sock), authkey, handshakes, server=False)
+        connection = guarded_handshake(sock, duplicate, handshakes.admit(sock), authkey, handshakes, server=False)
     except _MpAuthenticationError as e:
         raise AuthenticationError(
             f"the server at {address!r} refused this client's key (or proved none): use the "
             f"cluster's key ({env.UNISON_AUTHKEY} / {env.UNISON_AUTHKEY_FILE})"
         ) from e
-    except _HandshakeCut as e:
+    except HandshakeCut as e:
         raise ClusterError(
             f"the server at {address!r} accepted the connection but did not answer the key handshake "
             f"within {seconds:.3g} s: it is overloaded (e.g. flooded with connections, or out of file "

@@ -11,7 +11,8 @@ node 0's launcher hosts at the master address (see
 :mod:`unison.launch.node_rendezvous`), where each publishes its reachable address and
 free ports and node 0 a fresh cluster key. Worker indices follow node ranks: node ``r``
 runs workers ``r*K .. r*K+K-1``. ``--chief``, ``--ps M`` and ``--evaluator`` add their
-tasks on node 0 only (the chief then leads the collective group, as on one node).
+tasks on node 0 only (the chief then leads the collective group, as on one node). The
+flags and their check are ``multinode_flags.py``; this module runs one node's part.
 
 Node 0's launcher also hosts the workers' own rendezvous store (``UNISON_RENDEZVOUS``),
 one per generation, so it outlives every worker. A task that fails on any node ends the
@@ -26,7 +27,6 @@ on the other nodes after ``--rendezvous-timeout`` seconds.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -45,17 +45,9 @@ from unison.launch.node_rendezvous import (
     NodeTasks,
     format_address,
 )
-from unison.launch.procs import (
-    LocalCluster,
-    Task,
-    install_signal_handlers,
-    Interrupted,
-    restore_signal_handlers,
-    signal_name,
-    exit_code,
-    reserve_ports,
-    shared_environment,
-)
+from unison.launch.interrupts import Interrupted, install_signal_handlers, restore_signal_handlers
+from unison.launch.outcome import exit_code, signal_name
+from unison.launch.procs import LocalCluster, Task, reserve_ports, shared_environment
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -66,8 +58,6 @@ __all__ = [
     "job_cluster",
     "node_environments",
     "run_node",
-    "add_multinode_arguments",
-    "launch_nodes",
     "DEFAULT_MASTER_PORT",
     "DEFAULT_RENDEZVOUS_TIMEOUT",
 ]
@@ -385,74 +375,3 @@ def _wait_for_job(rendezvous: NodeRendezvous, monitor: _Monitor, generation: int
         except (RuntimeError, OSError) as e:
             return Failure("", 0, 1, f"(node 0's launcher) stopped answering at {rendezvous.master}: {e}")
         time.sleep(0.2)  # remote nodes: the store is the only thing to poll
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port in 1..65535")
-    return int(text)
-
-
-def _positive(kind: type) -> "Callable[[str], float]":
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'integer' if kind is int else 'number'}")
-        return value
-
-    return parse
-
-
-def add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the multi-node flags of ``unison launch`` (torchrun's names where it has them)."""
-    group = parser.add_argument_group("multi-node (run the same command on every node, each with its --node-rank)")
-    group.add_argument("--nnodes", type=_positive(int), default=1, metavar="N", help="number of nodes (default 1)")
-    group.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0..N-1 (default 0)")
-    group.add_argument("--master-addr", metavar="HOST", help="address of node 0, which hosts the launchers' rendezvous")
-    group.add_argument(
-        "--master-port", type=_port, default=DEFAULT_MASTER_PORT, metavar="P", help=f"port of the rendezvous on node 0 (default {DEFAULT_MASTER_PORT})"
-    )
-    group.add_argument(
-        "--workers-per-node", "--nproc-per-node", type=int, default=None, metavar="K", help="worker tasks on each node"
-    )
-    group.add_argument(
-        "--node-addr", metavar="HOST", help="address other nodes reach this node at (default: the one it uses to reach the master)"
-    )
-    group.add_argument(
-        "--rendezvous-timeout",
-        type=_positive(float),
-        default=DEFAULT_RENDEZVOUS_TIMEOUT,
-        metavar="S",
-        help=f"seconds to wait for the master and the other nodes (default {DEFAULT_RENDEZVOUS_TIMEOUT:g})",
-    )
-
-
-def is_multinode(args: argparse.Namespace) -> bool:
-    """Whether the parsed ``unison launch`` flags ask for a multi-node job."""
-    return args.nnodes > 1 or args.master_addr is not None
-
-
-def launch_nodes(args: argparse.Namespace, parser: argparse.ArgumentParser, command: Sequence[str]) -> int:
-    """``unison launch --nnodes N ...``: checks the flags, then runs this node (see :func:`run_node`)."""
-    if args.master_addr is None:
-        parser.error(f"--nnodes {args.nnodes} needs --master-addr HOST, the address of node 0 (which hosts the rendezvous)")
-    if args.workers != 1:
-        parser.error("--workers is the task count of a one-node cluster; with --nnodes pass --workers-per-node K instead")
-    workers = 1 if args.workers_per_node is None else args.workers_per_node
-    try:
-        plan = plan_node(args.nnodes, args.node_rank, workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator)
-    except ValueError as e:
-        parser.error(str(e))
-    return run_node(
-        command,
-        plan,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        node_addr=args.node_addr,
-        max_restarts=args.max_restarts,
-        grace_period=args.grace_period,
-        rendezvous_timeout=args.rendezvous_timeout,
-    )

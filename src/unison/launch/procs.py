@@ -8,7 +8,8 @@ exit code; with restarts left, the whole cluster is started again on fresh ports
 
 On Linux each task also dies with the launcher: a launcher killed with SIGKILL cannot
 stop its tasks, and tasks in sessions of their own would otherwise train on as orphans
-(see ``die_with_launcher``).
+(see ``parent_death.die_with_launcher``). How a run ended is an ``outcome.Outcome``; the
+launcher's own SIGTERM and SIGHUP stop the cluster through ``interrupts``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import sys
 import tempfile
 import threading
 import time
-from types import FrameType
-from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import IO, Callable, Mapping, Sequence
 
 from unison.cluster import env
+from unison.launch.interrupts import Interrupted, install_signal_handlers, restore_signal_handlers
+from unison.launch.outcome import Outcome, exit_code, signal_name
+from unison.launch.parent_death import die_with_launcher
 
 __all__ = [
     "Task",
@@ -43,47 +46,6 @@ __all__ = [
     "run_local_cluster",
     "die_with_launcher",
 ]
-
-# Runs before the task's program, in the task's process (then replaced by it through
-# exec): asks the kernel for SIGKILL when the launcher dies (PR_SET_PDEATHSIG = 1; it
-# survives execve), then checks that the launcher did not die before that was in place.
-_DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
-if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
-    print(f"unison launch: this task will not die with the launcher: prctl(PR_SET_PDEATHSIG) failed "
-          f"({os.strerror(ctypes.get_errno())})", file=sys.stderr)
-elif os.getppid() != int(sys.argv[1]):
-    os.kill(os.getpid(), signal.SIGKILL)
-os.execvp(sys.argv[2], sys.argv[2:])
-"""
-
-
-def die_with_launcher(command: Sequence[str]) -> list[str]:
-    """``command``, made to receive SIGKILL when the launcher process dies (Linux).
-
-    Tasks run in sessions of their own (so a task's process group holds it and what it
-    starts), hence no terminal hang-up or group signal reaches them when the launcher
-    is killed with SIGKILL; without this they would keep training unseen. The kernel's
-    parent-death signal (``prctl(PR_SET_PDEATHSIG)``) is set by a short Python step that
-    then ``exec``s the command in the same process, rather than in a ``preexec_fn``,
-    which Python documents as unsafe while other threads run (the launcher's output
-    pumps do). SIGKILL, not SIGTERM: a launcher that died abruptly cannot follow up a
-    SIGTERM that the task ignores. Processes that the task starts are not covered (torch
-    DataLoader workers watch their own parent).
-
-    The signal fires when the *thread* that started the task ends, so the thread that
-    calls ``LocalCluster.start`` must outlive the tasks (``run_local_cluster`` does).
-    Elsewhere than on Linux the command is returned unchanged.
-
-    Args:
-        command: the task's program and arguments.
-
-    Returns:
-        The command to start instead.
-    """
-    if not sys.platform.startswith("linux"):
-        return list(command)
-    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,36 +190,6 @@ class _Running:
     process: "subprocess.Popen[bytes]"
     pumps: list[_Pump]
 
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """How one run of the cluster ended: ``failed`` is None on success."""
-
-    failed: "Task | None" = None
-    returncode: int = 0
-    #: True when ``wait``'s ``stop_when`` asked to stop (e.g. a task on another node failed).
-    stopped: bool = False
-    #: The tasks that received a preemption signal, by name (``("worker:1",)``), as they
-    #: recorded it (``env.UNISON_PREEMPTION_NOTICES``); the first task to exit with
-    #: ``PREEMPTED_EXIT_CODE`` need not be one of them.
-    notified: tuple[str, ...] = ()
-
-    def describe_failure(self) -> str:
-        """``"task worker:0 exited with code 1"``; for a preemption, the task(s) that got the notice."""
-        if self.failed is None:
-            return "no task failed"
-        code = exit_code(self.returncode)
-        notice = f" (notice to {', '.join(self.notified)})" if self.notified else ""
-        if code == env.PREEMPTED_EXIT_CODE:
-            text = (f"the job was preempted{notice} and saved at the agreed step; task {self.failed.name} "
-                    f"exited first, with code {code}")
-        else:
-            text = f"task {self.failed.name} exited with code {code}"
-            if self.returncode < 0:
-                text += f" (killed by {signal_name(-self.returncode)})"
-            if self.notified:
-                text += f"; a preemption notice went to {', '.join(self.notified)}"
-        return text
 
 
 class LocalCluster:
@@ -452,23 +384,6 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass
 
 
-def exit_code(returncode: int) -> int:
-    """A task's status as a shell exit code: killed by signal N -> 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-class Interrupted(BaseException):
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
 
 def run_local_cluster(
     command: Sequence[str],
@@ -521,23 +436,3 @@ def run_local_cluster(
         restore_signal_handlers(previous)
 
 
-_Handler = Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers, None]
-
-
-def _raise_interrupted(signum: int, frame: "FrameType | None") -> None:
-    raise Interrupted(signum)
-
-
-def install_signal_handlers() -> dict[signal.Signals, _Handler]:
-    # SIGINT already raises KeyboardInterrupt; SIGTERM and SIGHUP are made to stop the cluster too.
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    previous: dict[signal.Signals, _Handler] = {}
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        previous[signum] = signal.signal(signum, _raise_interrupted)
-    return previous
-
-
-def restore_signal_handlers(previous: Mapping[signal.Signals, _Handler]) -> None:
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)

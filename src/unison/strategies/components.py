@@ -2,8 +2,8 @@
 
 A strategy (``unison.MirroredStrategy``, ``MultiWorkerMirroredStrategy``, ...) is a
 final class that chooses components and hands them, as one :class:`StrategyComponents`,
-to the shared :class:`~unison.strategies.base.StrategyExtended`, which implements the
-tf.distribute semantics (scope, run, reduce, update, ...) once on top of them:
+to the shared :class:`~unison.strategies.extended.StrategyExtended`, which implements
+the tf.distribute semantics (scope, run, reduce, update, ...) once on top of them:
 
 - a **replica runner** runs ``strategy.run``'s function once per local replica (inline
   for one device; otherwise CPU replica 0 in the caller's thread and one thread per other

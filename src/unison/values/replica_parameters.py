@@ -74,7 +74,7 @@ class ReplicaParameters(dict):
         # `dict.__getitem__` spelled out, not a module-level alias of it: torch.compile
         # (Dynamo) traces this lookup only when it sees the builtin by that name; through an
         # alias every parameter read was a graph break. Traced, the replica id below becomes
-        # a guard, so a compiled module gets one graph per replica (tests/core/test_torch_compile.py).
+        # a guard, so a compiled module gets one graph per replica (tests/values/test_torch_compile.py).
         value = dict.__getitem__(self, name)
         if isinstance(value, DistributedVariable):  # inline, not _replica_of: a forward's every parameter read
             entry = STATE.top()
