@@ -16,8 +16,8 @@ is ``unison.ps.partitioners``). Rules:
 - every module whose path is public (no segment with a leading underscore) declares
   ``__all__``: what it offers is listed, anything else is its own business.
 
-``tests/core/test_public_api.py`` checks the names tf.distribute users look for, the
-lazy packages' stubs and the import cost.
+``tests/architecture/test_public_names_and_stubs.py`` checks the names tf.distribute users
+look for, the lazy packages' stubs and the import cost.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _training import (
+from tests.strategies._training import (
     GLOBAL_BATCH,
     STEPS,
     batches,
@@ -94,7 +94,7 @@ def test_sum_gradient_reduction_with_global_batch_scaled_loss():
     # and gradients are summed over replicas.
     strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"])
     strategy.extended.gradient_reduce_op = unison.ReduceOp.SUM
-    from _training import make_mlp, split
+    from tests.strategies._training import make_mlp, split
 
     with strategy.scope():
         model = make_mlp()

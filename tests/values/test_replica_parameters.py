@@ -13,7 +13,7 @@ import io
 
 import pytest
 import torch
-from _training import assert_trains_as_on_one_device
+from tests.strategies._training import assert_trains_as_on_one_device
 from torch import nn
 
 import unison

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from _training import components
+from tests.strategies._training import components
 from torch import nn
 
 import unison

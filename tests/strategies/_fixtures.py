@@ -1,4 +1,9 @@
-"""Fixtures for the strategy-core tests: strategies on logical CPU devices."""
+"""Fixtures for the in-process strategy tests: strategies on logical CPU devices.
+
+The conftest.py of tests/strategies, values, gradient_sync, interpose and devices
+imports them, so every test there runs with one intra-op thread and can ask for
+``mirrored2``, ``central2``, ``one_device`` and ``thread_baseline``.
+"""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import torch
 import unison
 from unison._testing import run_workers
 
-from tests.multi_worker import _compression_workers as c
+from tests.collectives import _compression_workers as c
 
 
 @pytest.mark.parametrize("value, member", [("bf16", unison.Compression.BF16), ("FP16", unison.Compression.FP16),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _training import (
+from tests.strategies._training import (
     batches,
     loss_fn,
     make_mlp,

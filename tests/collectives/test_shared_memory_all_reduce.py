@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from unison._testing import run_workers
-from tests.multi_worker import _shared_memory_workers as w
+from tests.collectives import _shared_memory_workers as w
 from tests.multi_worker._workers import check_worker_1_named, single_device_weights
 
 

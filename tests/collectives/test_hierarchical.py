@@ -7,7 +7,7 @@ import torch
 
 from unison._testing import run_workers
 
-from tests.multi_worker import _hierarchical_workers as h
+from tests.collectives import _hierarchical_workers as h
 from tests.multi_worker import _workers as w
 
 
