@@ -46,6 +46,7 @@ from unison.ps.dynamic_table import DynamicTable
 from unison.ps.id_initializers import Initializer
 from unison.ps.row_eviction import EvictionPolicy
 from unison.ps.row_optimizers import RowAdagrad, RowOptimizer, RowSGD
+from unison.ps.store import plain_sgd
 from unison.strategies.one_device import OneDeviceStrategy
 
 __all__ = ["DynamicEmbedding"]
@@ -201,10 +202,9 @@ def _refuse_other_strategies() -> None:
 def row_optimizer_for(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> RowOptimizer:
     """The row update that equals ``optimizer``'s on a sparse gradient, with ``group``'s hyper-parameters."""
     name = type(optimizer).__name__
-    if type(optimizer) is torch.optim.SGD:
-        if not (group.get("momentum", 0) or group.get("weight_decay", 0) or group.get("maximize", False)):
-            return RowSGD(lr=float(group["lr"]))
-    elif type(optimizer) is torch.optim.Adagrad:
+    if plain_sgd(type(optimizer), dict(group)):
+        return RowSGD(lr=float(group["lr"]))
+    if type(optimizer) is torch.optim.Adagrad:
         if not (group.get("lr_decay", 0) or group.get("weight_decay", 0) or group.get("maximize", False)):
             return RowAdagrad(lr=float(group["lr"]), initial_accumulator_value=group["initial_accumulator_value"],
                               eps=group["eps"])

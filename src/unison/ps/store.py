@@ -25,7 +25,7 @@ import torch
 from unison.ps.shared_arena import MappedSegments
 from unison.ps.transport import TensorLink, pickled, unpickled
 
-__all__ = ["ParameterStore", "serve_ps_session"]
+__all__ = ["ParameterStore", "serve_ps_session", "plain_sgd"]
 
 
 class _Slot:
@@ -50,7 +50,8 @@ def _make_optimizer(cls: type, tensor: torch.Tensor, hyper: dict) -> torch.optim
     return cls([{**hyper, "params": [tensor]}], **arguments)
 
 
-def _plain_sgd(cls: type, hyper: dict) -> bool:
+def plain_sgd(cls: type, hyper: dict) -> bool:
+    """Whether ``cls`` with group ``hyper`` is SGD without momentum, weight decay or maximize (a bare ``p -= lr * g``)."""
     return (cls is torch.optim.SGD and not hyper.get("momentum") and not hyper.get("weight_decay")
             and not hyper.get("maximize"))
 
@@ -133,7 +134,7 @@ class ParameterStore:
         slot = self._slot(key)
         with slot.lock, torch.no_grad():
             tensor = slot.tensor
-            if _plain_sgd(cls, hyper):  # what SGD.step does, without its per-step machinery
+            if plain_sgd(cls, hyper):  # what SGD.step does, without its per-step machinery
                 if ids is None:
                     tensor.add_(grad.to(tensor.dtype).view_as(tensor), alpha=-float(hyper["lr"]))
                 else:

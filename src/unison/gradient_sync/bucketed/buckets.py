@@ -113,6 +113,7 @@ class BucketedGradientSync:
         # memory) the gradients live in flat buffers of their own (GradSlots) that reach
         # the transport's flat in one pass.
         self._at_end = False
+        self._in_slots = False  # reduced at the end and copied out: gradients may live in the buckets' slots
         self._settled_task = -1  # the autograd graph task whose first gradient was seen (that mode)
 
     @property
@@ -219,6 +220,7 @@ class BucketedGradientSync:
         self._overlap_bytes = bucket_bytes if overlaps else None
         self._observed = [] if self._order is None and overlaps else None
         self._at_end = not overlaps
+        self._in_slots = self._at_end and transport.hand_out is HandOut.COPIES
 
     @property
     def crosses_hosts_during_backward(self) -> bool:
@@ -286,7 +288,7 @@ class BucketedGradientSync:
         transport = self._transport
         if transport.reads_gradients:
             self._gather_gradients(bucket)
-        elif not (self._at_end and transport.hand_out is HandOut.COPIES and fill_from_slots(bucket, divisor)):
+        elif not (self._in_slots and fill_from_slots(bucket, divisor)):
             self._fill(bucket, divisor)
         transport.launch(bucket, divisor)
 
@@ -323,7 +325,7 @@ class BucketedGradientSync:
         set_flags(bucket.used, missing)
         if divisor != 1 and not fused:
             flat.div_(divisor)
-        if self._at_end and self._transport.hand_out is HandOut.COPIES:
+        if self._in_slots:
             # Few gradients are divided straight into the flat (one pass each); slots would
             # add a pass (zeroing, and autograd adding where it took the tensor over)
             grads = grads_of(bucket.params)
