@@ -158,7 +158,7 @@ def test_bad_input_and_unsupported_optimizers_are_refused_with_the_fix():
         momentum.step()
 
 
-def test_one_device_strategy_trains_it_and_other_strategies_refuse_it_for_now():
+def test_one_device_strategy_trains_it_and_in_process_replicas_refuse_it():
     strategy = unison.OneDeviceStrategy("cpu:0")
     with strategy.scope():
         emb = DynamicEmbedding(DIM)
@@ -174,5 +174,13 @@ def test_one_device_strategy_trains_it_and_other_strategies_refuse_it_for_now():
     before = emb.table.lookup(torch.tensor([5]), create=False)
     strategy.run(step, args=(torch.tensor([5, 6]),))
     torch.testing.assert_close(emb.table.lookup(torch.tensor([5]), create=False), before - 0.1)
-    with unison.MirroredStrategy(["cpu:0", "cpu:1"]).scope(), pytest.raises(NotImplementedError, match="one device"):
+    with unison.MirroredStrategy(["cpu:0", "cpu:1"]).scope(), pytest.raises(NotImplementedError, match="ParameterServerStrategy"):
         DynamicEmbedding(DIM)
+
+
+def test_a_row_counts_every_occurrence_of_its_id_in_a_batch():
+    emb = DynamicEmbedding(DIM, mode="sum")
+    emb(torch.tensor([[7, 7, 7], [7, -2, 5]]))
+    state = emb.state_dict()
+    counts = dict(zip(state["ids"].tolist(), state["counts"].tolist()))
+    assert counts == {-2: 1, 5: 1, 7: 4}

@@ -21,9 +21,11 @@ others are refused with the fix. Other parameters of the same optimizer step as 
 Checkpoints: ``state_dict()`` holds the rows that exist (ids, rows, their optimizer
 state, touch counts) and no capacity; ``load_state_dict`` restores them.
 
-This release runs on one device: no strategy or ``OneDeviceStrategy``. Under
-ParameterServerStrategy its rows are to live on the ps tasks (issue 33, not built yet):
-made in another strategy's scope it is refused with a message that says so.
+Where the rows live: on one device (no strategy, ``OneDeviceStrategy``) in this
+process; made in a ``ParameterServerStrategy``'s scope, on its ps tasks
+(:class:`~unison.ps.remote_rows.RemoteRows`: row ``id`` on ps task ``shard_of(id, M)``),
+so a worker holds only the rows of its batch and the same model code runs in both.
+Other strategies refuse it with the fix.
 
 tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addons'
 ``dynamic_embedding.get_variable`` with ``embedding_lookup``, and TorchRec's
@@ -43,6 +45,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from unison._once import Interposition
 from unison._state import STATE
 from unison.ps.dynamic_table import DynamicTable
+from unison.ps.remote_rows import RemoteRows
+from unison.ps.strategy import ParameterServerStrategy
+from unison.ps.table_store import TableConfig
 from unison.ps.id_initializers import Initializer
 from unison.ps.row_eviction import EvictionPolicy
 from unison.ps.row_optimizers import RowAdagrad, RowOptimizer, RowSGD
@@ -87,8 +92,9 @@ class DynamicEmbedding(nn.Module):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"DynamicEmbedding: `mode` must be None, 'sum' or 'mean', got {mode!r}")
-        _refuse_other_strategies()
-        self.table = DynamicTable(embedding_dim, dtype=dtype, initializer=initializer, seed=seed, eviction=eviction)
+        local = DynamicTable(embedding_dim, dtype=dtype, initializer=initializer, seed=seed, eviction=eviction)
+        self.table: "DynamicTable | RemoteRows" = _rows_for_scope(local)
+        """The rows: a :class:`DynamicTable` here, or :class:`RemoteRows` on the strategy's ps tasks."""
         self.mode = mode
         self.weight = nn.Parameter(torch.zeros(0, embedding_dim, dtype=dtype))
         """A handle, no values: an optimizer that holds it updates the rows the last backward passes touched."""
@@ -110,9 +116,9 @@ class DynamicEmbedding(nn.Module):
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); missing rows are made when training."""
         ids = _checked_ids(ids, self.mode, offsets, per_sample_weights)
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
         create = self.training and torch.is_grad_enabled()
-        rows = self.table.lookup(unique, create=create)
+        rows = self.table.lookup(unique, create=create, occurrences=occurrences)
         if torch.is_grad_enabled():
             rows.requires_grad_()
             rows.register_hook(lambda grad: self._record(unique, grad))
@@ -132,12 +138,21 @@ class DynamicEmbedding(nn.Module):
         to train the rows without one.
         """
         pending, self._pending = self._pending, []
-        if pending:
-            ids = torch.cat([i for i, _ in pending])
-            grads = torch.cat([g.reshape(-1, self.embedding_dim) for _, g in pending])
-            self.table.apply_gradients(ids, grads, optimizer)
-        self.table.step()
-        self.table.evict()
+        ids = torch.cat([i for i, _ in pending]) if pending else torch.zeros(0, dtype=torch.int64)
+        grads = (torch.cat([g.reshape(-1, self.embedding_dim) for _, g in pending]) if pending
+                 else torch.zeros(0, self.embedding_dim, dtype=self.weight.dtype))
+        self.table.push(ids, grads, optimizer)
+
+    def table_stats(self) -> list[dict[str, int]]:
+        """Rows and bytes per place the rows live: one entry per ps task (one in all on one device)."""
+        if isinstance(self.table, RemoteRows):
+            return [{"ps": k, "rows": rows, "bytes": size} for k, (rows, size) in enumerate(self.table.stats())]
+        return [{"ps": 0, "rows": self.table.num_rows, "bytes": self.table.bytes}]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _OWNER[self.weight] = weakref.ref(self)  # a copy sent to a worker trains its rows there
+        install_row_updates()
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         export = self.table.export()
@@ -160,9 +175,8 @@ class DynamicEmbedding(nn.Module):
                            if key.startswith(state_prefix)}
         export["meta"] = state_dict[prefix + "_extra_state"]
         try:
-            self.table = DynamicTable.from_export(export, initializer=self.table.initializer,
-                                                  eviction=self.table.eviction)
-        except (TypeError, ValueError) as exc:
+            self.table.load(export)
+        except (TypeError, ValueError, KeyError) as exc:
             error_msgs.append(f"{prefix or 'DynamicEmbedding'}: {exc}")
 
     def extra_repr(self) -> str:
@@ -189,14 +203,18 @@ def _checked_ids(ids: Any, mode: str | None, offsets: Any, per_sample_weights: A
     return ids.to(torch.int64)
 
 
-def _refuse_other_strategies() -> None:
+def _rows_for_scope(local: DynamicTable) -> "DynamicTable | RemoteRows":
+    """Where the rows of a module made now live: ``local``, or a table on the scope's ps tasks."""
     top = STATE.top()
     strategy = top.strategy if top is not None else None
     if strategy is None or isinstance(strategy, OneDeviceStrategy):
-        return
+        return local
+    config = TableConfig(local.embedding_dim, local.dtype, local.initializer, local.seed, local.eviction)
+    if isinstance(strategy, ParameterServerStrategy):
+        return strategy.extended.components.variable_policy.create_table(config)
     raise NotImplementedError(
-        f"DynamicEmbedding in {type(strategy).__name__}'s scope: this release keeps the rows on one device "
-        f"(no strategy or OneDeviceStrategy); rows on ps tasks under ParameterServerStrategy are not built yet")
+        f"DynamicEmbedding in {type(strategy).__name__}'s scope: its rows live in this process (no strategy, "
+        f"OneDeviceStrategy) or on ps tasks (ParameterServerStrategy); build it in one of those scopes")
 
 
 def row_optimizer_for(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> RowOptimizer:

@@ -152,16 +152,23 @@ class DynamicTable:
         self._step += 1
         return self._step
 
-    def lookup(self, ids: torch.Tensor, create: bool = True) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (any shape) as a new ``[*ids.shape, embedding_dim]`` tensor.
 
         With ``create=True`` missing rows are made and stored, and every id counts as
         touched (its count grows by its occurrences, its last-seen step becomes the
         current step). With ``create=False`` (evaluation) nothing changes: a missing id
-        gets the row the initializer would give it, unstored.
+        gets the row the initializer would give it, unstored. A caller that already made
+        ``ids`` distinct passes how often each occurred in its batch as ``occurrences``.
         """
         ids = _ids_arg(ids, "DynamicTable.lookup")
-        unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        unique, inverse, found = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        if occurrences is not None:
+            if tuple(occurrences.shape) != tuple(ids.shape) or unique.numel() != ids.numel():
+                raise ValueError(f"DynamicTable.lookup: `occurrences` must count each of distinct `ids` "
+                                 f"(shape {tuple(ids.shape)}), got shape {tuple(occurrences.shape)}")
+            found = occurrences.reshape(-1).to(torch.int64).index_select(0, torch.argsort(ids.reshape(-1)))
+        occurrences = found
         slots = self._index.find(unique)
         if create:
             slots = self._with_created(unique, slots)
@@ -211,6 +218,23 @@ class DynamicTable:
         for name in spec:
             self._state[name].index_copy_(0, slots, state[name].to(self._dtype))
         self._last_seen[slots] = self._step
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """One optimizer step: apply the row gradients (if any), advance the clock, evict.
+
+        What an optimizer's ``step()`` does to a table; a ps task does the same to its shard.
+        """
+        if ids.numel():
+            self.apply_gradients(ids, grads, optimizer)
+        self.step()
+        self.evict()
+
+    def load(self, export: dict[str, Any]) -> None:
+        """Replaces every row (and the clock) by an export's: what ``load_state_dict`` does."""
+        fresh = DynamicTable(self._dim, dtype=self._dtype, initializer=self._initializer, seed=self._seed,
+                             eviction=self._eviction)
+        fresh.import_(export)
+        self.__dict__.update(fresh.__dict__)
 
     def evict(self) -> torch.Tensor:
         """Remove the rows the eviction policy names; returns their ids, ascending.

@@ -26,7 +26,9 @@ from torch import nn
 from unison.collectives import LeastLoadedDeviceSetter
 from unison.ps.client import PSClient
 from unison.ps.partitioners import shard_rows
+from unison.ps.remote_rows import RemoteRows
 from unison.ps.specs import Placement, VariableSpec
+from unison.ps.table_store import TableConfig
 from unison.ps.variables import PSVariable, ShardedVariable, _RemoteParameter
 from unison.values.aggregation import VariableAggregation, VariableSynchronization
 
@@ -111,6 +113,12 @@ class PSVariablePolicy:
         for _, created in self._override:
             created.append(variable)
         return variable
+
+    def create_table(self, config: TableConfig) -> RemoteRows:
+        """A dynamic embedding table spread over every ps task (row ``id`` on ``shard_of(id, M)``), made there now."""
+        rows = RemoteRows(f"{next(self._ids)}:dynamic_table", len(self._ps_addresses), config, lambda: self.client)
+        rows.create()
+        return rows
 
     # -- the variable-policy interface --------------------------------------------------
     def wrap_parameter(self, param: nn.Parameter, name: str) -> nn.Parameter:

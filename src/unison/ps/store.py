@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from unison.ps.shared_arena import MappedSegments
+from unison.ps.table_store import TableStore, serve_table_request
 from unison.ps.transport import TensorLink, pickled, unpickled
 
 __all__ = ["ParameterStore", "serve_ps_session", "plain_sgd"]
@@ -62,6 +63,8 @@ class ParameterStore:
     def __init__(self) -> None:
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()
+        self.tables = TableStore()
+        """The shards of dynamic embedding tables on this ps task."""
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -194,6 +197,7 @@ def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
         ("optimizer_states", keys) -> ("ok",) + one uint8 tensor: the pickled ``optimizer_states`` per key
         ("load_optimizer_states", keys, [(cls, hyper)]) + one uint8 tensor (the pickled states) -> ("ok",)
         ("ping",) -> ("ok",)
+        ("table_...", ...): dynamic embedding tables, see :func:`~unison.ps.table_store.serve_table_request`
     Errors come back as ("error", exception, traceback text).
     """
     replies: dict[int, torch.Tensor] = {}  # pull buffers, reused: each is sent before the next request
@@ -248,6 +252,8 @@ def _serve(store: ParameterStore, link: TensorLink, replies: dict[int, torch.Ten
             elif kind == "load_optimizer_states":
                 for key, (cls, hyper), state in zip(header[1], header[2], unpickled(tensors[0])):
                     store.load_optimizer_state(key, cls, hyper, state)
+            elif kind.startswith("table_"):
+                reply = serve_table_request(store.tables, kind, header, tensors)
             elif kind != "ping":
                 raise ValueError(f"unknown ps request {kind!r}")
             message: Any = ("ok",)

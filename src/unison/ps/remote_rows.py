@@ -1,0 +1,128 @@
+"""The rows of a ``DynamicEmbedding`` that live on ps tasks, as a worker or the chief reaches them.
+
+Row ``id`` lives on ps task ``shard_of(id, num_shards)`` (a hash of the id, so hot and
+cold ids spread evenly, negative ids included). A lookup sends each ps task the distinct
+ids it owns, one request per ps task, all in flight together; a push sends every ps task
+its ids' summed gradients (an empty push too: it advances that shard's clock, so eviction
+counts optimizer steps on every shard alike). Nothing of the table is kept here between
+calls: a worker holds only the rows of its batch.
+
+The connections come from where the object is used: on a worker of a ClusterCoordinator,
+the worker's ``PSClient``; on the chief (or a hybrid worker), the strategy's. The object
+pickles to its key and config only, so a function that captures the module sends no rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from unison.ps.client import PSClient
+from unison.ps.id_hash import shard_of
+from unison.ps.row_optimizers import RowOptimizer
+from unison.ps.table_store import TableConfig, export_from_tensors, export_tensors
+from unison.ps.transport import unpickled
+
+__all__ = ["RemoteRows"]
+
+
+def _worker_client() -> PSClient:
+    from unison.ps.worker_runtime import RUNTIME
+
+    runtime = RUNTIME.current
+    if runtime is None:
+        raise ValueError("this DynamicEmbedding's rows live on ps tasks: use it on a worker of its ClusterCoordinator, "
+                         "on the chief that made it, or under the hybrid strategy that made it")
+    return runtime.client
+
+
+class RemoteRows:
+    """A table whose shard ``k`` is on ps task ``k`` of ``num_shards``.
+
+    Args:
+        key: the table's key on every ps task.
+        num_shards: how many ps tasks hold its rows.
+        config: what each shard is made from.
+        client: where the connections come from (None: the worker's, once unpickled there).
+    """
+
+    def __init__(self, key: str, num_shards: int, config: TableConfig,
+                 client: "Callable[[], PSClient] | None" = None):
+        self.key, self.num_shards, self.config = key, num_shards, config
+        self._client_source = client
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": None}
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.config.embedding_dim
+
+    def _client(self) -> PSClient:
+        return self._client_source() if self._client_source is not None else _worker_client()
+
+    def create(self) -> None:
+        """Makes the (empty) shards, or checks that existing ones were made with the same config."""
+        self._client().exchange({k: (("table_create", self.key, self.config), (), None)
+                                 for k in range(self.num_shards)})
+
+    def _split(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Positions in ``ids`` of each shard's ids."""
+        owner = shard_of(ids, self.num_shards)
+        return [(owner == k).nonzero().squeeze(1) for k in range(self.num_shards)]
+
+    def lookup(self, unique: torch.Tensor, create: bool, occurrences: "torch.Tensor | None" = None) -> torch.Tensor:
+        """Rows of distinct ``unique`` ids, ``[n, dim]``; missing rows are made when ``create``, and
+        each id counted by its ``occurrences`` (default once)."""
+        if occurrences is None:
+            occurrences = torch.ones_like(unique)
+        positions = self._split(unique)
+        asked = {k: where for k, where in enumerate(positions) if where.numel()}
+        replies = self._client().exchange({k: (("table_rows", [(self.key, create)]), [unique[where], occurrences[where]],
+                                               None) for k, where in asked.items()})
+        rows = torch.empty(unique.numel(), self.config.embedding_dim, dtype=self.config.dtype)
+        for k, where in asked.items():
+            rows[where] = replies[k][0]
+        return rows
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """One optimizer step of the rows: each shard applies its ids' gradients, advances and evicts."""
+        positions = self._split(ids)
+        self._client().exchange({k: (("table_push", [(self.key, optimizer)]), [ids[where], grads[where]], None)
+                                 for k, where in enumerate(positions)})
+
+    def export(self) -> dict[str, Any]:
+        """Every shard's rows merged, sorted by id: the export of the whole table."""
+        replies = self._client().exchange({k: (("table_export", self.key), (), None) for k in range(self.num_shards)})
+        parts = [export_from_tensors(replies[k]) for k in range(self.num_shards)]
+        ids = torch.cat([p["ids"] for p in parts])
+        ids, order = ids.sort()
+        merged: dict[str, Any] = {name: torch.cat([p[name] for p in parts]).index_select(0, order)
+                                  for name in ("rows", "counts", "last_seen")}
+        state_init = {name: init for p in parts for name, init in p["meta"]["state_init"].items()}
+        columns = {name: values.shape[1] for p in parts for name, values in p["state"].items()}
+        # a shard that never received a gradient keeps no state yet: its rows start from the initial value
+        merged["state"] = {name: torch.cat([p["state"].get(name, torch.full((p["ids"].numel(), columns[name]),
+                                                                            state_init[name], dtype=self.config.dtype))
+                                            for p in parts]).index_select(0, order)
+                           for name in columns}
+        merged["ids"] = ids
+        merged["meta"] = dict(parts[0]["meta"], step=max(p["meta"]["step"] for p in parts), state_init=state_init)
+        return merged
+
+    def load(self, export: dict[str, Any]) -> None:
+        """Replaces every shard's rows by an export's (from any number of shards, or one device)."""
+        tensors = export_tensors(export)
+        self._client().exchange({k: (("table_load", self.key, k, self.num_shards), tensors, None)
+                                 for k in range(self.num_shards)})
+
+    def stats(self) -> list[tuple[int, int]]:
+        """Per ps task, in order: (rows of this table, bytes they take)."""
+        replies = self._client().exchange({k: (("table_stats",), (), None) for k in range(self.num_shards)})
+        return [unpickled(replies[k][0]).get(self.key, (0, 0)) for k in range(self.num_shards)]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows stored over all shards."""
+        return sum(rows for rows, _ in self.stats())

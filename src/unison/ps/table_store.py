@@ -1,0 +1,171 @@
+"""The ps side of dynamic embedding tables: one shard of each table, and the requests on it.
+
+A ``DynamicEmbedding`` made under ParameterServerStrategy (or the hybrid strategy) keeps
+its rows on the ps tasks: ps task ``k`` holds the rows whose ``shard_of(id, num_ps) ==
+k`` in a :class:`~unison.ps.dynamic_table.DynamicTable`. Workers ask for the rows of
+their batch (made on first touch, from the id alone, so which worker asks first never
+changes a value) and push summed row gradients with the row optimizer the worker's
+``torch.optim`` optimizer maps to; the optimizer state sits beside each row here. Every
+push reaches every shard, empty or not, so each shard's clock (the unit of eviction)
+advances with the optimizer steps, as the one-device table's does.
+
+Each table has its own lock: requests on different tables, or from different workers,
+interleave, and each is applied whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import torch
+
+from unison.ps.dynamic_table import DynamicTable
+from unison.ps.id_initializers import Initializer
+from unison.ps.row_eviction import EvictionPolicy
+from unison.ps.row_optimizers import RowOptimizer
+from unison.ps.transport import pickled, unpickled
+
+__all__ = ["TableConfig", "TableStore", "export_tensors", "export_from_tensors"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """What a table shard is made from; every shard of a table, and every worker, agree on it."""
+
+    embedding_dim: int
+    dtype: torch.dtype
+    initializer: Initializer
+    seed: int
+    eviction: "EvictionPolicy | None"
+
+    def new_table(self) -> DynamicTable:
+        """An empty shard."""
+        return DynamicTable(self.embedding_dim, dtype=self.dtype, initializer=self.initializer, seed=self.seed,
+                            eviction=self.eviction)
+
+    def describe(self) -> str:
+        """The config in words, to compare two workers' (the objects are rebuilt by pickling)."""
+        return (f"dim={self.embedding_dim}, dtype={self.dtype}, initializer={self.initializer!r}, "
+                f"seed={self.seed}, eviction={self.eviction!r}")
+
+
+def export_tensors(export: dict[str, Any]) -> list[torch.Tensor]:
+    """A table export as tensors for a link: meta and state names pickled first, then the columns."""
+    names = sorted(export["state"])
+    head = pickled((export["meta"], names))
+    return [head, export["ids"], export["rows"], export["counts"], export["last_seen"],
+            *(export["state"][name] for name in names)]
+
+
+def export_from_tensors(tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """The export ``export_tensors`` sent."""
+    meta, names = unpickled(tensors[0])
+    ids, rows, counts, last_seen = tensors[1:5]
+    return {"ids": ids, "rows": rows, "counts": counts, "last_seen": last_seen, "meta": meta,
+            "state": dict(zip(names, tensors[5:]))}
+
+
+class _Entry:
+    __slots__ = ("config", "table", "lock")
+
+    def __init__(self, config: TableConfig):
+        self.config = config
+        self.table = config.new_table()
+        self.lock = threading.Lock()
+
+
+class TableStore:
+    """The dynamic table shards of one ps task; safe for concurrent sessions."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+
+    def _entry(self, key: str) -> _Entry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"no dynamic table {key!r} on this ps task; create the DynamicEmbedding in the "
+                           f"strategy's scope first") from None
+
+    def create(self, key: str, config: TableConfig) -> None:
+        """Makes an empty shard under ``key``; keeps an existing one made with the same config.
+
+        Raises:
+            ValueError: if ``key`` exists with another config (two programs disagree).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._entries[key] = _Entry(config)
+            elif entry.config.describe() != config.describe():
+                raise ValueError(f"dynamic table {key!r} exists on this ps task with {entry.config.describe()}, "
+                                 f"asked for {config.describe()}; every worker must build the same model")
+
+    def rows(self, key: str, ids: torch.Tensor, occurrences: torch.Tensor, create: bool) -> torch.Tensor:
+        """Rows of distinct ``ids`` (made, and counted by ``occurrences``, when ``create``)."""
+        entry = self._entry(key)
+        with entry.lock:
+            return entry.table.lookup(ids, create=create, occurrences=occurrences)
+
+    def push(self, key: str, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """Applies row gradients, then advances the shard's clock and evicts (one optimizer step)."""
+        entry = self._entry(key)
+        with entry.lock:
+            entry.table.push(ids, grads, optimizer)
+
+    def export(self, key: str) -> dict[str, Any]:
+        """The shard's rows (a checkpoint's part)."""
+        entry = self._entry(key)
+        with entry.lock:
+            return entry.table.export()
+
+    def load(self, key: str, export: dict[str, Any], shard: int, num_shards: int) -> None:
+        """Replaces the shard by the rows of ``export`` that belong to shard ``shard`` of ``num_shards``."""
+        entry = self._entry(key)
+        table = entry.config.new_table()
+        table.import_(export, shard=shard, num_shards=num_shards)
+        with entry.lock:
+            entry.table = table
+
+    def stats(self) -> dict[str, tuple[int, int]]:
+        """Per table: (rows stored here, bytes allocated for them)."""
+        with self._lock:
+            entries = dict(self._entries)
+        out = {}
+        for key, entry in entries.items():
+            with entry.lock:
+                out[key] = (entry.table.num_rows, entry.table.bytes)
+        return out
+
+
+def serve_table_request(tables: TableStore, kind: str, header: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Answers one table request of a ps session (see ``serve_ps_session``); returns the reply's tensors.
+
+    Requests (header, tensors):
+        ("table_create", key, config) -> ("ok",)
+        ("table_rows", [(key, create)]) + distinct ids and their occurrences per key -> rows per key
+        ("table_push", [(key, row optimizer)]) + ids, grads per key -> ("ok",)
+        ("table_export", key) -> the export's tensors (see ``export_tensors``)
+        ("table_load", key, shard, num_shards) + an export's tensors -> ("ok",)
+        ("table_stats",) -> one uint8 tensor: the pickled ``TableStore.stats()``
+    """
+    if kind == "table_rows":
+        return [tables.rows(key, tensors[2 * i], tensors[2 * i + 1], create) for i, (key, create) in enumerate(header[1])]
+    if kind == "table_push":
+        for position, (key, optimizer) in enumerate(header[1]):
+            tables.push(key, tensors[2 * position], tensors[2 * position + 1], optimizer)
+        return []
+    if kind == "table_create":
+        tables.create(header[1], header[2])
+        return []
+    if kind == "table_export":
+        return export_tensors(tables.export(header[1]))
+    if kind == "table_load":
+        tables.load(header[1], export_from_tensors(tensors), header[2], header[3])
+        return []
+    if kind == "table_stats":
+        return [pickled(tables.stats())]
+    raise ValueError(f"unknown ps request {kind!r}")
