@@ -73,6 +73,7 @@ from .strategies.mirrored import MirroredStrategy
 from .strategies.multi_worker import CollectiveAllReduceStrategy, MultiWorkerMirroredStrategy
 from .strategies.one_device import OneDeviceStrategy
 from .ps.dynamic_embedding import DynamicEmbedding
+from .ps.hybrid import HybridParameterServerStrategy
 from .ps.strategy import ParameterServerStrategy
 from .values.aggregation import VariableAggregation, VariableSynchronization
 from .values.values import DistributedValues, Mirrored, PerReplica
@@ -97,6 +98,7 @@ __all__ = [
     "experimental_set_strategy",
     "ClusterCoordinator",
     "ParameterServerStrategy",
+    "HybridParameterServerStrategy",
     "DynamicEmbedding",
     "PerWorkerValues",
     "RemoteValue",

@@ -88,19 +88,19 @@ def gpus(monkeypatch):
     (2, ["a", "a", "a"], [("cuda:0",), ("cuda:1",), ("cuda:0",)]),    # fewer GPUs than workers
     (1, ["a", "b"], [("cuda:0",), ("cuda:0",)]),                      # one worker per host
 ])
-def test_default_devices_split_the_hosts_gpus_between_its_workers(gpus, count, hosts, want):
-    from unison.strategies.multi_worker import _default_devices
+def testdefault_devices_split_the_hosts_gpus_between_its_workers(gpus, count, hosts, want):
+    from unison.strategies.multi_worker import default_devices
 
     gpus(count)
-    assert [_default_devices(_cluster(hosts, r)) for r in range(len(hosts))] == want
+    assert [default_devices(_cluster(hosts, r)) for r in range(len(hosts))] == want
 
 
 def test_the_local_rank_picks_one_gpu(gpus):
-    from unison.strategies.multi_worker import _default_devices
+    from unison.strategies.multi_worker import default_devices
 
     gpus(2)
     cluster = dataclasses.replace(_cluster(["a", "a", "a"], 2), local_rank=5)
-    assert _default_devices(cluster) == ("cuda:1",)
+    assert default_devices(cluster) == ("cuda:1",)
 
 
 @pytest.mark.parametrize("implementation, count, sharing, want", [

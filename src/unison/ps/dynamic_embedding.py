@@ -45,6 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from unison._once import Interposition
 from unison._state import STATE
 from unison.ps.dynamic_table import DynamicTable
+from unison.ps.hybrid import HybridParameterServerStrategy
 from unison.ps.remote_rows import RemoteRows
 from unison.ps.strategy import ParameterServerStrategy
 from unison.ps.table_store import TableConfig
@@ -212,9 +213,12 @@ def _rows_for_scope(local: DynamicTable) -> "DynamicTable | RemoteRows":
     config = TableConfig(local.embedding_dim, local.dtype, local.initializer, local.seed, local.eviction)
     if isinstance(strategy, ParameterServerStrategy):
         return strategy.extended.components.variable_policy.create_table(config)
+    if isinstance(strategy, HybridParameterServerStrategy):
+        return strategy.create_table(config)
     raise NotImplementedError(
         f"DynamicEmbedding in {type(strategy).__name__}'s scope: its rows live in this process (no strategy, "
-        f"OneDeviceStrategy) or on ps tasks (ParameterServerStrategy); build it in one of those scopes")
+        f"OneDeviceStrategy) or on ps tasks (ParameterServerStrategy, HybridParameterServerStrategy); build it "
+        f"in one of those scopes")
 
 
 def row_optimizer_for(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> RowOptimizer:

@@ -45,15 +45,23 @@ class RemoteRows:
         num_shards: how many ps tasks hold its rows.
         config: what each shard is made from.
         client: where the connections come from (None: the worker's, once unpickled there).
+        grad_scale: a factor for pushed gradients, read at each push (the hybrid strategy's
+            ``1 / num_replicas_in_sync`` under the mean reduction); None: 1.
+        after_load: called once a checkpoint's rows are on every ps task (the hybrid
+            strategy's barrier: no worker trains before every worker has loaded).
     """
 
     def __init__(self, key: str, num_shards: int, config: TableConfig,
-                 client: "Callable[[], PSClient] | None" = None):
+                 client: "Callable[[], PSClient] | None" = None, *,
+                 grad_scale: "Callable[[], float] | None" = None, after_load: "Callable[[], None] | None" = None):
         self.key, self.num_shards, self.config = key, num_shards, config
         self._client_source = client
+        self._grad_scale = grad_scale
+        self._after_load = after_load
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": None}
+        return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": None,
+                "_grad_scale": None, "_after_load": None}
 
     @property
     def embedding_dim(self) -> int:
@@ -88,6 +96,8 @@ class RemoteRows:
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """One optimizer step of the rows: each shard applies its ids' gradients, advances and evicts."""
+        if self._grad_scale is not None:
+            grads = grads * self._grad_scale()
         positions = self._split(ids)
         self._client().exchange({k: (("table_push", [(self.key, optimizer)]), [ids[where], grads[where]], None)
                                  for k, where in enumerate(positions)})
@@ -116,6 +126,8 @@ class RemoteRows:
         tensors = export_tensors(export)
         self._client().exchange({k: (("table_load", self.key, k, self.num_shards), tensors, None)
                                  for k in range(self.num_shards)})
+        if self._after_load is not None:
+            self._after_load()
 
     def stats(self) -> list[tuple[int, int]]:
         """Per ps task, in order: (rows of this table, bytes they take)."""

@@ -24,10 +24,10 @@ from unison.strategies.policies import ReplicatedVariablePolicy
 from unison.strategies.replicas import replica_runner
 from unison.values.variables import DistributedVariable
 
-__all__ = ["MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy"]
+__all__ = ["MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy", "collective_components", "default_devices"]
 
 
-def _default_devices(cluster: ResolvedCluster) -> tuple[str, ...]:
+def default_devices(cluster: ResolvedCluster) -> tuple[str, ...]:
     """This worker's devices when none are given: its own share of the host's GPUs.
 
     One process per GPU is PyTorch's usual layout under torchrun and SLURM (the local
@@ -82,7 +82,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._resolver = detect_cluster_resolver(cluster_resolver)
         self._options = communication_options or CommunicationOptions()
         cluster = self._resolver.resolve()
-        self._devices = canonicalize_all(devices) if devices is not None else _default_devices(cluster)
+        self._devices = canonicalize_all(devices) if devices is not None else default_devices(cluster)
         super().__init__(self._components(cluster))
 
     def __reduce__(self) -> tuple:
@@ -106,45 +106,54 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._extended = StrategyExtended(self, self._components(resolver.resolve(rendezvous=rendezvous)))
 
     def _components(self, cluster: ResolvedCluster) -> StrategyComponents:
-        devices = self._devices
-        reduce_op = lambda: self.extended.gradient_reduce_op  # noqa: E731 - read at each step
-        runner = replica_runner(self, devices)
-        if cluster.is_local:
-            ops = select_cross_device_ops(devices)
-            local_sync = ReplicaGradientSync(self, devices, ops, reduce_op) if len(devices) > 1 else None
-            return StrategyComponents(
-                devices=devices, parameter_devices=devices, cross_device_ops=ops,
-                variable_policy=ReplicatedVariablePolicy(self, devices, gradient_sync=local_sync),
-                gradient_sync=local_sync, runner=runner,
-                between_graph=True,  # as in TF: each worker runs its own program
-            )
-        task_type = cluster.task_type
-        if task_type not in ("chief", "worker"):
-            raise ValueError(
-                f"MultiWorkerMirroredStrategy runs on 'chief' and 'worker' tasks, got task_type {task_type!r}; "
-                f"ps and evaluator tasks do not train with it (run eval_fn on the evaluator through the "
-                f"distribute coordinator); fix `task.type`"
-            )
-        backend = choose_backend(devices, self._options, cluster.host_placement[1])  # fails now if it cannot run
-        group = LazyWorkerGroup(cluster, devices, self._options)
-        ops = CollectiveAllReduce(devices, group, self._options, backend=backend, hosts=cluster.task_hosts)
-        sync: GradientSync
-        if len(devices) == 1:
-            sync = BucketedGradientSync(ops.control, ops.transport, self._options.bytes_per_pack, reduce_op,
-                                        ops.all_reduce_sparse)
-        else:
-            sync = ReplicaGradientSync(self, devices, ops, reduce_op, across_workers=True)
+        return collective_components(self, cluster, self._devices, self._options)
 
-        def on_finish(variables: list) -> None:
-            primaries = [v.values[0] if isinstance(v, DistributedVariable) else v for v in variables]
-            ops.broadcast_from_chief(primaries)
-            sync.finalize()
 
+def collective_components(strategy: Strategy, cluster: ResolvedCluster, devices: tuple[str, ...],
+                          options: CommunicationOptions) -> StrategyComponents:
+    """MultiWorkerMirrored's parts for ``strategy``: replicas on ``devices``, kept in sync across
+    the cluster's chief and workers by collective all-reduce (local replicas alone without a cluster).
+
+    The hybrid strategy (dense layers all-reduced, embedding rows on ps tasks) shares them.
+    """
+    reduce_op = lambda: strategy.extended.gradient_reduce_op  # noqa: E731 - read at each step
+    runner = replica_runner(strategy, devices)
+    if cluster.is_local:
+        ops = select_cross_device_ops(devices)
+        local_sync = ReplicaGradientSync(strategy, devices, ops, reduce_op) if len(devices) > 1 else None
         return StrategyComponents(
             devices=devices, parameter_devices=devices, cross_device_ops=ops,
-            variable_policy=ReplicatedVariablePolicy(self, devices, gradient_sync=sync, on_finish=on_finish),
-            gradient_sync=sync, runner=runner, cluster=cluster, between_graph=True,
+            variable_policy=ReplicatedVariablePolicy(strategy, devices, gradient_sync=local_sync),
+            gradient_sync=local_sync, runner=runner,
+            between_graph=True,  # as in TF: each worker runs its own program
         )
+    task_type = cluster.task_type
+    if task_type not in ("chief", "worker"):
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy runs on 'chief' and 'worker' tasks, got task_type {task_type!r}; "
+            f"ps and evaluator tasks do not train with it (run eval_fn on the evaluator through the "
+            f"distribute coordinator); fix `task.type`"
+        )
+    backend = choose_backend(devices, options, cluster.host_placement[1])  # fails now if it cannot run
+    group = LazyWorkerGroup(cluster, devices, options)
+    ops = CollectiveAllReduce(devices, group, options, backend=backend, hosts=cluster.task_hosts)
+    sync: GradientSync
+    if len(devices) == 1:
+        sync = BucketedGradientSync(ops.control, ops.transport, options.bytes_per_pack, reduce_op,
+                                    ops.all_reduce_sparse)
+    else:
+        sync = ReplicaGradientSync(strategy, devices, ops, reduce_op, across_workers=True)
+
+    def on_finish(variables: list) -> None:
+        primaries = [v.values[0] if isinstance(v, DistributedVariable) else v for v in variables]
+        ops.broadcast_from_chief(primaries)
+        sync.finalize()
+
+    return StrategyComponents(
+        devices=devices, parameter_devices=devices, cross_device_ops=ops,
+        variable_policy=ReplicatedVariablePolicy(strategy, devices, gradient_sync=sync, on_finish=on_finish),
+        gradient_sync=sync, runner=runner, cluster=cluster, between_graph=True,
+    )
 
 
 def _rebuild(resolver: Any, options: Any, devices: Any) -> MultiWorkerMirroredStrategy:
