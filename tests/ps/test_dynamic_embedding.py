@@ -184,3 +184,16 @@ def test_a_row_counts_every_occurrence_of_its_id_in_a_batch():
     state = emb.state_dict()
     counts = dict(zip(state["ids"].tolist(), state["counts"].tolist()))
     assert counts == {-2: 1, 5: 1, 7: 4}
+
+
+def test_row_wise_adagrad_keeps_one_accumulator_per_row():
+    emb = DynamicEmbedding(4, row_wise_adagrad=True, initializer=unison.ps.id_initializers.zeros())
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.5)
+    grad = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    (emb(torch.tensor([9])) * grad).sum().backward()
+    opt.step()
+    state = emb.state_dict()
+    assert state["state.rowwise_sum"].shape == (1, 1) and "state.sum" not in state
+    accumulator = grad.square().mean()
+    torch.testing.assert_close(state["state.rowwise_sum"], accumulator.reshape(1, 1))
+    torch.testing.assert_close(state["rows"], -0.5 * grad / (accumulator.sqrt() + 1e-10))

@@ -189,3 +189,63 @@ def test_a_killed_workers_functions_run_again_and_a_killed_ps_is_named_in_time()
                 coordinator.join()
         assert time.monotonic() - start < 5 + 10
         coordinator.shutdown()
+
+
+class MultiHot(nn.Module):
+    """Long bags of ids (a user's history): pooling them on the ps tasks saves bytes."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.rows = DynamicEmbedding(DIM, mode=mode, seed=11, initializer=unison.ps.id_initializers.uniform(-0.5, 0.5))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, ids, offsets=None, weights=None):
+        return self.head(self.rows(ids, offsets, weights)).squeeze(1)
+
+
+def _multi_hot_batches(count, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randint(INT64_MIN, INT64_MAX, (200,), generator=g, dtype=torch.int64)
+    out = []
+    for _ in range(count):
+        lengths = torch.tensor([30, 0, 25, 41])  # an empty bag too
+        ids = pool[torch.randint(0, 200, (int(lengths.sum()),), generator=g)]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+        out.append((ids, offsets, torch.rand(ids.numel(), generator=g), torch.randn(4, generator=g)))
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_long_bags_are_pooled_on_the_ps_and_train_as_on_one_device(mode):
+    batches = _multi_hot_batches(5)
+    weighted = mode == "sum"
+
+    def make_step(model, optimizer):
+        def step(ids, offsets, weights, target):
+            loss = F.mse_loss(model(ids, offsets, weights if weighted else None), target)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            return loss.detach(), dict(getattr(model.rows.table, "traffic", {}))
+        return step
+
+    torch.manual_seed(0)
+    local = MultiHot(mode)
+    local_step = make_step(local, torch.optim.Adagrad(local.parameters(), lr=0.2))
+    want = [local_step(*batch)[0] for batch in batches]
+    with ps_cluster(1, 2) as cluster:
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 2))
+        coordinator = unison.ClusterCoordinator(strategy)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = MultiHot(mode)
+            opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
+        step = make_step(model, opt)
+        got = [coordinator.schedule(step, args=batch).fetch() for batch in batches]
+        assert all(traffic == {"rows": 0, "pooled": 1} for _, traffic in got)  # bags pooled where rows live
+        torch.testing.assert_close(torch.stack([loss for loss, _ in got]), torch.stack(want), rtol=1e-5, atol=1e-6)
+        ours, theirs = model.state_dict(), local.state_dict()
+        assert torch.equal(ours["rows.ids"], theirs["rows.ids"]) and torch.equal(ours["rows.counts"], theirs["rows.counts"])
+        torch.testing.assert_close(ours["rows.rows"], theirs["rows.rows"], rtol=1e-5, atol=1e-6)
+        coordinator.shutdown()

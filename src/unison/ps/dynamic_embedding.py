@@ -44,6 +44,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from unison._once import Interposition
 from unison._state import STATE
+from unison.ps.bags import BagLayout, bag_layout
 from unison.ps.dynamic_table import DynamicTable
 from unison.ps.hybrid import HybridParameterServerStrategy
 from unison.ps.remote_rows import RemoteRows
@@ -51,7 +52,7 @@ from unison.ps.strategy import ParameterServerStrategy
 from unison.ps.table_store import TableConfig
 from unison.ps.id_initializers import Initializer
 from unison.ps.row_eviction import EvictionPolicy
-from unison.ps.row_optimizers import RowAdagrad, RowOptimizer, RowSGD
+from unison.ps.row_optimizers import RowAdagrad, RowOptimizer, RowSGD, RowWiseAdagrad
 from unison.ps.store import plain_sgd
 from unison.strategies.one_device import OneDeviceStrategy
 
@@ -78,6 +79,9 @@ class DynamicEmbedding(nn.Module):
             every optimizer step; None keeps every row.
         seed: mixed into every row's initial values.
         dtype: the rows' floating dtype.
+        row_wise_adagrad: trained by ``torch.optim.Adagrad``, keep one accumulator per row
+            (``RowWiseAdagrad``, TorchRec's ``EXACT_ROWWISE_ADAGRAD``) instead of one per
+            value: ``1/embedding_dim`` of the state memory, a step size per row.
 
     Example:
         >>> emb = DynamicEmbedding(4, mode="sum")
@@ -89,7 +93,8 @@ class DynamicEmbedding(nn.Module):
     """
 
     def __init__(self, embedding_dim: int, *, initializer: Initializer | None = None, mode: str | None = None,
-                 eviction: EvictionPolicy | None = None, seed: int = 0, dtype: torch.dtype = torch.float32):
+                 eviction: EvictionPolicy | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 row_wise_adagrad: bool = False):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"DynamicEmbedding: `mode` must be None, 'sum' or 'mean', got {mode!r}")
@@ -97,9 +102,11 @@ class DynamicEmbedding(nn.Module):
         self.table: "DynamicTable | RemoteRows" = _rows_for_scope(local)
         """The rows: a :class:`DynamicTable` here, or :class:`RemoteRows` on the strategy's ps tasks."""
         self.mode = mode
+        self.row_wise_adagrad = bool(row_wise_adagrad)
         self.weight = nn.Parameter(torch.zeros(0, embedding_dim, dtype=dtype))
         """A handle, no values: an optimizer that holds it updates the rows the last backward passes touched."""
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_bags: list[tuple[BagLayout, torch.Tensor]] = []
         _OWNER[self.weight] = weakref.ref(self)
         install_row_updates()
 
@@ -119,6 +126,8 @@ class DynamicEmbedding(nn.Module):
         ids = _checked_ids(ids, self.mode, offsets, per_sample_weights)
         unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
         create = self.training and torch.is_grad_enabled()
+        if self._pool_remotely(unique, ids, offsets, per_sample_weights):
+            return self._pooled_on_ps(ids, offsets, per_sample_weights, create)
         rows = self.table.lookup(unique, create=create, occurrences=occurrences)
         if torch.is_grad_enabled():
             rows.requires_grad_()
@@ -132,6 +141,27 @@ class DynamicEmbedding(nn.Module):
     def _record(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         self._pending.append((ids, grad.detach()))
 
+    def _pool_remotely(self, unique: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
+                       per_sample_weights: torch.Tensor | None) -> bool:
+        """Whether the ps tasks should pool the bags: rows on ps tasks, a bag mode, and fewer bytes
+        (a partial row per bag and ps task, against one row per distinct id)."""
+        if self.mode is None or not isinstance(self.table, RemoteRows):
+            return False
+        if per_sample_weights is not None and per_sample_weights.requires_grad:
+            return False  # their gradient needs the rows here
+        num_bags = ids.shape[0] if offsets is None else offsets.numel()
+        return num_bags * min(self.table.num_shards, unique.numel()) < unique.numel()
+
+    def _pooled_on_ps(self, ids: torch.Tensor, offsets: torch.Tensor | None,
+                      per_sample_weights: torch.Tensor | None, create: bool) -> torch.Tensor:
+        assert self.mode is not None and isinstance(self.table, RemoteRows)
+        layout = bag_layout(ids, offsets, per_sample_weights, self.mode, self.weight.dtype)
+        pooled = self.table.pooled_lookup(layout, create)
+        if torch.is_grad_enabled():
+            pooled.requires_grad_()
+            pooled.register_hook(lambda grad: self._pending_bags.append((layout, grad.detach())))
+        return pooled
+
     def apply_row_gradients(self, optimizer: RowOptimizer) -> None:
         """Applies the row gradients recorded since the last step with ``optimizer``, then evicts.
 
@@ -139,6 +169,11 @@ class DynamicEmbedding(nn.Module):
         to train the rows without one.
         """
         pending, self._pending = self._pending, []
+        bags, self._pending_bags = self._pending_bags, []
+        if bags:  # pooled on the ps tasks: push bag gradients, each row's expanded there
+            assert isinstance(self.table, RemoteRows)
+            self.table.push_bags(_as_one_layout(pending, bags), optimizer)
+            return
         ids = torch.cat([i for i, _ in pending]) if pending else torch.zeros(0, dtype=torch.int64)
         grads = (torch.cat([g.reshape(-1, self.embedding_dim) for _, g in pending]) if pending
                  else torch.zeros(0, self.embedding_dim, dtype=self.weight.dtype))
@@ -185,6 +220,21 @@ class DynamicEmbedding(nn.Module):
         return f"{self.embedding_dim}{mode}, rows={self.num_rows}"
 
 
+def _as_one_layout(pending: list[tuple[torch.Tensor, torch.Tensor]],
+                   bags: list[tuple[BagLayout, torch.Tensor]]) -> tuple[BagLayout, torch.Tensor]:
+    """Every recorded gradient as bags of one layout: a row gradient is a bag of one id, weight 1."""
+    parts = list(bags) + [(BagLayout(ids, torch.arange(ids.numel()), torch.ones(ids.numel(), dtype=grad.dtype),
+                                     ids.numel()), grad.reshape(ids.numel(), -1)) for ids, grad in pending]
+    ids, bag_index, weights, grads, start = [], [], [], [], 0
+    for layout, grad in parts:
+        ids.append(layout.ids)
+        bag_index.append(layout.bags + start)
+        weights.append(layout.weights)
+        grads.append(grad)
+        start += layout.num_bags
+    return BagLayout(torch.cat(ids), torch.cat(bag_index), torch.cat(weights), start), torch.cat(grads)
+
+
 def _checked_ids(ids: Any, mode: str | None, offsets: Any, per_sample_weights: Any) -> torch.Tensor:
     """``ids`` as given, or an error that names the argument and the fix."""
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
@@ -221,13 +271,17 @@ def _rows_for_scope(local: DynamicTable) -> "DynamicTable | RemoteRows":
         f"in one of those scopes")
 
 
-def row_optimizer_for(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> RowOptimizer:
-    """The row update that equals ``optimizer``'s on a sparse gradient, with ``group``'s hyper-parameters."""
+def row_optimizer_for(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], row_wise: bool = False) -> RowOptimizer:
+    """The row update that equals ``optimizer``'s on a sparse gradient, with ``group``'s hyper-parameters
+    (``row_wise``: Adagrad with one accumulator per row instead)."""
     name = type(optimizer).__name__
     if plain_sgd(type(optimizer), dict(group)):
         return RowSGD(lr=float(group["lr"]))
     if type(optimizer) is torch.optim.Adagrad:
         if not (group.get("lr_decay", 0) or group.get("weight_decay", 0) or group.get("maximize", False)):
+            if row_wise:
+                return RowWiseAdagrad(lr=float(group["lr"]), eps=group["eps"],
+                                      initial_accumulator_value=group["initial_accumulator_value"])
             return RowAdagrad(lr=float(group["lr"]), initial_accumulator_value=group["initial_accumulator_value"],
                               eps=group["eps"])
     raise ValueError(
@@ -254,7 +308,7 @@ def _apply_rows_before_step(optimizer: torch.optim.Optimizer, args: tuple, kwarg
     for handle, group in _handles_of(optimizer):
         module = _OWNER[handle]()
         if module is not None:
-            module.apply_row_gradients(row_optimizer_for(optimizer, group))
+            module.apply_row_gradients(row_optimizer_for(optimizer, group, row_wise=module.row_wise_adagrad))
 
 
 def _install_row_updates() -> None:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from unison.ps.bags import BagLayout
 from unison.ps.client import PSClient
 from unison.ps.id_hash import shard_of
 from unison.ps.row_optimizers import RowOptimizer
@@ -58,10 +59,12 @@ class RemoteRows:
         self._client_source = client
         self._grad_scale = grad_scale
         self._after_load = after_load
+        self.traffic = {"rows": 0, "pooled": 0}
+        """Lookups made here so far, by kind: distinct rows pulled, or bags pooled on the ps tasks."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": None,
-                "_grad_scale": None, "_after_load": None}
+                "_grad_scale": None, "_after_load": None, "traffic": {"rows": 0, "pooled": 0}}
 
     @property
     def embedding_dim(self) -> int:
@@ -85,6 +88,7 @@ class RemoteRows:
         each id counted by its ``occurrences`` (default once)."""
         if occurrences is None:
             occurrences = torch.ones_like(unique)
+        self.traffic["rows"] += 1
         positions = self._split(unique)
         asked = {k: where for k, where in enumerate(positions) if where.numel()}
         replies = self._client().exchange({k: (("table_rows", [(self.key, create)]), [unique[where], occurrences[where]],
@@ -93,6 +97,34 @@ class RemoteRows:
         for k, where in asked.items():
             rows[where] = replies[k][0]
         return rows
+
+    def pooled_lookup(self, layout: BagLayout, create: bool) -> torch.Tensor:
+        """``[num_bags, dim]``: each bag's weighted sum of rows, every ps task pooling the rows it holds."""
+        requests, touched_bags = {}, {}
+        for k, where in enumerate(self._split(layout.ids)):
+            if where.numel():
+                touched, local = torch.unique(layout.bags[where], return_inverse=True)
+                touched_bags[k] = touched
+                requests[k] = (("table_pool", [(self.key, create, touched.numel())]),
+                               [layout.ids[where], local, layout.weights[where]], None)
+        self.traffic["pooled"] += 1
+        replies = self._client().exchange(requests)
+        pooled = torch.zeros(layout.num_bags, self.config.embedding_dim, dtype=self.config.dtype)
+        for k, touched in touched_bags.items():
+            pooled.index_add_(0, touched, replies[k][0])
+        return pooled
+
+    def push_bags(self, bags: "tuple[BagLayout, torch.Tensor]", optimizer: RowOptimizer) -> None:
+        """Like :meth:`push`, with the gradient of each bag: every ps task expands it to its ids."""
+        layout, grads = bags
+        if self._grad_scale is not None:
+            grads = grads * self._grad_scale()
+        requests = {}
+        for k, where in enumerate(self._split(layout.ids)):
+            touched, local = torch.unique(layout.bags[where], return_inverse=True)
+            requests[k] = (("table_push_bags", [(self.key, optimizer)]),
+                           [layout.ids[where], local, layout.weights[where], grads.index_select(0, touched)], None)
+        self._client().exchange(requests)
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """One optimizer step of the rows: each shard applies its ids' gradients, advances and evicts."""

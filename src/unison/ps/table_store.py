@@ -116,6 +116,21 @@ class TableStore:
         with entry.lock:
             entry.table.push(ids, grads, optimizer)
 
+    def pool(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor, num_bags: int,
+             create: bool) -> torch.Tensor:
+        """``[num_bags, dim]``: the weighted sum of the rows of ``ids`` (repeats counted) per bag."""
+        entry = self._entry(key)
+        with entry.lock:
+            rows = entry.table.lookup(ids, create=create)
+        pooled = torch.zeros(num_bags, entry.config.embedding_dim, dtype=entry.config.dtype)
+        return pooled.index_add_(0, bags, rows * weights.to(rows.dtype).unsqueeze(1))
+
+    def push_bags(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor,
+                  bag_grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """:meth:`push` with each id's gradient made here from its bag's: ``bag_grads[bags] * weights``."""
+        grads = bag_grads.index_select(0, bags) * weights.to(bag_grads.dtype).unsqueeze(1)
+        self.push(key, ids, grads, optimizer)
+
     def export(self, key: str) -> dict[str, Any]:
         """The shard's rows (a checkpoint's part)."""
         entry = self._entry(key)
@@ -148,6 +163,8 @@ def serve_table_request(tables: TableStore, kind: str, header: Any, tensors: lis
         ("table_create", key, config) -> ("ok",)
         ("table_rows", [(key, create)]) + distinct ids and their occurrences per key -> rows per key
         ("table_push", [(key, row optimizer)]) + ids, grads per key -> ("ok",)
+        ("table_pool", [(key, create, num_bags)]) + ids, bag of each id, weights -> a partial row per bag
+        ("table_push_bags", [(key, row optimizer)]) + ids, bag of each id, weights, bag grads -> ("ok",)
         ("table_export", key) -> the export's tensors (see ``export_tensors``)
         ("table_load", key, shard, num_shards) + an export's tensors -> ("ok",)
         ("table_stats",) -> one uint8 tensor: the pickled ``TableStore.stats()``
@@ -157,6 +174,13 @@ def serve_table_request(tables: TableStore, kind: str, header: Any, tensors: lis
     if kind == "table_push":
         for position, (key, optimizer) in enumerate(header[1]):
             tables.push(key, tensors[2 * position], tensors[2 * position + 1], optimizer)
+        return []
+    if kind == "table_pool":
+        (key, create, num_bags), = header[1]
+        return [tables.pool(key, tensors[0], tensors[1], tensors[2], num_bags, create)]
+    if kind == "table_push_bags":
+        (key, optimizer), = header[1]
+        tables.push_bags(key, tensors[0], tensors[1], tensors[2], tensors[3], optimizer)
         return []
     if kind == "table_create":
         tables.create(header[1], header[2])
