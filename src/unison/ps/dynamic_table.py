@@ -11,7 +11,8 @@ hold one per table shard.
 
 Layout: ids map to slots through :class:`~unison.ps.id_index.IdIndex`; rows, optimizer
 state, touch counts and last-seen steps are growable tensors indexed by slot (capacity
-doubles), and evicted slots go to a free list for reuse.
+doubles; the unused part is never touched, so it takes no memory), and evicted slots go
+to a free list for reuse.
 
 tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addons'
 ``dynamic_embedding.Variable`` is the nearest. Not thread-safe: the holder serialises calls.
@@ -142,10 +143,11 @@ class DynamicTable:
 
     @property
     def bytes(self) -> int:
-        """Bytes allocated for rows, optimizer state, per-row counters and the id index."""
-        tensors = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, self._free,
-                   *self._state.values()]
-        return sum(t.numel() * t.element_size() for t in tensors) + self._index.nbytes
+        """Bytes in memory: rows, optimizer state and per-row counters of the slots in use, the
+        free list and the id index (capacity never touched is not counted: it takes none)."""
+        per_slot = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, *self._state.values()]
+        in_use = sum(t[:self._used].numel() * t.element_size() for t in per_slot)
+        return in_use + self._free.numel() * self._free.element_size() + self._index.nbytes
 
     def step(self) -> int:
         """Advance the table's clock by one (the unit of ``EvictUnseen``); returns the new step."""
@@ -375,26 +377,37 @@ class DynamicTable:
         return slots
 
     def _grow(self, needed: int) -> None:
-        """Reallocate per-slot storage to at least ``needed`` slots, doubling."""
-        capacity = max(_MIN_CAPACITY, 2 * self._rows.shape[0], needed)
+        """Reallocate per-slot storage to at least ``needed`` slots, doubling.
 
-        def grown(old: torch.Tensor, fill: float | bool) -> torch.Tensor:
-            new = torch.full((capacity, *old.shape[1:]), fill, dtype=old.dtype)
-            new[:old.shape[0]] = old
+        Only slots ``[0, used)`` are copied and ever read (a slot is written whole when a
+        row is created in it), so the rest of the capacity is never touched and costs
+        address space, not memory: a table's resident size follows its rows, not its
+        capacity. Tensors are replaced one at a time, so the copy in flight is one column
+        group, not the whole table.
+        """
+        capacity = max(_MIN_CAPACITY, 2 * self._rows.shape[0], needed)
+        used = self._used
+
+        def grown(old: torch.Tensor) -> torch.Tensor:
+            new = torch.empty((capacity, *old.shape[1:]), dtype=old.dtype)
+            new[:used] = old[:used]
             return new
 
-        self._rows = grown(self._rows, 0.0)
-        self._slot_ids, self._counts, self._last_seen = (grown(t, 0) for t in
-                                                          (self._slot_ids, self._counts, self._last_seen))
-        self._live = grown(self._live, False)
-        self._state = {name: grown(values, self._state_init[name]) for name, values in self._state.items()}
+        self._rows = grown(self._rows)
+        self._slot_ids = grown(self._slot_ids)
+        self._counts = grown(self._counts)
+        self._last_seen = grown(self._last_seen)
+        self._live = grown(self._live)
+        for name in list(self._state):
+            self._state[name] = grown(self._state[name])
 
     def _ensure_state(self, spec: dict[str, RowState], source: str) -> None:
         """Allocate the state ``spec`` names; refuse one whose shape or start differs from the kept one."""
         for name, wanted in spec.items():
             if name not in self._state:
-                self._state[name] = torch.full((self._rows.shape[0], wanted.columns), wanted.initial,
-                                               dtype=self._dtype)
+                state = torch.empty((self._rows.shape[0], wanted.columns), dtype=self._dtype)
+                state[:self._used] = wanted.initial  # the slots in use; a new row's state is set when it is made
+                self._state[name] = state
                 self._state_init[name] = wanted.initial
             elif (self._state[name].shape[1], self._state_init[name]) != (wanted.columns, wanted.initial):
                 raise ValueError(f"{source} declares row state {name!r} with {wanted.columns} columns starting at "

@@ -91,9 +91,14 @@ class IdIndex:
         return self._table[live, 0], self._table[live, 1]
 
     def _rebuild(self, live: int) -> None:
-        """Re-insert the live entries into a table sized for ``live`` at a quarter load."""
+        """Re-insert the live entries into the smallest table that holds ``live`` at half load or less.
+
+        Half load keeps linear probes short (1.5 entries per hit on average) at 2-4 entries
+        per id, 32-64 bytes: a quarter of a 64-wide float32 row, where the quarter load used
+        before took twice that.
+        """
         capacity = _MIN_CAPACITY
-        while live * 4 > capacity:
+        while live * 2 > capacity:
             capacity *= 2
         ids, slots = self.items()
         self._table = _blank(capacity)

@@ -27,6 +27,7 @@ from unison.errors import ParameterServerError
 from unison.gradient_sync.step_hooks import install_step_hooks
 from unison.ps.client import PSClient
 from unison.ps.dataset import build_dataset
+from unison.ps.memory import release_large_buffers
 from unison.ps.store import ParameterStore, serve_ps_session
 from unison.ps.transport import TensorLink, set_nodelay
 from unison.ps.worker_runtime import RUNTIME, WorkerRuntime
@@ -70,6 +71,8 @@ class Server:
         cluster, job_name, task_index = _resolve(cluster_resolver_or_spec, job_name, task_index)
         self._authkey = require_authkey(authkey)
         self._store = ParameterStore() if job_name == "ps" else None
+        if self._store is not None:
+            release_large_buffers()
         self._session_lock = threading.Lock()
         self._sessions: dict[threading.Thread, Channel] = {}
         self._sessions_lock = threading.Lock()

@@ -75,7 +75,7 @@ class TensorLink:
         # tensor's memory and recv_into the destination (Connection.recv_bytes_into would
         # first read the whole frame into a BytesIO, then copy it).
         self._socket = socket.socket(fileno=os.dup(self._connection.fileno()))
-        self._scratch: dict[tuple, torch.Tensor] = {}
+        self._scratch: dict[int, torch.Tensor] = {}
 
     def send(self, header: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
         """Sends ``header`` and ``tensors`` (made contiguous, CPU)."""
@@ -105,11 +105,11 @@ class TensorLink:
         for i, (shape, dtype) in enumerate(meta):
             target = into[i] if into is not None and i < len(into) and into[i] is not None else None
             if target is None and reuse:
-                target = self._scratch.get((i, shape, dtype))
+                target = self._scratch.get(i)
             if target is None or tuple(target.shape) != shape or target.dtype != dtype or not target.is_contiguous():
                 target = torch.empty(shape, dtype=dtype)
                 if reuse:
-                    self._scratch[(i, shape, dtype)] = target
+                    self._scratch[i] = target  # replaces the last layout's: requests of varying sizes keep one each
             if target.numel():
                 self._recv_into(_bytes_view(target))
             tensors.append(target)
