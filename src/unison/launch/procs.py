@@ -34,18 +34,8 @@ from unison.launch.interrupts import Interrupted, install_signal_handlers, resto
 from unison.launch.outcome import Outcome, exit_code, signal_name
 from unison.launch.parent_death import die_with_launcher
 
-__all__ = [
-    "Task",
-    "plan_tasks",
-    "reserve_ports",
-    "cluster_environments",
-    "shared_environment",
-    "LocalCluster",
-    "Outcome",
-    "exit_code",
-    "run_local_cluster",
-    "die_with_launcher",
-]
+__all__ = ["Task", "plan_tasks", "reserve_ports", "cluster_environments", "shared_environment", "LocalCluster",
+           "Outcome", "exit_code", "run_local_cluster", "die_with_launcher"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +102,22 @@ def cluster_environments(
     restart: int,
     base: Mapping[str, str],
     host: str = "127.0.0.1",
+    kept: "Mapping[str, list[str]] | None" = None,
 ) -> dict[Task, dict[str, str]]:
     """The environment of every task: TF_CONFIG, key, coordination port, thread settings.
 
     Ports are reserved afresh on each call (each restart), so a new cluster never
-    waits for sockets of the previous one.
+    waits for sockets of the previous one; the jobs in ``kept`` keep those addresses
+    (ps tasks that live on across a restart of the others).
     """
-    ports = reserve_ports(len(tasks) + 1, host)
+    kept = dict(kept or {})
+    fresh = [task for task in tasks if task.type not in kept]
+    ports = reserve_ports(len(fresh) + 1, host)
     cluster: dict[str, list[str]] = {}
-    for task, port in zip(tasks, ports):
+    for task in tasks:
+        if task.type in kept:
+            cluster[task.type] = list(kept[task.type])
+    for task, port in zip(fresh, ports):
         cluster.setdefault(task.type, []).append(f"{host}:{port}")
     shared = shared_environment(base, authkey=authkey, coordinator_port=ports[-1], restart=restart)
     result = {}
@@ -224,6 +221,10 @@ class LocalCluster:
         self._running: list[_Running] = []
         self._exits: "queue.Queue[_Running]" = queue.Queue()
         self._notices: "str | None" = None  # where signalled tasks name themselves; removed by stop()
+
+    def exited(self) -> list[str]:
+        """The tasks whose process has ended, by name."""
+        return [r.task.name for r in self._running if r.process.poll() is not None]
 
     def message(self, text: str) -> None:
         """Writes a launcher message to stderr, between task lines."""
@@ -406,6 +407,11 @@ def run_local_cluster(
     base = dict(os.environ if base_env is None else base_env)
     previous = install_signal_handlers()
     try:
+        from unison.launch.kept_ps import keeps_ps_tasks, run_keeping_ps_tasks  # it builds on this module
+
+        if max_restarts and keeps_ps_tasks(tasks):
+            return run_keeping_ps_tasks(command, tasks, authkey=authkey, max_restarts=max_restarts,
+                                        grace_period=grace_period, base=base, stdout=stdout, stderr=stderr)
         for attempt in range(max_restarts + 1):
             environments = cluster_environments(tasks, authkey=authkey, restart=attempt, base=base)
             cluster = LocalCluster(command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr)

@@ -22,9 +22,10 @@ Semantics:
   saves them, as under MWMS) and the whole table, read from the ps tasks (ids, rows,
   optimizer state, counters). ``load_state_dict`` replaces the rows on the ps tasks
   (re-split for their number) and waits for every worker before training goes on.
-- **Faults.** A lost worker ends the job as under MWMS (the launcher restarts it where
-  asked); the ps tasks are separate processes and keep the rows, and restarted workers
-  find the tables they made (a table is created once, by whichever worker comes first).
+- **Faults.** A lost worker ends the job as under MWMS; with ``unison launch
+  --max-restarts K`` the workers start again while the ps tasks keep running with their
+  rows (``unison.launch.kept_ps``), and the restarted workers find the tables they made
+  (a table is created once, by whichever worker comes first).
   A lost ps task raises ``ParameterServerError`` naming ``ps:K`` within the timeout.
 
 Run it with ``unison launch --workers N --ps M train.py``: ps tasks call
