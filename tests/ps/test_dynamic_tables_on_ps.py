@@ -89,12 +89,12 @@ def test_two_workers_two_ps_train_as_one_device_and_move_only_their_rows_then_re
         losses = []
         for ids, target in batches:  # one function at a time: the order of pushes is the one-device order
             losses.append(coordinator.schedule(step, args=(ids, target)).fetch())
-        torch.testing.assert_close(torch.stack(losses), torch.stack(reference_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(reference_losses), rtol=1e-4, atol=1e-5)
         ours, theirs = model.state_dict(), reference.state_dict()
         assert torch.equal(ours["rows.ids"], theirs["rows.ids"])  # the same rows exist...
-        torch.testing.assert_close(ours["rows.rows"], theirs["rows.rows"], rtol=1e-5, atol=1e-6)  # ...with its values
-        torch.testing.assert_close(ours["rows.state.sum"], theirs["rows.state.sum"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ours["head.weight"], theirs["head.weight"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours["rows.rows"], theirs["rows.rows"], rtol=1e-4, atol=1e-5)  # ...with its values
+        torch.testing.assert_close(ours["rows.state.sum"], theirs["rows.state.sum"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours["head.weight"], theirs["head.weight"], rtol=1e-4, atol=1e-5)
         assert ours["rows.ids"].min() == INT64_MIN and ours["rows.ids"].max() == INT64_MAX
 
         # each ps task holds exactly the ids that hash to it, and the coordinator can count them
@@ -108,7 +108,7 @@ def test_two_workers_two_ps_train_as_one_device_and_move_only_their_rows_then_re
         with torch.no_grad():
             model.eval()
             unseen = torch.tensor([[123456789, -987654321, 5]])
-            torch.testing.assert_close(model(unseen), reference.eval()(unseen), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(model(unseen), reference.eval()(unseen), rtol=1e-4, atol=1e-5)
             model.train()
         assert model.rows.num_rows == ours["rows.ids"].numel()
         coordinator.shutdown()
@@ -131,7 +131,7 @@ def test_two_workers_two_ps_train_as_one_device_and_move_only_their_rows_then_re
         local.load_state_dict(ours)
         local_opt = torch.optim.Adagrad(local.parameters(), lr=0.3)
         want = [_train_step(local, local_opt)(*batch) for batch in more]
-        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-5)
         coordinator.shutdown()
 
 
@@ -150,7 +150,7 @@ def test_eviction_on_the_ps_removes_exactly_the_rows_the_policy_names(eviction, 
         seen = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in batches]))
         assert 0 < ours["rows.ids"].numel() < seen.numel()  # the policy removed some rows, not all
         assert torch.equal(ours["rows.ids"], theirs["rows.ids"])
-        torch.testing.assert_close(ours["rows.rows"], theirs["rows.rows"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours["rows.rows"], theirs["rows.rows"], rtol=1e-4, atol=1e-5)
         coordinator.shutdown()
 
 
@@ -244,8 +244,8 @@ def test_long_bags_are_pooled_on_the_ps_and_train_as_on_one_device(mode):
         step = make_step(model, opt)
         got = [coordinator.schedule(step, args=batch).fetch() for batch in batches]
         assert all(traffic == {"rows": 0, "pooled": 1} for _, traffic in got)  # bags pooled where rows live
-        torch.testing.assert_close(torch.stack([loss for loss, _ in got]), torch.stack(want), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.stack([loss for loss, _ in got]), torch.stack(want), rtol=1e-4, atol=1e-5)
         ours, theirs = model.state_dict(), local.state_dict()
         assert torch.equal(ours["rows.ids"], theirs["rows.ids"]) and torch.equal(ours["rows.counts"], theirs["rows.counts"])
-        torch.testing.assert_close(ours["rows.rows"], theirs["rows.rows"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours["rows.rows"], theirs["rows.rows"], rtol=1e-4, atol=1e-5)
         coordinator.shutdown()

@@ -5,6 +5,7 @@ process management it rests on.
 """
 
 from unison.launch.cli import launch_main, main
-from unison.launch.procs import LocalCluster, Task, plan_tasks, run_local_cluster
+from unison.launch.local_run import run_local_cluster
+from unison.launch.procs import LocalCluster, Task, plan_tasks
 
 __all__ = ["main", "launch_main", "run_local_cluster", "LocalCluster", "Task", "plan_tasks"]

@@ -19,7 +19,8 @@ from typing import Sequence
 from unison.coordinator.channel import HANDSHAKE_SECONDS, generate_authkey
 from unison.errors import UnisonError
 from unison.launch.multinode_flags import add_multinode_arguments, is_multinode, launch_nodes
-from unison.launch.procs import plan_tasks, run_local_cluster
+from unison.launch.local_run import run_local_cluster
+from unison.launch.procs import plan_tasks
 
 __all__ = ["main", "launch_main", "build_parser"]
 

@@ -35,7 +35,7 @@ from unison.launch.outcome import Outcome, exit_code, signal_name
 from unison.launch.parent_death import die_with_launcher
 
 __all__ = ["Task", "plan_tasks", "reserve_ports", "cluster_environments", "shared_environment", "LocalCluster",
-           "Outcome", "exit_code", "run_local_cluster", "die_with_launcher"]
+           "Outcome", "exit_code", "die_with_launcher"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,62 +383,3 @@ def _signal_group(pgid: int, signum: int) -> None:
         os.killpg(pgid, signum)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-
-def run_local_cluster(
-    command: Sequence[str],
-    tasks: Sequence[Task],
-    *,
-    authkey: bytes,
-    max_restarts: int = 0,
-    grace_period: float = 5.0,
-    base_env: "Mapping[str, str] | None" = None,
-    stdout: "IO[str] | None" = None,
-    stderr: "IO[str] | None" = None,
-) -> int:
-    """Runs ``command`` once per task until the cluster succeeds or runs out of restarts.
-
-    Ctrl-C (SIGINT) and SIGTERM stop every task. Returns 0 on success; the failed task's
-    exit code (128 + N for signal N) on failure; 130 / 143 when interrupted.
-    """
-    stdout = stdout or sys.stdout
-    stderr = stderr or sys.stderr
-    base = dict(os.environ if base_env is None else base_env)
-    previous = install_signal_handlers()
-    try:
-        from unison.launch.kept_ps import keeps_ps_tasks, run_keeping_ps_tasks  # it builds on this module
-
-        if max_restarts and keeps_ps_tasks(tasks):
-            return run_keeping_ps_tasks(command, tasks, authkey=authkey, max_restarts=max_restarts,
-                                        grace_period=grace_period, base=base, stdout=stdout, stderr=stderr)
-        for attempt in range(max_restarts + 1):
-            environments = cluster_environments(tasks, authkey=authkey, restart=attempt, base=base)
-            cluster = LocalCluster(command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr)
-            try:
-                try:
-                    cluster.start()
-                except BaseException:
-                    cluster.stop()
-                    raise
-                outcome = cluster.wait()
-            except (KeyboardInterrupt, Interrupted) as e:
-                signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-                cluster.stop()
-                cluster.message(f"interrupted by {signal_name(signum)}; stopped every task")
-                return 128 + signum
-            if outcome.failed is None:
-                return 0
-            code = exit_code(outcome.returncode)
-            failure = outcome.describe_failure()
-            cluster.message(f"{failure}; stopped the other {len(tasks) - 1} task(s)")
-            if attempt < max_restarts:
-                cluster.message(f"restarting the cluster (restart {attempt + 1} of {max_restarts})")
-                continue
-            cluster.message(f"cluster failed: {failure}")
-            return code
-        raise AssertionError("unreachable: the loop returns")
-    finally:
-        restore_signal_handlers(previous)
-
-

@@ -261,9 +261,7 @@ def _rows_for_scope(local: DynamicTable) -> "DynamicTable | RemoteRows":
     if strategy is None or isinstance(strategy, OneDeviceStrategy):
         return local
     config = TableConfig(local.embedding_dim, local.dtype, local.initializer, local.seed, local.eviction)
-    if isinstance(strategy, ParameterServerStrategy):
-        return strategy.extended.components.variable_policy.create_table(config)
-    if isinstance(strategy, HybridParameterServerStrategy):
+    if isinstance(strategy, (ParameterServerStrategy, HybridParameterServerStrategy)):
         return strategy.create_table(config)
     raise NotImplementedError(
         f"DynamicEmbedding in {type(strategy).__name__}'s scope: its rows live in this process (no strategy, "

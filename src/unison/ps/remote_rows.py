@@ -14,7 +14,7 @@ pickles to its key and config only, so a function that captures the module sends
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -100,7 +100,8 @@ class RemoteRows:
 
     def pooled_lookup(self, layout: BagLayout, create: bool) -> torch.Tensor:
         """``[num_bags, dim]``: each bag's weighted sum of rows, every ps task pooling the rows it holds."""
-        requests, touched_bags = {}, {}
+        requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
+        touched_bags: dict[int, torch.Tensor] = {}
         for k, where in enumerate(self._split(layout.ids)):
             if where.numel():
                 touched, local = torch.unique(layout.bags[where], return_inverse=True)
@@ -119,7 +120,7 @@ class RemoteRows:
         layout, grads = bags
         if self._grad_scale is not None:
             grads = grads * self._grad_scale()
-        requests = {}
+        requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
         for k, where in enumerate(self._split(layout.ids)):
             touched, local = torch.unique(layout.bags[where], return_inverse=True)
             requests[k] = (("table_push_bags", [(self.key, optimizer)]),

@@ -23,6 +23,8 @@ from unison.collectives.ops.local import ReductionToOneDevice
 from unison.coordinator.channel import require_authkey
 from unison.ps.optimizer_state import install_optimizer_state_on_ps
 from unison.ps.policy import PSVariablePolicy
+from unison.ps.remote_rows import RemoteRows
+from unison.ps.table_store import TableConfig
 from unison.ps.specs import task_device
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
@@ -100,7 +102,7 @@ class ParameterServerStrategy(Strategy):
         self._init_args = (cluster_resolver, variable_partitioner, timeout_seconds, variable_placer, authkey)
         self._ps_info = _cluster_info(cluster_resolver, float(timeout_seconds), authkey)
         self._cluster_resolver = cluster_resolver
-        policy = PSVariablePolicy(list(self._ps_info.ps), lambda: self._ps_info.authkey, float(timeout_seconds),
+        policy = self._policy = PSVariablePolicy(list(self._ps_info.ps), lambda: self._ps_info.authkey, float(timeout_seconds),
                                   variable_partitioner, variable_placer)
         resolved = cluster_resolver.resolve()
         # The coordinator runs one replica itself and forms no group: the workers run the
@@ -118,6 +120,10 @@ class ParameterServerStrategy(Strategy):
     def ps_cluster(self) -> "PSClusterInfo":
         """The ps and worker addresses, the timeout and the key the coordinator connects with."""
         return self._ps_info
+
+    def create_table(self, config: TableConfig) -> RemoteRows:
+        """A dynamic embedding table over every ps task (a ``DynamicEmbedding`` made in the scope asks for it)."""
+        return self._policy.create_table(config)
 
     @property
     def cluster_resolver(self) -> Any:
