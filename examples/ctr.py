@@ -46,6 +46,7 @@ def _parse(argv: "list[str] | None") -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the result here (the benchmark reads it)")
+    parser.add_argument("--shard", default="0/1", help="one device: train on shard I of N of the samples (I/N)")
     return parser.parse_args(argv)
 
 
@@ -84,7 +85,9 @@ def _step(model: DLRM, optimizer: torch.optim.Optimizer):
 
 
 def one_device(args: argparse.Namespace) -> None:
-    train, test = make_ctr_data(args.train, seed=args.seed), make_ctr_data(args.test, seed=args.seed + 1)
+    index, count = (int(part) for part in args.shard.split("/"))
+    train = make_ctr_data(args.train, seed=args.seed).shard(index, count)
+    test = make_ctr_data(args.test, seed=args.seed + 1)
     model, optimizer = _model(args)
     step = _step(model, optimizer)
     start, samples = time.perf_counter(), 0
@@ -112,7 +115,7 @@ def hybrid(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for _ in range(steps):
         strategy.run(step, args=next(batches))
-    strategy.extended.components.cross_device_ops.barrier()  # every worker's last push has landed
+    strategy.join_pushes()  # every worker's pushes are on the ps tasks
     seconds = time.perf_counter() - start
     if rank == 0:
         test = make_ctr_data(args.test, seed=args.seed + 1)

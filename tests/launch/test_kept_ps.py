@@ -24,15 +24,15 @@ SCRIPT = textwrap.dedent('''
     with strategy.scope():
         emb = unison.DynamicEmbedding(4, mode="sum")
         opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
-    strategy.extended.components.cross_device_ops.barrier()  # nobody has trained yet
+    strategy.join_pushes()  # nobody has trained yet
     found = emb.num_rows
-    strategy.extended.components.cross_device_ops.barrier()
+    strategy.join_pushes()
     def step(ids):
         loss = emb(ids).square().sum()
         opt.zero_grad(); loss.backward(); opt.step()
     for i in range(3):
         strategy.run(step, args=(torch.arange(8).reshape(4, 2) + 100 * resolver.task_id + 1000 * restart,))
-    strategy.extended.components.cross_device_ops.barrier()
+    strategy.join_pushes()
     print(f"restart {restart}: found {found} rows, now {emb.num_rows}", flush=True)
     if restart == 0 and resolver.task_id == 1:
         os._exit(7)  # a worker dies after training: the job restarts its workers

@@ -70,7 +70,7 @@ def train(rank: int, world: int, ps: list[str], key_hex: str, steps: int):
         loss.backward()
         opt.step()
         dense_after.append([p.detach().clone() for name, p in model.named_parameters() if not name.startswith("rows")])
-    strategy.extended.components.cross_device_ops.barrier()  # every worker's last push has landed
+    strategy.join_pushes()  # every worker's last push has landed
     state = model.state_dict()
     return dense_after, {k: v for k, v in state.items() if not isinstance(v, dict)}, model.rows.table_stats()
 
@@ -96,7 +96,7 @@ def lose_a_ps(rank: int, world: int, ps: list[str], key_hex: str, ps1_pid: int):
         opt.step()
 
     step(*batches[0])
-    strategy.extended.components.cross_device_ops.barrier()
+    strategy.join_pushes()  # the first step is on both ps tasks
     if rank == 0:
         os.kill(ps1_pid, signal.SIGKILL)
     strategy.extended.components.cross_device_ops.barrier()

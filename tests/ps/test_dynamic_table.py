@@ -91,16 +91,17 @@ def test_shard_of_rejects_bad_arguments():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["insert", "remove", "find"]),
+@given(st.lists(st.tuples(st.sampled_from(["insert", "insert_at_probe_ends", "remove", "find"]),
                           st.lists(st.one_of(st.sampled_from(EXTREMES + [5, 6, 7]), int64s), max_size=40)),
                 max_size=25))
 def test_id_index_behaves_as_a_dict(ops):
     index, model, next_slot = IdIndex(), {}, 0
     for op, values in ops:
         values = list(dict.fromkeys(values))
-        if op == "insert":
+        if op in ("insert", "insert_at_probe_ends"):
             new = [v for v in values if v not in model]
-            index.insert(_ids(new), torch.arange(next_slot, next_slot + len(new)))
+            hint = index.find_with_ends(_ids(new))[1] if op == "insert_at_probe_ends" else None
+            index.insert(_ids(new), torch.arange(next_slot, next_slot + len(new)), hint)
             model.update({v: next_slot + i for i, v in enumerate(new)})
             next_slot += len(new)
         elif op == "remove":
@@ -120,9 +121,10 @@ def test_id_index_keeps_probe_chains_through_removals_and_reuse():
     g = torch.Generator().manual_seed(13)
     for round_ in range(4):
         new = ids[torch.randperm(ids.numel(), generator=g)[:3000]]
-        new = new[index.find(new) < 0]
+        found, ends = index.find_with_ends(new)
+        new, ends = new[found < 0], ends[found < 0]
         slots = torch.arange(new.numel()) + 10_000 * round_
-        index.insert(new, slots)
+        index.insert(new, slots, ends if round_ % 2 else None)  # from the probes' ends, or from the hashes
         model.update(zip(new.tolist(), slots.tolist()))
         gone = torch.tensor(list(model), dtype=torch.int64)[torch.randperm(len(model), generator=g)[:1500]]
         index.remove(gone)

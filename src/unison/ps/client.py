@@ -50,6 +50,8 @@ class PSClient:
         #: per ps task: the arena segments it has mapped, or None once it could not (another host)
         self._attached: dict[int, "set[str] | None"] = {}
         self._grad_slots: dict[tuple[int, str], torch.Tensor] = {}
+        #: ps tasks whose reply to a request sent without waiting (a row push) is still to be read
+        self._unanswered: set[int] = set()
 
     def new_tensor(self, shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor for a worker's cached parameter: in the arena when there is one."""
@@ -100,8 +102,13 @@ class PSClient:
                 self._links[index] = link
             return link
 
-    def exchange(self, requests: "dict[int, tuple[Any, Sequence[torch.Tensor], Any]]") -> dict[int, list[torch.Tensor]]:
+    def exchange(self, requests: "dict[int, tuple[Any, Sequence[torch.Tensor], Any]]", *,
+                 wait: bool = True) -> dict[int, list[torch.Tensor]]:
         """Sends each ps task its request, then returns each reply's tensors.
+
+        With ``wait=False`` it returns once the requests are sent (no replies): each ps
+        task answers later, and that answer (an error, raised then) is read before the
+        next request to it, so a ps task still applies one peer's requests in order.
 
         Raises:
             ParameterServerError: naming ``ps:K`` if it is gone or does not answer.
@@ -113,12 +120,17 @@ class PSClient:
             links[i].lock.acquire()
         try:
             for i in order:
+                self._settle_locked(i, links[i])
+            for i in order:
                 header, tensors, _ = requests[i]
                 try:
                     links[i].send(header, tensors)
                 except (EOFError, OSError) as e:
                     self._drop(i)
                     raise self._lost(i, e) from e
+            if not wait:
+                self._unanswered.update(order)
+                return {}
             replies: dict[int, list[torch.Tensor]] = {}
             error: "BaseException | None" = None
             for i in order:
@@ -139,10 +151,37 @@ class PSClient:
             for i in order:
                 links[i].lock.release()
 
+    def _settle_locked(self, index: int, link: TensorLink) -> None:
+        """Reads ps task ``index``'s answer to a request sent without waiting, if one is due (its lock held)."""
+        if index not in self._unanswered:
+            return
+        self._unanswered.discard(index)
+        try:
+            header, _ = link.recv(None, self._reply_timeout)
+        except (EOFError, OSError, TimeoutError) as e:
+            self._drop(index)
+            raise self._lost(index, e) from e
+        if header[0] == "error":
+            error = header[1]
+            error.add_note(f"raised on ps:{index} by an earlier request sent without waiting (a row push)"
+                           + (f"; traceback there:\n{header[2]}" if header[2] else ""))
+            raise error
+
+    def settle(self) -> None:
+        """Waits until every request sent without waiting has been applied (raises its error, if any)."""
+        for index in sorted(self._unanswered):
+            link = self._links.get(index)
+            if link is None:
+                self._unanswered.discard(index)
+                continue
+            with link.lock:
+                self._settle_locked(index, link)
+
     def _drop(self, index: int) -> None:
         with self._lock:
             link = self._links.pop(index, None)
             self._attached.pop(index, None)
+            self._unanswered.discard(index)
         if link is not None:
             link.close()
 

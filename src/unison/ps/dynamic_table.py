@@ -20,6 +20,7 @@ tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addon
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, final
 
 import torch
@@ -29,30 +30,12 @@ from unison.ps.id_index import IdIndex
 from unison.ps.id_initializers import Initializer, initializer_from_config, normal
 from unison.ps.row_eviction import EvictionPolicy
 from unison.ps.row_optimizers import RowOptimizer, RowState
+from unison.ps.table_checks import checked_ids, checked_meta, dtype_from_name
 
 __all__ = ["DynamicTable", "shard_of"]
 
-_EXPORT_KEYS = ("ids", "rows", "state", "counts", "last_seen", "meta")
-_META_KEYS = ("embedding_dim", "dtype", "seed", "step", "initializer", "state_init")
 _MIN_CAPACITY = 16
-
-
-def _ids_arg(ids: Any, where: str) -> torch.Tensor:
-    """Ids as an int64 CPU tensor, or an error that names the call and the fix."""
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"{where}: `ids` must be an integer torch.Tensor, got {type(ids).__name__}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"{where}: `ids` must be an integer tensor, got dtype {ids.dtype}; fix: pass ids.long()")
-    if ids.device.type != "cpu":
-        raise ValueError(f"{where}: `ids` must be on the CPU, got device {ids.device}; fix: pass ids.cpu()")
-    return ids.to(torch.int64)
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"export meta names dtype {name!r}, which is not a torch dtype")
-    return dtype
+_GENERATIONS = itertools.count()  # unique over every table: a reloaded table never repeats one
 
 
 @final
@@ -105,6 +88,7 @@ class DynamicTable:
         self._used = 0  # slots [0, _used) have held a row at some time
         self._num_rows = 0
         self._step = 0
+        self._generation = next(_GENERATIONS)
 
     @property
     def embedding_dim(self) -> int:
@@ -163,7 +147,7 @@ class DynamicTable:
         gets the row the initializer would give it, unstored. A caller that already made
         ``ids`` distinct passes how often each occurred in its batch as ``occurrences``.
         """
-        ids = _ids_arg(ids, "DynamicTable.lookup")
+        ids = checked_ids(ids, "DynamicTable.lookup")
         unique, inverse, found = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
         if occurrences is not None:
             if tuple(occurrences.shape) != tuple(ids.shape) or unique.numel() != ids.numel():
@@ -171,13 +155,13 @@ class DynamicTable:
                                  f"(shape {tuple(ids.shape)}), got shape {tuple(occurrences.shape)}")
             found = occurrences.reshape(-1).to(torch.int64).index_select(0, torch.argsort(ids.reshape(-1)))
         occurrences = found
-        slots = self._index.find(unique)
         if create:
-            slots = self._with_created(unique, slots)
+            slots = self._found_or_created(unique)
             self._counts.index_add_(0, slots, occurrences)
             self._last_seen[slots] = self._step
             rows = self._rows.index_select(0, slots)
         else:
+            slots = self._index.find(unique)
             rows = torch.empty(unique.numel(), self._dim, dtype=self._dtype)
             present = slots >= 0
             rows[present] = self._rows.index_select(0, slots[present])
@@ -196,7 +180,7 @@ class DynamicTable:
             grads: ``[N, embedding_dim]`` floating tensor (cast to the table's dtype).
             optimizer: the row optimizer; its state is allocated on first use.
         """
-        ids = _ids_arg(ids, "DynamicTable.apply_gradients")
+        ids = checked_ids(ids, "DynamicTable.apply_gradients")
         if ids.dim() != 1:
             raise ValueError(f"DynamicTable.apply_gradients: `ids` must be 1-D, got shape {tuple(ids.shape)}; "
                              f"fix: pass ids.reshape(-1) and grads.reshape(-1, {self._dim})")
@@ -208,14 +192,34 @@ class DynamicTable:
         if not isinstance(optimizer, RowOptimizer):
             raise TypeError(f"DynamicTable.apply_gradients: `optimizer` must be a RowOptimizer (e.g. RowSGD(lr)), "
                             f"got {optimizer!r}")
-        spec = optimizer.state_per_row(self._dim)
-        self._ensure_state(spec, f"optimizer {optimizer!r}")
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros(unique.numel(), self._dim, dtype=self._dtype)
         summed.index_add_(0, inverse, grads.to(self._dtype))
-        slots = self._with_created(unique, self._index.find(unique))
+        self.apply_to_slots(self._found_or_created(unique), summed, optimizer)
+
+    def lookup_distinct(self, ids: torch.Tensor, occurrences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lookup(ids, create=True, occurrences=...)`` for 1-D distinct int64 ``ids``, with their slots.
+
+        The fast path of a ps task: a worker sends each distinct id once, and the slots
+        let the push that follows skip finding them again (see :meth:`apply_to_slots`).
+        """
+        slots = self._found_or_created(ids)
+        self._counts.index_add_(0, slots, occurrences.to(torch.int64))
+        self._last_seen[slots] = self._step
+        return self._rows.index_select(0, slots), slots
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a row leaves (eviction, load): slots read before stay valid while it does not."""
+        return self._generation
+
+    def apply_to_slots(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """Updates distinct ``slots`` (of live rows, e.g. from :meth:`lookup_distinct` in the same
+        generation) by their summed gradients ``[len(slots), dim]``."""
+        spec = optimizer.state_per_row(self._dim)
+        self._ensure_state(spec, f"optimizer {optimizer!r}")
         state = {name: self._state[name].index_select(0, slots) for name in spec}
-        rows, state = optimizer.update(self._rows.index_select(0, slots), summed, state)
+        rows, state = optimizer.update(self._rows.index_select(0, slots), grads.to(self._dtype), state)
         self._rows.index_copy_(0, slots, rows.to(self._dtype))
         for name in spec:
             self._state[name].index_copy_(0, slots, state[name].to(self._dtype))
@@ -252,6 +256,8 @@ class DynamicTable:
             raise TypeError(f"{self._eviction!r}.select must return a bool mask of shape {tuple(live.shape)}, "
                             f"got {chosen!r:.80}")
         slots = live[chosen]
+        if slots.numel():
+            self._generation = next(_GENERATIONS)
         ids = self._slot_ids[slots]
         self._index.remove(ids)
         self._live[slots] = False
@@ -286,8 +292,8 @@ class DynamicTable:
                     eviction: EvictionPolicy | None = None) -> DynamicTable:
         """A table holding exactly an export's rows; the initializer is rebuilt from its
         config unless given (needed for an initializer that is not a built-in)."""
-        meta = _checked_meta(export)
-        table = cls(meta["embedding_dim"], dtype=_dtype_from_name(meta["dtype"]),
+        meta = checked_meta(export)
+        table = cls(meta["embedding_dim"], dtype=dtype_from_name(meta["dtype"]),
                     initializer=initializer if initializer is not None else initializer_from_config(meta["initializer"]),
                     seed=meta["seed"], eviction=eviction)
         table.import_(export)
@@ -300,7 +306,7 @@ class DynamicTable:
         shard`` are taken, so importing every old shard's export into new shard ``j`` of
         ``num_shards`` re-splits a table. The step becomes the larger of the two.
         """
-        meta = _checked_meta(export)
+        meta = checked_meta(export)
         for field, mine in (("embedding_dim", self._dim), ("dtype", str(self._dtype)), ("seed", self._seed)):
             if meta[field] != mine:
                 raise ValueError(f"DynamicTable.import_: export has {field}={meta[field]!r} but this table has "
@@ -342,15 +348,16 @@ class DynamicTable:
                              f"{ids.numel()} ids; it must return [{ids.numel()}, {self._dim}] {self._dtype}")
         return rows
 
-    def _with_created(self, unique: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``slots`` of ``unique`` ids with the missing ones (-1) created."""
+    def _found_or_created(self, unique: torch.Tensor) -> torch.Tensor:
+        """Slots of distinct ids, the missing ones created (inserted where their probe ended)."""
+        slots, ends = self._index.find_with_ends(unique)
         missing = slots < 0
         if bool(missing.any()):
             new_ids = unique[missing]
-            slots[missing] = self._create(new_ids, self._initial_rows(new_ids))
+            slots[missing] = self._create(new_ids, self._initial_rows(new_ids), ends[missing])
         return slots
 
-    def _create(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _create(self, ids: torch.Tensor, rows: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:
         """Store distinct absent ids with their rows and fresh counters and state; returns their slots."""
         slots = self._allocate(ids.numel())
         self._rows[slots] = rows
@@ -360,7 +367,7 @@ class DynamicTable:
         self._last_seen[slots] = self._step
         self._slot_ids[slots] = ids
         self._live[slots] = True
-        self._index.insert(ids, slots)
+        self._index.insert(ids, slots, hint)
         self._num_rows += ids.numel()
         return slots
 
@@ -414,27 +421,3 @@ class DynamicTable:
                                  f"{wanted.initial!r}, but this table keeps it with {self._state[name].shape[1]} "
                                  f"columns starting at {self._state_init[name]!r}; fix: use one optimizer "
                                  f"configuration per table")
-
-
-def _checked_meta(export: Any) -> dict[str, Any]:
-    """An export's meta after checking that its parts fit together."""
-    if not isinstance(export, dict) or any(key not in export for key in _EXPORT_KEYS):
-        raise ValueError(f"not a DynamicTable export: needs keys {_EXPORT_KEYS}, got "
-                         f"{sorted(export) if isinstance(export, dict) else type(export).__name__}")
-    meta: dict[str, Any] = export["meta"]
-    missing = [key for key in _META_KEYS if key not in meta]
-    if missing:
-        raise ValueError(f"DynamicTable export meta lacks {missing}; fix: pass what DynamicTable.export() returned")
-    ids, n = export["ids"], export["ids"].numel()
-    if ids.dtype != torch.int64 or ids.dim() != 1 or torch.unique(ids).numel() != n:
-        raise ValueError(f"DynamicTable export `ids` must be distinct int64 in a 1-D tensor, got {ids.dtype} "
-                         f"shape {tuple(ids.shape)} with {n - torch.unique(ids).numel()} duplicates")
-    shapes = {"rows": (n, meta["embedding_dim"]), "counts": (n,), "last_seen": (n,)}
-    for key, shape in shapes.items():
-        if tuple(export[key].shape) != shape:
-            raise ValueError(f"DynamicTable export `{key}` has shape {tuple(export[key].shape)}, expected {shape}")
-    for name, values in export["state"].items():
-        if values.dim() != 2 or values.shape[0] != n or name not in meta["state_init"]:
-            raise ValueError(f"DynamicTable export state {name!r} must be [{n}, columns] with an initial value in "
-                             f"meta['state_init'], got shape {tuple(values.shape)}")
-    return meta

@@ -11,11 +11,12 @@ optimizer that its ``torch.optim`` optimizer maps to (Adagrad's state kept besid
 on the ps).
 
 Semantics:
-- **Pulls and pushes.** A push is applied whole on each ps task before ``step()``
-  returns. So a worker's pull at step ``t`` sees all of its own pushes and every other
-  worker's pushes up to step ``t - 2`` (those of ``t - 1`` may or may not have landed:
-  one step of staleness at most, as the dense all-reduce of step ``t - 1`` holds every
-  worker within a step of the others). With the mean reduction (the default) a worker's
+- **Pulls and pushes.** ``step()`` sends a push without waiting; each ps task applies
+  it whole before this worker's next request to it. So a worker's pull at step ``t``
+  sees all of its own pushes and every other worker's pushes up to step ``t - 2``
+  (those of ``t - 1`` may or may not have landed: one step of staleness at most, as the
+  dense all-reduce of step ``t - 1`` holds every worker within a step of the others).
+  ``join_pushes()`` waits for every worker's pushes (before a checkpoint or evaluation). With the mean reduction (the default) a worker's
   row gradients are divided by ``num_replicas_in_sync``, so when workers touch
   different rows the update is the one a single device would make on the global batch.
 - **Checkpoints.** ``state_dict()`` of a module holds the dense parameters (the chief
@@ -136,6 +137,18 @@ class HybridParameterServerStrategy(Strategy):
         ops = self.extended.components.cross_device_ops
         if isinstance(ops, CollectiveAllReduce):
             ops.barrier()
+
+    def join_pushes(self) -> None:
+        """Blocks until every worker's row pushes so far are applied on the ps tasks.
+
+        A push is sent by ``optimizer.step()`` without waiting for the ps tasks (this
+        worker's next lookup waits for it): call this on every worker before a
+        checkpoint or an evaluation reads the tables. Each worker waits for its own
+        pushes, then all meet at a barrier.
+        """
+        if self._client is not None:
+            self._client.settle()
+        self._barrier()
 
     def create_table(self, config: TableConfig) -> RemoteRows:
         """A dynamic table on every ps task, made there now or found there (the same key on every worker).

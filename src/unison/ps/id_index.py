@@ -48,10 +48,12 @@ class IdIndex:
         """Bytes held by the index tensor."""
         return self._table.numel() * self._table.element_size()
 
-    def _locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(position in the table, slot)`` of each id, both -1 where the id is absent."""
+    def _locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(position in the table, slot, end)`` of each id: position and slot -1 where the id is
+        absent, and there ``end`` is the empty entry its probe stopped at (where it may go)."""
         mask = self._table.shape[0] - 1
         found_pos, found_slot = torch.full_like(ids, -1), torch.full_like(ids, -1)
+        end = torch.full_like(ids, -1)
         todo = torch.arange(ids.numel())
         keys = ids
         pos = splitmix64(ids) & mask
@@ -61,20 +63,33 @@ class IdIndex:
             hit = (slot >= 0) & (entry[:, 0] == keys)
             found_pos.index_copy_(0, todo, torch.where(hit, pos, -1))
             found_slot.index_copy_(0, todo, torch.where(hit, slot, -1))
-            go_on = (~hit & (slot != _EMPTY)).nonzero().squeeze(1)
+            empty = slot == _EMPTY
+            end.index_copy_(0, todo, torch.where(empty, pos, -1))
+            go_on = (~hit & ~empty).nonzero().squeeze(1)
             todo, keys = todo.index_select(0, go_on), keys.index_select(0, go_on)
             pos = (pos.index_select(0, go_on) + 1) & mask
-        return found_pos, found_slot
+        return found_pos, found_slot, end
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each id of a 1-D int64 tensor, -1 where it is absent."""
         return self._locate(ids)[1]
 
-    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Add distinct ids, none of them present, with their slots (both 1-D int64)."""
+    def find_with_ends(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``find``, and for each absent id the entry its probe ended at: pass those to
+        :meth:`insert` as ``hint`` and the insert starts there instead of probing again."""
+        _, slots, end = self._locate(ids)
+        return slots, end
+
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor, hint: "torch.Tensor | None" = None) -> None:
+        """Add distinct ids, none of them present, with their slots (both 1-D int64).
+
+        ``hint``: where each id's probe ended in a ``find_with_ends`` since the index last
+        changed (ignored when this insert grows the table, which moves every entry).
+        """
         if (self._live + self._tombstones + ids.numel()) * 2 > self._table.shape[0]:
             self._rebuild(self._live + ids.numel())
-        self._place(ids, slots)
+            hint = None
+        self._place(ids, slots, hint)
 
     def remove(self, ids: torch.Tensor) -> None:
         """Drop distinct ids that are all present."""
@@ -105,12 +120,14 @@ class IdIndex:
         self._live = self._tombstones = 0
         self._place(ids, slots)
 
-    def _place(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+    def _place(self, ids: torch.Tensor, slots: torch.Tensor, start: "torch.Tensor | None" = None) -> None:
         """Linear-probe insert of a batch: ids that reach the same free entry race for it,
-        the one whose key stays written there wins, the others probe on."""
+        the one whose key stays written there wins, the others probe on. ``start``: where
+        each id's probe begins (default its hash; a probe's end is as good: every entry
+        before it on the id's chain is taken)."""
         mask = self._table.shape[0] - 1
         self._live += ids.numel()
-        pos = splitmix64(ids) & mask
+        pos = splitmix64(ids) & mask if start is None else start.clone()
         while ids.numel():
             was = self._table.index_select(0, pos)[:, 1]
             free = was < 0

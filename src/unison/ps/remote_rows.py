@@ -61,10 +61,12 @@ class RemoteRows:
         self._after_load = after_load
         self.traffic = {"rows": 0, "pooled": 0}
         """Lookups made here so far, by kind: distinct rows pulled, or bags pooled on the ps tasks."""
+        self._last_split: "tuple[torch.Tensor, list[torch.Tensor]] | None" = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": None,
-                "_grad_scale": None, "_after_load": None, "traffic": {"rows": 0, "pooled": 0}}
+                "_grad_scale": None, "_after_load": None, "traffic": {"rows": 0, "pooled": 0},
+                "_last_split": None}
 
     @property
     def embedding_dim(self) -> int:
@@ -79,9 +81,14 @@ class RemoteRows:
                                  for k in range(self.num_shards)})
 
     def _split(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Positions in ``ids`` of each shard's ids."""
+        """Positions in ``ids`` of each shard's ids (a push of the ids just looked up reuses theirs)."""
+        last = self._last_split
+        if last is not None and last[0].shape == ids.shape and torch.equal(last[0], ids):
+            return last[1]
         owner = shard_of(ids, self.num_shards)
-        return [(owner == k).nonzero().squeeze(1) for k in range(self.num_shards)]
+        positions = [(owner == k).nonzero().squeeze(1) for k in range(self.num_shards)]
+        self._last_split = (ids, positions)
+        return positions
 
     def lookup(self, unique: torch.Tensor, create: bool, occurrences: "torch.Tensor | None" = None) -> torch.Tensor:
         """Rows of distinct ``unique`` ids, ``[n, dim]``; missing rows are made when ``create``, and
@@ -125,15 +132,21 @@ class RemoteRows:
             touched, local = torch.unique(layout.bags[where], return_inverse=True)
             requests[k] = (("table_push_bags", [(self.key, optimizer)]),
                            [layout.ids[where], local, layout.weights[where], grads.index_select(0, touched)], None)
-        self._client().exchange(requests)
+        self._client().exchange(requests, wait=False)
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
-        """One optimizer step of the rows: each shard applies its ids' gradients, advances and evicts."""
+        """One optimizer step of the rows: each shard applies its ids' gradients, advances and evicts.
+
+        Sent without waiting: the next request to each ps task (this worker's next lookup)
+        reads its answer first, so this worker's next lookup sees it; ``PSClient.settle``
+        waits for it (a function's end on a ClusterCoordinator's worker,
+        ``HybridParameterServerStrategy.join_pushes``).
+        """
         if self._grad_scale is not None:
             grads = grads * self._grad_scale()
         positions = self._split(ids)
         self._client().exchange({k: (("table_push", [(self.key, optimizer)]), [ids[where], grads[where]], None)
-                                 for k, where in enumerate(positions)})
+                                 for k, where in enumerate(positions)}, wait=False)
 
     def export(self) -> dict[str, Any]:
         """Every shard's rows merged, sorted by id: the export of the whole table."""

@@ -190,6 +190,7 @@ class Server:
                 runtime.pull_touched()
                 try:
                     result = fn(*args, **kwargs)
+                    runtime.client.settle()  # its row pushes are applied before it counts as done
                     runtime.push_changes()  # only a function that returned changes the ps variables
                     return ("result", result)
                 finally:

@@ -82,6 +82,7 @@ class TableStore:
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
+        self._recent = threading.local()  # per session thread: table key -> (ids, slots, generation) of its last lookup
 
     def _entry(self, key: str) -> _Entry:
         try:
@@ -105,16 +106,32 @@ class TableStore:
                                  f"asked for {config.describe()}; every worker must build the same model")
 
     def rows(self, key: str, ids: torch.Tensor, occurrences: torch.Tensor, create: bool) -> torch.Tensor:
-        """Rows of distinct ``ids`` (made, and counted by ``occurrences``, when ``create``)."""
+        """Rows of distinct ``ids`` (made, and counted by ``occurrences``, when ``create``).
+
+        A training lookup remembers the ids' slots for this session: the push that
+        follows from the same worker (the same ids, as a rule) skips finding them again.
+        """
         entry = self._entry(key)
         with entry.lock:
-            return entry.table.lookup(ids, create=create, occurrences=occurrences)
+            if not create:
+                return entry.table.lookup(ids, create=False)
+            rows, slots = entry.table.lookup_distinct(ids, occurrences)
+            self._recent.__dict__[key] = (ids.clone(), slots, entry.table.generation)
+            return rows
 
     def push(self, key: str, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """Applies row gradients, then advances the shard's clock and evicts (one optimizer step)."""
         entry = self._entry(key)
+        recent = self._recent.__dict__.pop(key, None)
         with entry.lock:
-            entry.table.push(ids, grads, optimizer)
+            table = entry.table
+            if (recent is not None and recent[2] == table.generation and recent[0].shape == ids.shape
+                    and torch.equal(recent[0], ids)):
+                table.apply_to_slots(recent[1], grads, optimizer)  # the ids this session just read
+                table.step()
+                table.evict()
+                return
+            table.push(ids, grads, optimizer)
 
     def pool(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor, num_bags: int,
              create: bool) -> torch.Tensor:
