@@ -8,6 +8,8 @@ samples (seed 1):
 
 - ``one_device`` (batch 256) and ``one_device_512`` (batch 512, the hybrid job's global
   batch): ``examples/ctr.py --strategy one_device``, the AUC references;
+- ``floor_two_alone``: two one-device processes at once, each on half the samples with
+  one thread (what the two cores do for two workers with no communication and no ps);
 - ``unison_hybrid``: ``unison launch --workers 2 --ps 2 examples/ctr.py`` (dense layers
   all-reduced, rows on the ps tasks; batch 256 per worker);
 - ``unison_ps``: ``unison launch --chief --workers 2 --ps 2 examples/ctr.py --strategy ps``
@@ -67,6 +69,24 @@ def _peer_env(path: "str | None") -> dict[str, str]:
     return env
 
 
+def _two_alone(common: list[str]) -> dict[str, Any]:
+    """Two one-device trainings at once, each on its half: samples over the slower one's time."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [Path(tmp) / f"{i}.json" for i in range(2)]
+        procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--strategy", "one_device", "--shard", f"{i}/2",
+                                   *common, "--json", str(out)], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for i, out in enumerate(outs)]
+        errors = [p.communicate(timeout=1200)[1] for p in procs]
+        if any(p.returncode for p in procs):
+            return {"error": "\n".join(errors)[-2000:]}
+        results = [json.loads(out.read_text()) for out in outs]
+    seconds = max(r["seconds"] for r in results)
+    samples = sum(r["samples"] for r in results)
+    return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+            "auc": statistics.mean(r["auc"] for r in results)}
+
+
 def variants(args: argparse.Namespace) -> dict[str, Any]:
     """Each variant's command: a callable that returns its result."""
     common = ["--train", str(args.samples), "--test", str(args.eval_samples)]
@@ -77,6 +97,7 @@ def variants(args: argparse.Namespace) -> dict[str, Any]:
         "one_device": lambda: _run_json([py, str(EXAMPLE), "--strategy", "one_device", *common]),
         "one_device_512": lambda: _run_json([py, str(EXAMPLE), "--strategy", "one_device", "--batch-size", "512",
                                              *common]),
+        "floor_two_alone": lambda: _two_alone(common),
         "unison_hybrid": lambda: _run_json([py, "-m", "unison.launch", "--workers", "2", "--ps", "2", str(EXAMPLE),
                                             *common]),
         "unison_ps": lambda: _run_json([py, "-m", "unison.launch", "--chief", "--workers", "2", "--ps", "2",
