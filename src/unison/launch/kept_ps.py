@@ -11,12 +11,11 @@ made. A job with a chief (ParameterServerStrategy) restarts whole, as before.
 from __future__ import annotations
 
 import json
-import signal
 from typing import IO, Mapping, Sequence
 
 from unison.cluster import env
-from unison.launch.interrupts import Interrupted
-from unison.launch.outcome import exit_code, signal_name
+from unison.launch.one_run import run_once
+from unison.launch.outcome import exit_code
 from unison.launch.procs import LocalCluster, Task, cluster_environments
 
 __all__ = ["keeps_ps_tasks", "run_keeping_ps_tasks"]
@@ -44,14 +43,9 @@ def run_keeping_ps_tasks(command: Sequence[str], tasks: Sequence[Task], *, authk
                 tasks, authkey=authkey, restart=attempt, base=base, kept={"ps": ps_addresses})
             training = LocalCluster(command, {task: environments[task] for task in others},
                                     grace_period=grace_period, stdout=stdout, stderr=stderr)
-            try:
-                training.start()
-                outcome = training.wait()
-            except (KeyboardInterrupt, Interrupted) as e:
-                signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-                training.stop()
-                training.message(f"interrupted by {signal_name(signum)}; stopped every task")
-                return 128 + signum
+            outcome = run_once(training)
+            if isinstance(outcome, int):
+                return outcome
             if outcome.failed is None:
                 return 0
             failure = outcome.describe_failure()

@@ -7,13 +7,13 @@ running (:mod:`unison.launch.kept_ps`).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from typing import IO, Mapping, Sequence
 
-from unison.launch.interrupts import Interrupted, install_signal_handlers, restore_signal_handlers
+from unison.launch.interrupts import install_signal_handlers, restore_signal_handlers
 from unison.launch.kept_ps import keeps_ps_tasks, run_keeping_ps_tasks
-from unison.launch.outcome import exit_code, signal_name
+from unison.launch.one_run import run_once
+from unison.launch.outcome import exit_code
 from unison.launch.procs import LocalCluster, Task, cluster_environments
 
 __all__ = ["run_local_cluster"]
@@ -46,18 +46,9 @@ def run_local_cluster(
         for attempt in range(max_restarts + 1):
             environments = cluster_environments(tasks, authkey=authkey, restart=attempt, base=base)
             cluster = LocalCluster(command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr)
-            try:
-                try:
-                    cluster.start()
-                except BaseException:
-                    cluster.stop()
-                    raise
-                outcome = cluster.wait()
-            except (KeyboardInterrupt, Interrupted) as e:
-                signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-                cluster.stop()
-                cluster.message(f"interrupted by {signal_name(signum)}; stopped every task")
-                return 128 + signum
+            outcome = run_once(cluster)
+            if isinstance(outcome, int):
+                return outcome
             if outcome.failed is None:
                 return 0
             code = exit_code(outcome.returncode)

@@ -22,10 +22,12 @@ Checkpoints: ``state_dict()`` holds the rows that exist (ids, rows, their optimi
 state, touch counts) and no capacity; ``load_state_dict`` restores them.
 
 Where the rows live: on one device (no strategy, ``OneDeviceStrategy``) in this
-process; made in a ``ParameterServerStrategy``'s scope, on its ps tasks
-(:class:`~unison.ps.remote_rows.RemoteRows`: row ``id`` on ps task ``shard_of(id, M)``),
-so a worker holds only the rows of its batch and the same model code runs in both.
-Other strategies refuse it with the fix.
+process; made in a ``ParameterServerStrategy``'s or ``HybridParameterServerStrategy``'s
+scope, on the cluster's ps tasks (:class:`~unison.ps.remote_rows.RemoteRows`: row ``id``
+on ps task ``shard_of(id, M)``), so a worker holds only the rows of its batch and the
+same model code runs in all three. With a bag ``mode``, where it saves bytes, each ps
+task pools its rows of a bag and a bag's gradient is pushed whole. Other strategies
+refuse it with the fix.
 
 tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addons'
 ``dynamic_embedding.get_variable`` with ``embedding_lookup``, and TorchRec's
