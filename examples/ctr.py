@@ -104,7 +104,7 @@ def hybrid(args: argparse.Namespace) -> None:
         unison.Server(resolver).join()  # holds rows until the launcher ends the job
         return
     strategy = unison.HybridParameterServerStrategy(resolver)
-    rank, workers = resolver.task_id, strategy.num_replicas_in_sync
+    rank, workers = strategy.extended.components.cluster.rank, strategy.num_replicas_in_sync  # chief first, if any
     data = make_ctr_data(args.train, seed=args.seed)
     steps = len(data) // workers // args.batch_size  # the same count on every worker
     train = data.shard(rank, workers)

@@ -16,7 +16,9 @@ Semantics:
   sees all of its own pushes and every other worker's pushes up to step ``t - 2``
   (those of ``t - 1`` may or may not have landed: one step of staleness at most, as the
   dense all-reduce of step ``t - 1`` holds every worker within a step of the others).
-  ``join_pushes()`` waits for every worker's pushes (before a checkpoint or evaluation). With the mean reduction (the default) a worker's
+  ``join_pushes()`` waits for every worker's pushes (before a checkpoint or evaluation).
+  Eviction counts pushes, as on one device it counts steps: with ``W`` workers a shard's
+  clock advances ``W`` times per global step (``EvictUnseen(n)``: unseen for ``n`` pushes). With the mean reduction (the default) a worker's
   row gradients are divided by ``num_replicas_in_sync``, so when workers touch
   different rows the update is the one a single device would make on the global batch.
 - **Checkpoints.** ``state_dict()`` of a module holds the dense parameters (the chief
