@@ -105,3 +105,38 @@ def lose_a_ps(rank: int, world: int, ps: list[str], key_hex: str, ps1_pid: int):
     except unison.errors.ParameterServerError as e:
         return str(e)
     return "no error"
+
+
+def _fixed_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.ModuleDict({"table": nn.EmbeddingBag(64, DIM, mode="sum"), "head": nn.Linear(DIM, 1)})
+
+
+def fixed_batches(steps: int, workers: int, per_worker: int = 4, seed: int = 3):
+    """Ids in [0, 64): worker ``r`` uses ids ``r, r + workers, ...`` only (no row pushed by two)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        n = per_worker * workers
+        owner = (torch.arange(n) % workers).unsqueeze(1)
+        ids = torch.randint(0, 64 // workers, (n, 3), generator=g) * workers + owner
+        out.append((ids, torch.randn(n, generator=g)))
+    return out
+
+
+def train_fixed(rank: int, world: int, ps: list[str], key_hex: str, steps: int):
+    """An nn.EmbeddingBag selected by size goes to the ps tasks; each worker seeds differently."""
+    strategy = strategy_for(rank, world, ps, key_hex)
+    with strategy.scope():
+        model = _fixed_model(10 + rank)  # the chief's values must win, for the table as for the head
+        moved = unison.embeddings.tables_on_ps(model, min_bytes=64 * DIM * 4)
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
+    for ids, target in fixed_batches(steps, world):
+        mine = slice(rank, None, world)
+        loss = F.mse_loss(model["head"](model["table"](ids[mine])).squeeze(1), target[mine])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    strategy.join_pushes()
+    state = model.state_dict()
+    return moved, {k: v for k, v in state.items() if not isinstance(v, dict)}

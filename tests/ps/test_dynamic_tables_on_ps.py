@@ -249,3 +249,31 @@ def test_long_bags_are_pooled_on_the_ps_and_train_as_on_one_device(mode):
         assert torch.equal(ours["rows.ids"], theirs["rows.ids"]) and torch.equal(ours["rows.counts"], theirs["rows.counts"])
         torch.testing.assert_close(ours["rows.rows"], theirs["rows.rows"], rtol=1e-4, atol=1e-5)
         coordinator.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_fixed_table_marked_for_the_ps_keeps_its_rows_there():
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, 30, (6, 2), generator=g), torch.randn(6, generator=g)) for _ in range(3)]
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(unison.embeddings.on_ps(nn.EmbeddingBag(30, DIM, mode="sum")), nn.Linear(DIM, 1),
+                             nn.Flatten(0))
+
+    local = build()
+    local_step = _train_step(local, torch.optim.Adagrad(local.parameters(), lr=0.2))
+    want = [local_step(*batch) for batch in batches]
+    with ps_cluster(1, 2) as cluster:
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 2))
+        coordinator = unison.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = build()
+            opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
+        assert [s["rows"] for s in model[0].table_stats()] == [int((shard_of(torch.arange(30), 2) == k).sum())
+                                                              for k in range(2)]
+        step = _train_step(model, opt)
+        got = [coordinator.schedule(step, args=batch).fetch() for batch in batches]
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model.state_dict()["0.rows"], local.state_dict()["0.rows"], rtol=1e-4, atol=1e-5)
+        coordinator.shutdown()

@@ -66,3 +66,23 @@ def test_it_needs_ps_tasks_and_a_training_task():
     spec = unison.ClusterSpec({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:3"]})
     with pytest.raises(ValueError, match="unison.Server"):
         unison.HybridParameterServerStrategy(unison.SimpleClusterResolver(spec, task_type="ps", task_id=0))
+
+
+@pytest.mark.timeout(120)
+def test_a_fixed_table_selected_by_size_trains_on_the_ps_from_the_chiefs_values():
+    steps = 4
+    torch.manual_seed(10)
+    reference = hw._fixed_model(10)
+    opt = torch.optim.Adagrad(reference.parameters(), lr=0.2)
+    for ids, target in hw.fixed_batches(steps, 2):
+        loss = F.mse_loss(reference["head"](reference["table"](ids)).squeeze(1), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with ps_cluster(0, 2) as cluster:
+        results = run_workers(hw.train_fixed, 2, args=(_ps_addresses(cluster, 2), cluster.key_hex, steps), timeout=90)
+    for moved, state in results:
+        assert moved == ["table"]
+        assert torch.equal(state["table.ids"], torch.arange(64))  # every row of the table, and no other
+        torch.testing.assert_close(state["table.rows"], reference["table"].weight.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(state["head.weight"], reference["head"].weight.detach(), rtol=1e-4, atol=1e-5)

@@ -81,6 +81,9 @@ class DynamicEmbedding(nn.Module):
             every optimizer step; None keeps every row.
         seed: mixed into every row's initial values.
         dtype: the rows' floating dtype.
+        num_embeddings: None (any int64 id), or ``n``: ids must lie in ``[0, n)`` and an id
+            outside raises ``IndexError``, as in the ``nn.Embedding`` the module replaces
+            (``unison.embeddings.on_ps``).
         row_wise_adagrad: trained by ``torch.optim.Adagrad``, keep one accumulator per row
             (``RowWiseAdagrad``, TorchRec's ``EXACT_ROWWISE_ADAGRAD``) instead of one per
             value: ``1/embedding_dim`` of the state memory, a step size per row.
@@ -96,7 +99,7 @@ class DynamicEmbedding(nn.Module):
 
     def __init__(self, embedding_dim: int, *, initializer: Initializer | None = None, mode: str | None = None,
                  eviction: EvictionPolicy | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 row_wise_adagrad: bool = False):
+                 row_wise_adagrad: bool = False, num_embeddings: int | None = None):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"DynamicEmbedding: `mode` must be None, 'sum' or 'mean', got {mode!r}")
@@ -105,6 +108,10 @@ class DynamicEmbedding(nn.Module):
         """The rows: a :class:`DynamicTable` here, or :class:`RemoteRows` on the strategy's ps tasks."""
         self.mode = mode
         self.row_wise_adagrad = bool(row_wise_adagrad)
+        if num_embeddings is not None and (isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int)
+                                           or num_embeddings < 1):
+            raise ValueError(f"DynamicEmbedding: `num_embeddings` must be None or an int >= 1, got {num_embeddings!r}")
+        self.num_embeddings = num_embeddings
         self.weight = nn.Parameter(torch.zeros(0, embedding_dim, dtype=dtype))
         """A handle, no values: an optimizer that holds it updates the rows the last backward passes touched."""
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -126,6 +133,9 @@ class DynamicEmbedding(nn.Module):
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); missing rows are made when training."""
         ids = _checked_ids(ids, self.mode, offsets, per_sample_weights)
+        if self.num_embeddings is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"DynamicEmbedding: ids must lie in [0, {self.num_embeddings}) (num_embeddings, as the "
+                             f"nn.Embedding it replaces), got ids from {int(ids.min())} to {int(ids.max())}")
         unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
         create = self.training and torch.is_grad_enabled()
         if self._pool_remotely(unique, ids, offsets, per_sample_weights):

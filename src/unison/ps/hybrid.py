@@ -23,8 +23,9 @@ Semantics:
   different rows the update is the one a single device would make on the global batch.
 - **Checkpoints.** ``state_dict()`` of a module holds the dense parameters (the chief
   saves them, as under MWMS) and the whole table, read from the ps tasks (ids, rows,
-  optimizer state, counters). ``load_state_dict`` replaces the rows on the ps tasks
-  (re-split for their number) and waits for every worker before training goes on.
+  optimizer state, counters). ``load_state_dict`` on every worker: the chief replaces
+  the rows on the ps tasks (re-split for their number), and every worker waits for it
+  before training goes on.
 - **Faults.** A lost worker ends the job as under MWMS; with ``unison launch
   --max-restarts K`` the workers start again while the ps tasks keep running with their
   rows (``unison.launch.kept_ps``), and the restarted workers find the tables they made
@@ -35,8 +36,10 @@ Run it with ``unison launch --workers N --ps M train.py``: ps tasks call
 ``unison.Server(resolver).join()``, workers build the strategy.
 
 tf.distribute equivalent: none in core TensorFlow (users combine Horovod with PS by
-hand; Persia's hybrid design). Fixed-size ``nn.Embedding`` tables stay replicated here;
-make a table dynamic to put it on the ps tasks.
+hand; Persia's hybrid design). Fixed-size ``nn.Embedding``/``nn.EmbeddingBag`` tables
+stay replicated unless marked (``unison.embeddings.on_ps(module)``) or selected by size
+(``unison.embeddings.tables_on_ps(model, min_bytes)``) in the scope: then their rows move
+to the ps tasks as a ``DynamicEmbedding`` with the same rows.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from unison.collectives.ops.collective import CollectiveAllReduce
 from unison.coordinator.channel import require_authkey
 from unison.devices import canonicalize_all
 from unison.ps.client import PSClient
+from unison.ps.memory import release_large_buffers
 from unison.ps.remote_rows import RemoteRows
 from unison.ps.table_store import TableConfig
 from unison.strategies.base import Strategy
@@ -110,6 +114,7 @@ class HybridParameterServerStrategy(Strategy):
         self._authkey = authkey
         self._client: "PSClient | None" = None
         self._tables = itertools.count()
+        release_large_buffers()  # batch-sized row buffers go back when freed (ps/memory.py)
         options = communication_options or CommunicationOptions()
         chosen = canonicalize_all(devices) if devices is not None else default_devices(cluster)
         super().__init__(collective_components(self, cluster, chosen, options))
@@ -159,7 +164,8 @@ class HybridParameterServerStrategy(Strategy):
         table alike, and a restarted worker finds the rows it trained.
         """
         rows = RemoteRows(f"hybrid:{next(self._tables)}:dynamic_table", len(self._ps_addresses), config,
-                          self._ps_client, grad_scale=self._row_grad_scale, after_load=self._barrier)
+                          self._ps_client, grad_scale=self._row_grad_scale, after_load=self._barrier,
+                          writer=lambda: self.extended.components.cluster.is_chief)
         rows.create()
         return rows
 

@@ -50,22 +50,26 @@ class RemoteRows:
             ``1 / num_replicas_in_sync`` under the mean reduction); None: 1.
         after_load: called once a checkpoint's rows are on every ps task (the hybrid
             strategy's barrier: no worker trains before every worker has loaded).
+        writer: whether this process writes a load (the hybrid strategy: its chief only,
+            every worker holding the same checkpoint); None: it does.
     """
 
     def __init__(self, key: str, num_shards: int, config: TableConfig,
                  client: "Callable[[], PSClient] | None" = None, *,
-                 grad_scale: "Callable[[], float] | None" = None, after_load: "Callable[[], None] | None" = None):
+                 grad_scale: "Callable[[], float] | None" = None, after_load: "Callable[[], None] | None" = None,
+                 writer: "Callable[[], bool] | None" = None):
         self.key, self.num_shards, self.config = key, num_shards, config
         self._client_source = client
         self._grad_scale = grad_scale
         self._after_load = after_load
+        self._writer = writer
         self.traffic = {"rows": 0, "pooled": 0}
         """Lookups made here so far, by kind: distinct rows pulled, or bags pooled on the ps tasks."""
         self._last_split: "tuple[torch.Tensor, list[torch.Tensor]] | None" = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": None,
-                "_grad_scale": None, "_after_load": None, "traffic": {"rows": 0, "pooled": 0},
+                "_grad_scale": None, "_after_load": None, "_writer": None, "traffic": {"rows": 0, "pooled": 0},
                 "_last_split": None}
 
     @property
@@ -169,9 +173,10 @@ class RemoteRows:
 
     def load(self, export: dict[str, Any]) -> None:
         """Replaces every shard's rows by an export's (from any number of shards, or one device)."""
-        tensors = export_tensors(export)
-        self._client().exchange({k: (("table_load", self.key, k, self.num_shards), tensors, None)
-                                 for k in range(self.num_shards)})
+        if self._writer is None or self._writer():
+            tensors = export_tensors(export)
+            self._client().exchange({k: (("table_load", self.key, k, self.num_shards), tensors, None)
+                                     for k in range(self.num_shards)})
         if self._after_load is not None:
             self._after_load()
 
