@@ -256,10 +256,13 @@ def test_a_fixed_table_marked_for_the_ps_keeps_its_rows_there():
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 30, (6, 2), generator=g), torch.randn(6, generator=g)) for _ in range(3)]
 
+    replaced = []
+
     def build():
         torch.manual_seed(0)
-        return nn.Sequential(unison.embeddings.on_ps(nn.EmbeddingBag(30, DIM, mode="sum")), nn.Linear(DIM, 1),
-                             nn.Flatten(0))
+        fixed = nn.EmbeddingBag(30, DIM, mode="sum")
+        replaced.append(fixed.weight)
+        return nn.Sequential(unison.embeddings.on_ps(fixed), nn.Linear(DIM, 1), nn.Flatten(0))
 
     local = build()
     local_step = _train_step(local, torch.optim.Adagrad(local.parameters(), lr=0.2))
@@ -270,6 +273,7 @@ def test_a_fixed_table_marked_for_the_ps_keeps_its_rows_there():
         with strategy.scope():
             model = build()
             opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
+        assert not replaced[-1]._ps_remote  # the replaced table was never sent to a ps task
         assert [s["rows"] for s in model[0].table_stats()] == [int((shard_of(torch.arange(30), 2) == k).sum())
                                                               for k in range(2)]
         step = _train_step(model, opt)

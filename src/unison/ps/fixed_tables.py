@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison._state import STATE
 from unison.ps.dynamic_embedding import DynamicEmbedding
 from unison.ps.id_initializers import normal
 
@@ -71,6 +72,9 @@ def on_ps(module: nn.Module) -> DynamicEmbedding:
     table = DynamicEmbedding(rows.shape[1], mode=mode, num_embeddings=rows.shape[0], dtype=rows.dtype,
                              initializer=normal(0.0, 1.0))
     table.table.load(_export_of(rows, table))
+    top = STATE.top()
+    if top is not None and top.strategy is not None:
+        top.strategy.extended.discard_pending(weight)  # not placed on a ps task nor broadcast: it is replaced
     return table
 
 

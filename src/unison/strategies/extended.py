@@ -137,6 +137,11 @@ class StrategyExtended:
         if pending:
             self._c.variable_policy.finish(pending)
 
+    def discard_pending(self, variable: Any) -> None:
+        """Forgets ``variable``, created in this scope and replaced before it exits (a table
+        moved to the ps tasks): ``finish_variable_creation`` neither places nor broadcasts it."""
+        self._pending = [v for v in self._pending if v is not variable]
+
     def variable_placement(self, variable: Any) -> "str | list[str]":
         """Where ``variable`` lives: its device, its replicas' devices, or its ps task(s).
 
