@@ -13,7 +13,7 @@ from unison import DynamicEmbedding
 
 from tests.ps._cluster import ps_cluster
 
-DIM, NEW_IDS_PER_STEP = 64, 1 << 16
+DIM, NEW_IDS_PER_STEP = 64, 1 << 15  # batch buffers of 8 MB: a worker's peak follows its batch, not the tables
 
 
 def _status_kb(pid, field):

@@ -57,7 +57,6 @@ from unison.collectives.ops.collective import CollectiveAllReduce
 from unison.coordinator.channel import require_authkey
 from unison.devices import canonicalize_all
 from unison.ps.client import PSClient
-from unison.ps.memory import release_large_buffers
 from unison.ps.remote_rows import RemoteRows
 from unison.ps.table_store import TableConfig
 from unison.strategies.base import Strategy
@@ -114,7 +113,6 @@ class HybridParameterServerStrategy(Strategy):
         self._authkey = authkey
         self._client: "PSClient | None" = None
         self._tables = itertools.count()
-        release_large_buffers()  # batch-sized row buffers go back when freed (ps/memory.py)
         options = communication_options or CommunicationOptions()
         chosen = canonicalize_all(devices) if devices is not None else default_devices(cluster)
         super().__init__(collective_components(self, cluster, chosen, options))

@@ -1,4 +1,4 @@
-"""A ps task's (and a worker's) memory: large request buffers go back to the system when freed.
+"""A ps task's memory: large request buffers go back to the system when freed.
 
 A ps task answers each request with tensors of a batch's size (rows made, gathered,
 updated: megabytes) from several session threads. glibc's malloc serves blocks above a
@@ -8,10 +8,10 @@ where freed memory stays resident. The process then holds several batches' worth
 freed memory beside its tables: ``tests/ps/test_table_memory.py`` measured 297 MB of RSS
 growth on a ps task for 128 MB of new rows and optimizer state (154 MB of table with its
 index and counters). Fixing the threshold at 1 MB keeps every batch buffer an ``mmap``
-of its own, so the resident size follows the tables: 154 MB in the same test. A worker's
-batch buffers (rows pulled, gradients pushed: 16 MB each there) did the same to its peak:
-73 MB of growth after its warm steps, against none with the threshold fixed. Every
-``unison.Server`` and every HybridParameterServerStrategy worker fixes it.
+of its own, so the resident size follows the tables: 154 MB in the same test. Workers
+keep glibc's default: there every freed buffer of a megabyte or more would be mapped and
+faulted in again at the next step (``benchmarks/parameter_server.py``'s dense workload
+ran 7-9% slower with it), and a worker's memory follows its batch, not the tables.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class Server:
         cluster, job_name, task_index = _resolve(cluster_resolver_or_spec, job_name, task_index)
         self._authkey = require_authkey(authkey)
         self._store = ParameterStore() if job_name == "ps" else None
-        release_large_buffers()  # a ps task's and a worker's batch buffers go back when freed
+        if self._store is not None:
+            release_large_buffers()  # a ps task's batch buffers go back when freed (not a worker's: page faults)
         self._session_lock = threading.Lock()
         self._sessions: dict[threading.Thread, Channel] = {}
         self._sessions_lock = threading.Lock()
