@@ -25,30 +25,14 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tf_parameter_server import _free_port, _serve  # noqa: E402  (the same cluster of servers)
+
 DIM, BOTTOM, TOP = 16, (13, 64, 16), (367, 64, 32, 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:  # TF servers need their ports up front
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(cluster: dict, job: str, index: int) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
-    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=2)
-    server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index, protocol="grpc",
-                                  config=config, start=True)
-    server.join()
 
 
 def _peak_rss_mb(pid: int) -> "float | None":

@@ -145,16 +145,18 @@ class DynamicTable:
         touched (its count grows by its occurrences, its last-seen step becomes the
         current step). With ``create=False`` (evaluation) nothing changes: a missing id
         gets the row the initializer would give it, unstored. A caller that already made
-        ``ids`` distinct passes how often each occurred in its batch as ``occurrences``.
+        ``ids`` distinct (a module's forward, a ps task's request) passes how often each
+        occurred in its batch as ``occurrences``, and the ids are not made distinct again.
         """
         ids = checked_ids(ids, "DynamicTable.lookup")
-        unique, inverse, found = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
-        if occurrences is not None:
-            if tuple(occurrences.shape) != tuple(ids.shape) or unique.numel() != ids.numel():
-                raise ValueError(f"DynamicTable.lookup: `occurrences` must count each of distinct `ids` "
-                                 f"(shape {tuple(ids.shape)}), got shape {tuple(occurrences.shape)}")
-            found = occurrences.reshape(-1).to(torch.int64).index_select(0, torch.argsort(ids.reshape(-1)))
-        occurrences = found
+        inverse: torch.Tensor | None = None
+        if occurrences is None:
+            unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        elif tuple(occurrences.shape) != tuple(ids.shape):
+            raise ValueError(f"DynamicTable.lookup: `occurrences` must count each of distinct `ids` "
+                             f"(shape {tuple(ids.shape)}), got shape {tuple(occurrences.shape)}")
+        else:
+            unique, occurrences = ids.reshape(-1), occurrences.reshape(-1).to(torch.int64)
         if create:
             slots = self._found_or_created(unique)
             self._counts.index_add_(0, slots, occurrences)
@@ -166,7 +168,9 @@ class DynamicTable:
             present = slots >= 0
             rows[present] = self._rows.index_select(0, slots[present])
             rows[~present] = self._initial_rows(unique[~present])
-        return rows.index_select(0, inverse).reshape(*ids.shape, self._dim)
+        if inverse is not None:
+            rows = rows.index_select(0, inverse)
+        return rows.reshape(*ids.shape, self._dim)
 
     def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """Update the rows of ``ids`` in place with ``optimizer`` and their sparse gradients.
