@@ -7,11 +7,12 @@ are independent of each other):
     placement | checkpoint
     ps (the parameter-server strategy, its coordinator and runtime)
     strategies
-    gradient_sync | interpose
-    collectives | input
+    gradient_sync
+    coordinator | collectives | input
+    interpose (everything unison changes in torch, and the private torch it reads)
     context
     values | cluster
-    reduce | devices | errors | _state | _once
+    reduce | devices | errors | _state
     _enums
 
 Inside ``collectives`` the same rule holds between its homes, top to bottom:
@@ -40,11 +41,12 @@ LAYERS = (
     ("placement", "checkpoint"),
     ("ps",),
     ("strategies",),
-    ("gradient_sync", "interpose"),
+    ("gradient_sync",),
     ("coordinator", "collectives", "input"),
+    ("interpose",),
     ("context",),
     ("values", "cluster"),
-    ("reduce", "devices", "errors", "_state", "_once"),
+    ("reduce", "devices", "errors", "_state"),
     ("_enums",),
 )
 

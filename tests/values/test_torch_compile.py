@@ -4,7 +4,7 @@ A compiled model trained with a plain step inside ``strategy.run`` must reach th
 parameters of the same model run eagerly under the same strategy (and, for an MLP, of
 one device on the global batch), with no graph break unison causes. Under
 MirroredStrategy each replica thread reads its own plain components through the module's
-``ReplicaParameters`` (``values/replica_parameters.py``): Dynamo traces that lookup, guards
+``ReplicaParameters`` (``interpose/replica_parameters.py``): Dynamo traces that lookup, guards
 on the replica id and compiles one graph per replica. Where a read cannot be a plain
 tensor (a sync-on-read buffer in replica 0 today, or in cross-replica context) the first
 call raises a UsageError that names the way out, instead of AOTAutograd's "Multiple

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
+from unison.interpose.torch_private import GRAD_DESCRIPTOR
+
 __all__ = ["grads_of", "set_grads", "clear_grads"]
 
-_GRAD: Any = torch._C.TensorBase.grad
-_get_grad, _set_grad = _GRAD.__get__, _GRAD.__set__
+_get_grad, _set_grad = GRAD_DESCRIPTOR.__get__, GRAD_DESCRIPTOR.__set__
 
 
 def grads_of(tensors: Iterable[torch.Tensor]) -> list["torch.Tensor | None"]:

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from unison.gradient_sync.grad_access import set_grads
+from unison.interpose.torch_private import TENSOR_USE_COUNT, storage_use_count
 
 __all__ = ["GradSlots", "fits", "slot_eligible"]
 
@@ -59,7 +60,6 @@ def _references(items: list) -> list[int]:
 _FREE_REFS = _references([torch.empty(0)])[0]
 """What ``_references`` counts for a tensor only a list holds. Measured, not assumed:
 what ``sys.getrefcount`` adds for its own argument differs across Python versions."""
-_use_count = torch._C.TensorBase._use_count  # type: ignore[attr-defined]
 version_of = operator.attrgetter("_version")
 
 
@@ -92,8 +92,8 @@ class GradSlots:
         self.versions: list[int] = []  # every alias's version counter once zeroed
 
     @staticmethod
-    def _storage_uses(flat: torch.Tensor) -> int:
-        return torch._C._storage_Use_Count(flat.untyped_storage()._cdata)
+    def _storage_uses(flat: torch.Tensor) -> int | None:
+        return storage_use_count(flat)
 
     def in_slots(self, grads: list) -> bool:
         """Whether every gradient of ``grads`` (the components' now) is its slot."""
@@ -143,11 +143,13 @@ class GradSlots:
         """Whether anything besides these buffers and the components' ``.grad`` holds an alias
         or a buffer's storage (a gradient kept from an earlier step, a view of one)."""
         aliases = self.aliases
+        if TENSOR_USE_COUNT is None:  # this torch does not say: assume held, never reuse
+            return True
         free = _FREE_REFS
         # held by self.aliases only, or also, while it is a component's gradient, by the
-        # component and by `grads`; _use_count counts holders outside Python (a tensor
+        # component and by `grads`; TENSOR_USE_COUNT counts holders outside Python (a tensor
         # autograd saved for a later backward)
-        references, uses = _references(aliases), list(map(_use_count, aliases))
+        references, uses = _references(aliases), list(map(TENSOR_USE_COUNT, aliases))
         if references.count(free) != len(aliases) or uses.count(1) != len(aliases):  # not all free
             for k, (alias, grad) in enumerate(zip(aliases, grads)):
                 installed = grad is alias

@@ -15,12 +15,11 @@ import weakref
 from typing import Any
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-from unison._once import Interposition
 from unison._state import STATE
 from unison.errors import UsageError
+from unison.interpose.optimizer_hooks import sync_step_hooks
 from unison.values.variables import DistributedVariable
 
 __all__ = ["attach", "install_step_hooks", "sync_of"]
@@ -107,11 +106,6 @@ def _on_step_post(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -
         sync.post_step(optimizer)
 
 
-def _install() -> None:
-    torch_optimizer.register_optimizer_step_pre_hook(_on_step_pre)
-    torch_optimizer.register_optimizer_step_post_hook(_on_step_post)
-
-
-install_step_hooks = Interposition(
-    "global optimizer step pre/post hooks", "torch.optim.Optimizer (every instance)",
-    "opt.step() on a strategy's parameters first finishes their gradient sync (no optimizer wrapper)", _install)
+def install_step_hooks() -> None:
+    """Installs the global optimizer step hooks (once; ``interpose/optimizer_hooks.py``)."""
+    sync_step_hooks(pre=_on_step_pre, post=_on_step_post)

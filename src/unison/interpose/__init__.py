@@ -1,12 +1,21 @@
-"""Torch classes that several replica threads share in one step, made to behave as on one device.
+"""Everything unison changes in PyTorch, in one package, and the registry that lists it.
 
-A strategy with several local replicas runs the user's step once per replica thread, on
-the same process-wide objects: one ``torch.amp.GradScaler`` (``grad_scaler``), the
-learning-rate schedulers, ``AveragedModel`` and ``Optimizer.add_param_group``
-(``once_per_step``). Each module wraps methods of those torch classes, once, as an
-``Interposition`` listed in ``unison._once.INTERPOSITIONS`` (the registry stays in that
-lowest layer: values, strategies and ps define interpositions too). These are no part
-of gradient synchronisation: they decide what a replica's call of a shared object does.
+``registry`` lists every global change (``INTERPOSITIONS``): what, on which torch class,
+why, and whether it is installed. Each is installed on first use, never at import, with
+the handlers of the package whose behaviour it runs, so the code that touches torch is
+here and the behaviour stays with its owner:
+
+- ``optimizer_hooks``: global optimizer step hooks (gradient sync, row updates, a
+  replica's step redirected to its shadow optimizer) and the ps state-dict wrappers;
+- ``module_hooks``: registration hooks and ``nn.Parameter.__deepcopy__``;
+- ``grad_scaler``, ``once_per_step``: one GradScaler, LR scheduler, ``AveragedModel`` and
+  ``add_param_group`` shared by several replica threads behave as on one device;
+- ``replica_parameters``: the per-module dict that answers a replica with its component;
+- ``initial_draws``: the torch-function mode that draws a GPU scope's weights on the CPU;
+- ``torch_private``: the private torch functions the synchronisers read.
+
+It sits below the gradient synchronisers, collectives, strategies and ps (which all use
+it) and above the values and contexts (which its handlers for shared objects read).
 """
 
 __all__: list[str] = []

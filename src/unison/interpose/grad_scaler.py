@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch.amp import grad_scaler as torch_grad_scaler
 
-from unison._once import Interposition
 from unison._state import STATE
 from unison.context import ReplicaContext
+from unison.interpose.registry import Interposition
 from unison.reduce import ReduceOp
 from unison.values.values import PerReplica
 

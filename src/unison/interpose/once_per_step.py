@@ -28,8 +28,8 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
-from unison._once import Interposition
 from unison.interpose.grad_scaler import replica_of_several
+from unison.interpose.registry import Interposition
 from unison.values.values import PerReplica
 
 __all__ = ["install_once_per_step"]

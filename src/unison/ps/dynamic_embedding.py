@@ -41,21 +41,20 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from unison._once import Interposition
 from unison._state import STATE
+from unison.interpose.optimizer_hooks import row_update_hook
 from unison.ps.bags import BagLayout, bag_layout
 from unison.ps.dynamic_table import DynamicTable
 from unison.ps.hybrid import HybridParameterServerStrategy
-from unison.ps.remote_rows import RemoteRows
-from unison.ps.strategy import ParameterServerStrategy
-from unison.ps.table_store import TableConfig
 from unison.ps.id_initializers import Initializer
+from unison.ps.remote_rows import RemoteRows
 from unison.ps.row_eviction import EvictionPolicy
 from unison.ps.row_optimizers import RowAdagrad, RowOptimizer, RowSGD, RowWiseAdagrad
 from unison.ps.store import plain_sgd
+from unison.ps.strategy import ParameterServerStrategy
+from unison.ps.table_store import TableConfig
 from unison.strategies.one_device import OneDeviceStrategy
 
 __all__ = ["DynamicEmbedding"]
@@ -321,14 +320,6 @@ def _apply_rows_before_step(optimizer: torch.optim.Optimizer, args: tuple, kwarg
             module.apply_row_gradients(row_optimizer_for(optimizer, group, row_wise=module.row_wise_adagrad))
 
 
-def _install_row_updates() -> None:
-    register_optimizer_step_pre_hook(_apply_rows_before_step)
-
-
-install_row_updates = Interposition(
-    "a global optimizer step pre-hook that applies DynamicEmbedding row gradients",
-    "torch.optim.Optimizer (all instances)",
-    "rows are not parameters an optimizer can hold; the optimizer that holds a module's weight handle "
-    "updates the rows its batches touched, with its own hyper-parameters",
-    _install_row_updates,
-)
+def install_row_updates() -> None:
+    """Installs the step pre-hook that applies row gradients (once; ``interpose/optimizer_hooks.py``)."""
+    row_update_hook(pre=_apply_rows_before_step)

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from unison._once import Interposition
 from unison.errors import UsageError
+from unison.interpose.optimizer_hooks import optimizer_state_wrappers
 from unison.ps.variables import _RemoteParameter
 
 __all__ = ["install_optimizer_state_on_ps"]
@@ -120,12 +120,6 @@ def _load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
     return load_state_dict
 
 
-def _install() -> None:
-    torch.optim.Optimizer.state_dict = _state_dict(torch.optim.Optimizer.state_dict)  # type: ignore[method-assign]
-    torch.optim.Optimizer.load_state_dict = _load_state_dict(  # type: ignore[method-assign]
-        torch.optim.Optimizer.load_state_dict)
-
-
-install_optimizer_state_on_ps = Interposition(
-    "Optimizer.state_dict/load_state_dict wrappers", "torch.optim.Optimizer (the class)",
-    "the coordinator's optimizer state lives on the ps tasks; a checkpoint must hold it", _install)
+def install_optimizer_state_on_ps() -> None:
+    """Wraps ``Optimizer.state_dict``/``load_state_dict`` (once; ``interpose/optimizer_hooks.py``)."""
+    optimizer_state_wrappers(state_dict=_state_dict, load_state_dict=_load_state_dict)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from unison.collectives import LeastLoadedDeviceSetter
+from unison.interpose.module_hooks import observed_registrations
 from unison.ps.client import PSClient
 from unison.ps.partitioners import shard_rows
 from unison.ps.remote_rows import RemoteRows
@@ -197,16 +198,12 @@ class PSVariablePolicy:
         def on_parameter(module: nn.Module, name: str, param: Any) -> None:
             modules.append(module)
 
-        handles = [nn.modules.module.register_module_module_registration_hook(on_module),
-                   nn.modules.module.register_module_parameter_registration_hook(on_parameter),
-                   nn.modules.module.register_module_buffer_registration_hook(on_parameter)]
-        self._override.append((assign, created))
-        try:
-            yield
-        finally:
-            self._override.remove((assign, created))
-            for handle in handles:
-                handle.remove()
+        with observed_registrations(on_module=on_module, on_parameter=on_parameter):
+            self._override.append((assign, created))
+            try:
+                yield
+            finally:
+                self._override.remove((assign, created))
         pending = {id(v): v for v in created if not v._ps_remote}
         seen: set[int] = set()
         for module in modules:

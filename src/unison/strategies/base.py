@@ -20,10 +20,10 @@ from unison.devices import is_cuda, torch_device
 from unison.gradient_sync.step_hooks import install_step_hooks
 from unison.input.context import ValueContext
 from unison.input.dataset import DistributedDataset, DistributedDatasetsFromFunction
+from unison.interpose.initial_draws import any_mode_active, cpu_drawn_fills, steps_without_fills
 from unison.reduce import ReduceOp
 from unison.strategies.components import StrategyComponents
 from unison.strategies.extended import StrategyExtended
-from unison.strategies.initial_draws import CpuDrawnFills, steps_without_fills
 from unison.strategies.scope_hooks import install_scope_hooks
 from unison.values.values import DistributedValues, PerReplica, regroup
 
@@ -87,7 +87,7 @@ class Strategy(abc.ABC):
         install_step_hooks()
         replica_context = top.replica_context if top is not None and top.strategy is self else None
         outermost = top is None or top.strategy is not self
-        draws = CpuDrawnFills() if outermost and self._draws_off_the_cpu() else contextlib.nullcontext()
+        draws = cpu_drawn_fills() if outermost and self._draws_off_the_cpu() else contextlib.nullcontext()
         with STATE.push(self, replica_context), draws:
             try:
                 yield self
@@ -114,7 +114,7 @@ class Strategy(abc.ABC):
         # No scope of its own: each replica runs in its replica context (pushed by the
         # runner), merge functions in cross-replica context, and variables cannot be
         # created inside run, so a scope would only cost time on every step.
-        if torch._C._len_torch_function_stack():  # a GPU scope's initial-draws mode: not in steps
+        if any_mode_active():  # a GPU scope's initial-draws mode: not in steps
             with steps_without_fills():
                 return self._extended._call_for_each_replica(fn, args, dict(kwargs) if kwargs else {})
         return self._extended._call_for_each_replica(fn, args, dict(kwargs) if kwargs else {})

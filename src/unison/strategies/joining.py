@@ -26,20 +26,17 @@ the original's strategy, wherever it is taken, except inside another strategy's 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from unison._once import Interposition
 from unison._state import STATE
 from unison.gradient_sync.step_hooks import attach, sync_of
+from unison.interpose.module_hooks import ORIGINAL_PARAMETER_DEEPCOPY, parameter_copy_hook
 from unison.values.variables import DistributedVariable
 
 __all__ = ["copy_parameter", "install_copy_hook", "join_like"]
-
-_PARAMETER_DEEPCOPY: Callable[[nn.Parameter, dict], nn.Parameter] = nn.Parameter.__deepcopy__
-
 
 def _outside_replicas() -> bool:
     """Whether this thread is in cross-replica context (or in no strategy at all)."""
@@ -73,17 +70,13 @@ def join_like(new: torch.Tensor, old: Any, name: str, kind: str) -> "torch.Tenso
 def copy_parameter(param: nn.Parameter, memo: dict) -> nn.Parameter:
     """``nn.Parameter.__deepcopy__``, plus: a copy of a parameter that a multi-worker
     strategy synchronises is synchronised by it too (workers' copies stay equal)."""
-    copied = _PARAMETER_DEEPCOPY(param, memo)
+    copied = ORIGINAL_PARAMETER_DEEPCOPY(param, memo)
     sync = sync_of(param)
     if sync is not None and _outside_replicas():
         _join_sync(copied, sync)
     return copied
 
 
-def _install() -> None:
-    setattr(nn.Parameter, "__deepcopy__", copy_parameter)
-
-
-install_copy_hook = Interposition(
-    "nn.Parameter.__deepcopy__", "torch.nn.Parameter (the class)",
-    "a deep copy of a parameter a multi-worker strategy synchronises is synchronised too", _install)
+def install_copy_hook() -> None:
+    """Makes ``copy_parameter`` torch's ``nn.Parameter.__deepcopy__`` (once; ``interpose/module_hooks.py``)."""
+    parameter_copy_hook(copy=copy_parameter)

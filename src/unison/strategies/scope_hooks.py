@@ -8,7 +8,7 @@ variable, a tensor moved to the strategy's device, or itself. Outside every scop
 parameter or buffer that replaces one of a strategy's (``load_state_dict(...,
 assign=True)``) joins that strategy (``joining.py``, which also makes deep copies join).
 In a replica, the hooks return at once. A module that gets a mirrored variable as a parameter reads it, in a
-replica, as the replica's plain component (``values/replica_parameters.py``). A lazy
+replica, as the replica's plain component (``interpose/replica_parameters.py``). A lazy
 module's uninitialised parameters are taken at its first forward (``lazy_parameters.py``).
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from unison._once import Interposition
 from unison._state import STATE
+from unison.interpose.module_hooks import registration_hooks
+from unison.interpose.replica_parameters import resolve_in_replicas
 from unison.strategies.joining import install_copy_hook, join_like
 from unison.strategies.lazy_parameters import defer_until_materialized
-from unison.values.replica_parameters import resolve_in_replicas
 from unison.values.variables import MirroredVariable
 
 __all__ = ["install_scope_hooks"]
@@ -67,12 +67,7 @@ def _on_buffer_registered(module: nn.Module, name: str, buffer: Any) -> Any:
     return None
 
 
-def _install() -> None:
-    nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
-    nn.modules.module.register_module_buffer_registration_hook(_on_buffer_registered)
+def install_scope_hooks() -> None:
+    """Installs the registration hooks and the deep-copy hook (once; ``interpose/module_hooks.py``)."""
+    registration_hooks(on_parameter=_on_parameter_registered, on_buffer=_on_buffer_registered)
     install_copy_hook()
-
-
-install_scope_hooks = Interposition(
-    "global module parameter/buffer registration hooks", "torch.nn.Module (every instance)",
-    "parameters and buffers of modules built in a strategy's scope become its variables", _install)

@@ -14,7 +14,7 @@ A MirroredVariable's component 0 is a plain leaf *alias* of it (same storage, sa
 version counter), not the variable itself: autograd records every replica's
 gradient on a plain tensor, so replica 0 can run, differentiate and step on plain
 tensors as the other replicas do, with no ``__torch_function__`` per operation (see
-``replica_parameters.py``). Operations on the variable itself still dispatch, and its
+``interpose/replica_parameters.py``). Operations on the variable itself still dispatch, and its
 reads resolve to component 0 in cross-replica context too, so ``var.grad`` is always
 component 0's gradient.
 """

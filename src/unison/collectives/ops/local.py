@@ -16,6 +16,7 @@ from unison.collectives.ops.base import CrossDeviceOps, Destinations, to_destina
 from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
 from unison.collectives.transport.packing import TensorPacker
 from unison.devices import canonicalize, canonicalize_all, is_cuda, torch_device
+from unison.interpose.torch_private import has_nccl_all_reduce
 from unison.reduce import ReduceOp
 from unison.values.values import Mirrored, PerReplica
 
@@ -243,6 +244,6 @@ def select_cross_device_ops(devices: Sequence[str]) -> CrossDeviceOps:
     if any(not is_cuda(d) for d in names):
         return ReductionToOneDevice()
     nccl = getattr(torch.cuda, "nccl", None)
-    if len(names) > 1 and nccl is not None and hasattr(torch._C, "_nccl_all_reduce"):
+    if len(names) > 1 and nccl is not None and has_nccl_all_reduce():
         return NcclAllReduce(num_packs=1)
     return ReductionToOneDevice()

@@ -7,20 +7,13 @@ result. These are the pieces they share.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-from torch._utils import _unflatten_dense_tensors
+
+from unison.interpose.torch_private import storage_use_count, unflatten_dense_tensors
 
 __all__ = ["BufferPool", "dtype_groups", "fill", "views_of"]
-
-_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _storage_uses(tensor: torch.Tensor) -> int:
-    assert _use_count is not None
-    return _use_count(tensor.untyped_storage()._cdata)
-
 
 class BufferPool:
     """Flat buffers of the latest call, reused when nothing outside holds them any more.
@@ -28,19 +21,19 @@ class BufferPool:
     A buffer is handed out again only if its storage has no user but the pool: every
     view given to a caller, and every tensor autograd saved from one, holds a use. The
     pool keeps the buffers of the latest call only, so it never holds more memory than
-    one call's results. Without ``torch._C._storage_Use_Count`` nothing is pooled.
+    one call's results. Where torch does not count a storage's users (``interpose/torch_private.py``), nothing is pooled.
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
-        self._used: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
+        self._buffers: dict[tuple[Any, ...], tuple[torch.Tensor, int | None]] = {}
+        self._used: dict[tuple[Any, ...], tuple[torch.Tensor, int | None]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
         key = (numel, dtype, device, slot)
         entry = self._buffers.get(key)
-        if entry is None or _use_count is None or _storage_uses(entry[0]) != entry[1]:
+        if entry is None or entry[1] is None or storage_use_count(entry[0]) != entry[1]:
             buffer = torch.empty(numel, dtype=dtype, device=device)
-            entry = (buffer, _storage_uses(buffer) if _use_count is not None else 0)
+            entry = (buffer, storage_use_count(buffer))
         self._used[key] = entry
         return entry[0]
 
@@ -71,7 +64,7 @@ def views_of(buffer: torch.Tensor, sources: Sequence[torch.Tensor]) -> list[torc
     """Views of a flat ``buffer`` shaped like ``sources``, laid out one after another."""
     if all(t.dim() == 1 for t in sources):
         return list(buffer.split([t.numel() for t in sources]))
-    return list(_unflatten_dense_tensors(buffer, sources))
+    return list(unflatten_dense_tensors(buffer, sources))
 
 
 def fill(buffer: torch.Tensor, sources: Sequence[torch.Tensor], views: Sequence[torch.Tensor] | None = None) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from unison.devices import canonicalize, canonicalize_all, torch_device
+from unison.interpose.torch_private import has_nccl_all_reduce
 
 __all__ = [
     "split_grad_list",
@@ -110,7 +111,7 @@ def split_grad_list(grad_list: Sequence[Sequence[tuple[Any, Any]]]) -> tuple[lis
 
 
 def _nccl_usable(grads: Sequence[torch.Tensor]) -> bool:
-    if not hasattr(torch._C, "_nccl_all_reduce") or len(grads) < 2:
+    if not has_nccl_all_reduce() or len(grads) < 2:
         return False
     if not all(g.is_cuda and g.layout == torch.strided for g in grads):
         return False

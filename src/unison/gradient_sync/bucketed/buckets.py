@@ -35,22 +35,23 @@ from __future__ import annotations
 import contextlib
 import typing
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from unison.collectives.group.worker_control import WorkerControl
 from unison.collectives.transport.bucket_transports import DEFAULT_BUCKET_BYTES, BucketTransport, GradientBucket, HandOut
+from unison.collectives.transport.cross_worker import CrossWorkerTransport
 from unison.collectives.transport.flat_buffers import views_of
 from unison.collectives.transport.packing import group_by_size
-from unison.collectives.transport.cross_worker import CrossWorkerTransport
-from unison.collectives.group.worker_control import WorkerControl
 from unison.errors import GradientSyncError
 from unison.gradient_sync.bucketed.bucket_gradients import (copy_sums_out, fill_from_slots, hand_out_views,
                                                          point_grads_at_slots, set_flags)
 from unison.gradient_sync.grad_access import grads_of
 from unison.gradient_sync.grads_as_buffer_views import fits
 from unison.gradient_sync.waiting_parameters import DormantParameters, LateParameters
+from unison.interpose.torch_private import current_graph_task_id, queue_end_of_backward
 from unison.reduce import ReduceOp
 
 __all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]
@@ -60,7 +61,6 @@ __all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]
 _FUSED_DIVIDE_MAX_PARAMS = 16
 _OPERATION = "gradient all-reduce"
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_current_graph_task_id = torch._C._current_graph_task_id
 
 
 @typing.final
@@ -238,7 +238,7 @@ class BucketedGradientSync:
 
     # -- hooks ------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self._settled_task == _current_graph_task_id() != -1:
+        if self._settled_task == current_graph_task_id() != -1:
             return  # reduced when backward ends: this backward pass's first gradient did the work
         if not self._enabled:
             return
@@ -246,10 +246,10 @@ class BucketedGradientSync:
         if index is None:
             return
         if self._at_end:
-            self._settled_task = _current_graph_task_id()
+            self._settled_task = current_graph_task_id()
             if not self._fired:
                 self._fired = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                queue_end_of_backward(self._finish)
                 point_grads_at_slots(self._buckets)
             return
         bucket = self._buckets[index]
@@ -265,7 +265,7 @@ class BucketedGradientSync:
             self._fired = True
             # Finish when this backward pass ends, as DDP does: code between backward() and
             # opt.step() (clip_grad_norm_, GradScaler.unscale_, logging) sees reduced gradients.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_end_of_backward(self._finish)
         if param.grad is not None and param.grad.layout != torch.strided:
             self._reduce_sparse(param)
         bucket.ready += 1

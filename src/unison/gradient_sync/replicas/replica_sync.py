@@ -33,6 +33,7 @@ from unison.gradient_sync.replicas.replica_merge import ReplicaGradientMerge
 from unison.gradient_sync.replicas.replica_optimizers import ReplicaOptimizers
 from unison.gradient_sync.replicas.replica_reduction import InPlaceReduction
 from unison.gradient_sync.waiting_parameters import DormantParameters
+from unison.interpose.torch_private import current_graph_task_id, queue_end_of_backward
 from unison.reduce import ReduceOp
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.variables import DistributedVariable
@@ -60,7 +61,6 @@ class _ReplicaStepState:
     grads_reduced: bool = False  # a backward pass reduced the gradients since the last step
 
 
-_current_graph_task_id = torch._C._current_graph_task_id
 
 
 @typing.final
@@ -81,7 +81,7 @@ class _ReplicaGradHook:
         self.settled_task = -1  # the graph task whose first gradient decided
 
     def __call__(self, tensor: torch.Tensor) -> None:
-        if self.settled_task == _current_graph_task_id() != -1:
+        if self.settled_task == current_graph_task_id() != -1:
             return
         self._sync._on_grad(self)
 
@@ -208,14 +208,14 @@ class ReplicaGradientSync:
         if context is None or self._no_sync_outside_run:
             return
         state = self._state(context)
-        hook.settled_task = _current_graph_task_id()  # decided for this backward pass, whichever way
+        hook.settled_task = current_graph_task_id()  # decided for this backward pass, whichever way
         if state.no_sync or state.backward_sync_queued:
             return
         state.backward_sync_queued = True
         if self._merge.buffers is not None:
             variables = self._live_variables()
             self._merge.install_buffers(context.local_replica_id, variables, (self._registrations, len(variables)))
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(context, state))
+        queue_end_of_backward(lambda: self._end_of_backward(context, state))
 
     def _live_variables(self) -> list[DistributedVariable]:
         return [v for ref in self._variables if (v := ref()) is not None]

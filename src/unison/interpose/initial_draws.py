@@ -31,8 +31,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from unison._state import STATE
+from unison.interpose.registry import ScopedInterposition
 
-__all__ = ["CpuDrawnFills", "RANDOM_FILLS", "steps_without_fills"]
+__all__ = ["CpuDrawnFills", "RANDOM_FILLS", "any_mode_active", "cpu_drawn_fills", "steps_without_fills"]
 
 RANDOM_FILLS = frozenset({
     torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.random_,
@@ -91,6 +92,18 @@ def _fill_on_cpu(func: Any, target: torch.Tensor, args: tuple, kwargs: dict, kee
     with torch.no_grad():
         target.copy_(values)
     return target
+
+
+cpu_drawn_fills = ScopedInterposition(
+    "a torch-function mode that draws random in-place fills on the CPU",
+    "torch function dispatch (this thread, while a GPU strategy's scope creates variables)",
+    "a model built in a GPU strategy's scope starts from the weights plain PyTorch draws for the same seed",
+    CpuDrawnFills)
+
+
+def any_mode_active() -> bool:
+    """Whether this thread has a torch-function mode pushed (cheap: one C call)."""
+    return bool(torch._C._len_torch_function_stack())
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Inside a replica a module's mirrored parameters are plain tensors (``values/replica_parameters.py``).
+"""Inside a replica a module's mirrored parameters are plain tensors (``interpose/replica_parameters.py``).
 
 A replica's step (forward, backward, ``zero_grad``, ``step``) makes no call to the
 variables' ``__torch_function__``; everything that iterates a module still sees the
