@@ -27,8 +27,8 @@ __all__ = ["attach", "install_step_hooks", "sync_of"]
 # parameter -> the gradient synchroniser of its strategy (weak in the parameter, by identity)
 _SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-# optimizer -> its parameter count when their owners were last checked
-_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+# optimizer -> (its parameter count when their owners were last checked, its synchroniser this step)
+_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, Any]]" = weakref.WeakKeyDictionary()
 
 
 def attach(param: torch.Tensor, gradient_sync: Any) -> None:
@@ -94,14 +94,16 @@ def _check_owners(optimizer: torch.optim.Optimizer) -> None:
 def _on_step_pre(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
     sync = _gradient_sync_of(optimizer)
     count = _param_count(optimizer)
-    if _CHECKED.get(optimizer) != count:  # once per optimizer and set of parameters
+    known = _CHECKED.get(optimizer)
+    if known is None or known[0] != count:  # once per optimizer and set of parameters
         _check_owners(optimizer)
-        _CHECKED[optimizer] = count
+    _CHECKED[optimizer] = (count, sync)  # the post-hook's, without a second lookup
     return None if sync is None else sync.pre_step(optimizer, args, kwargs)
 
 
 def _on_step_post(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    sync = _gradient_sync_of(optimizer)
+    known = _CHECKED.get(optimizer)
+    sync = known[1] if known is not None else _gradient_sync_of(optimizer)
     if sync is not None:
         sync.post_step(optimizer)
 

@@ -52,6 +52,7 @@ __all__ = [
     "PipelinedHostBuckets",
     "PowerSGDBuckets",
     "DEFAULT_BUCKET_BYTES",
+    "ONE_SHOT_BYTES",
     "PIPELINED_BUCKET_BYTES",
 ]
 
@@ -59,6 +60,11 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 PIPELINED_BUCKET_BYTES = 2 * 1024 * 1024
 """Default bucket size when buckets cross hosts one by one during backward: small enough
 that a model's first buckets leave early, large enough to keep the collectives few."""
+
+ONE_SHOT_BYTES = 64 * 1024
+"""Up to this size a bucket in one host's shared memory is summed whole by every worker: one
+wait instead of two (a reduce-scatter's barrier, then the all-gather's), for one add over
+bytes that fit a core's cache. Above it, each worker sums its slice, so the work divides."""
 
 _OPERATION = "gradient all-reduce"
 
@@ -89,6 +95,7 @@ class GradientBucket:
     results: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per parameter, views of segment.result
     across: list[Any] = dataclasses.field(default_factory=list)  # pipelined: the works adding it across hosts
     wire: torch.Tensor | None = None  # compression: what travels (flat in the half type), reused
+    halves: "_Halves | None" = None  # a small bucket summed whole by every worker (SharedMemoryBuckets)
     written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
     # Kept by the gradient synchroniser (one record per bucket, as DDP's reducer keeps):
     ready: int = 0  # this backward pass's gradients counted in so far
@@ -97,6 +104,7 @@ class GradientBucket:
     in_slots_next: bool = False  # the last step's gradients could all live in `slots` (none sparse or missing)
     launched_from_slots: bool = False  # this step's gradients went to the flat from `slots`
     unwritten: tuple[int, ...] = ()  # from slots: the parameters whose slot autograd left unwritten this step
+    _flags: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)  # (flat, its flags)
 
     @property
     def size(self) -> int:
@@ -105,8 +113,15 @@ class GradientBucket:
 
     @property
     def used(self) -> torch.Tensor:
-        """This worker's flags: the tail of its ``flat``."""
-        return self.flat[self.size:]
+        """This worker's flags: the tail of its ``flat`` (the views of the last two flats kept:
+        a slice is a tensor op, and a bucket in halves alternates between two)."""
+        flat = self.flat
+        for known, flags in self._flags:
+            if known is flat:
+                return flags
+        flags = flat[self.size:]
+        self._flags = [*self._flags[-1:], (flat, flags)]
+        return flags
 
 
 class BucketTransport(abc.ABC):
@@ -217,22 +232,59 @@ class _SharedFile(typing.Protocol):
     def complete(self, segments: list[SharedSegment]) -> None: ...
 
 
-def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket]) -> bool:
-    """Moves every bucket's flat into a slot of a shared file; False (nothing moved) where the workers cannot share one."""
+@dataclasses.dataclass(eq=False)
+class _Halves:
+    """A small shared bucket: two input slots per worker, used in turn, summed whole by every worker.
+
+    Every worker adds all the inputs of a finished bucket into its own ``sums`` (in worker
+    order, as a slice's owner would: the same numbers everywhere), so no second barrier
+    ("every slice summed") is needed. The next step writes the other half; a worker writes
+    a half again only two steps later, after every peer announced the step between, which
+    it did after it had read this one.
+    """
+
+    inputs: list[list[torch.Tensor]]  # [half][rank]: that worker's input slot in that half
+    flats: list[torch.Tensor]  # [half]: this worker's slot
+    views: list[list[torch.Tensor]]  # [half]: this worker's per-parameter views of its slot
+    sums: torch.Tensor  # this worker's own: the totals, handed out from here
+    turn: int = 0
+
+    def add_up(self) -> None:
+        inputs = self.inputs[self.turn]
+        torch.add(inputs[0], inputs[1], out=self.sums)
+        for more in inputs[2:]:
+            self.sums.add_(more)
+
+
+def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket], one_shot_bytes: int = 0) -> bool:
+    """Moves every bucket's flat into a slot of a shared file; False (nothing moved) where the workers cannot share one.
+
+    A bucket of at most ``one_shot_bytes`` (on a host of two workers or more) gets two
+    slots per worker, used in turn, and is summed whole by each (:class:`_Halves`)."""
     if not engine.available or not buckets or any(not b.flat.is_cpu or b.flat.numel() == 0 for b in buckets):
         return False
+    whole = [engine.world_size > 1 and b.flat.numel() * b.flat.element_size() <= one_shot_bytes for b in buckets]
     segments = []
-    for bucket in buckets:
-        segment = engine.new_segment(bucket.flat.dtype, bucket.flat.numel())
+    for bucket, halves in zip(buckets, whole):
+        segment = engine.new_segment(bucket.flat.dtype, bucket.flat.numel() * (2 if halves else 1))
         if segment is None:
             return False  # the workers cannot share memory: every bucket stays on the group
         segments.append(segment)
-    for bucket, segment in zip(buckets, segments):
-        flat = engine.my_slot(segment)
-        flat.zero_()
-        size = bucket.size
-        bucket.flat, bucket.views, bucket.segment = flat, views_of(flat[:size], bucket.params), segment
-        bucket.results = views_of(segment.result[:size], bucket.params)
+    for bucket, segment, halves in zip(buckets, segments, whole):
+        slot = engine.my_slot(segment)
+        slot.zero_()
+        size, numel = bucket.size, bucket.flat.numel()
+        if halves:
+            inputs = [[peer[h * numel:(h + 1) * numel] for peer in segment.inputs] for h in (0, 1)]
+            mine = [inputs[h][engine.rank] for h in (0, 1)]
+            sums = torch.zeros(numel, dtype=bucket.flat.dtype)
+            bucket.halves = _Halves(inputs, mine, [views_of(flat[:size], bucket.params) for flat in mine], sums)
+            bucket.flat, bucket.views, bucket.segment = mine[0], bucket.halves.views[0], segment
+            bucket.results = views_of(sums[:size], bucket.params)
+        else:
+            bucket.halves = None
+            bucket.flat, bucket.views, bucket.segment = slot, views_of(slot[:size], bucket.params), segment
+            bucket.results = views_of(segment.result[:size], bucket.params)
     return True
 
 
@@ -242,13 +294,17 @@ class SharedMemoryBuckets(BucketTransport):
 
     A full bucket only says that this worker's slot is written (a shared counter); when
     backward ends each worker sums its slice of every bucket and, once every worker has
-    (and, on several hosts, the hosts' sums are added), copies the totals out. Falls back
-    to :class:`AllReduceBuckets` where the workers cannot share a file.
+    (and, on several hosts, the hosts' sums are added), copies the totals out. A bucket of
+    at most ``one_shot_bytes`` (one host only) is summed whole by every worker instead,
+    from two slots used in turn (:class:`_Halves`): one wait a step rather than two, which
+    is most of the cost of synchronising a small model. Falls back to
+    :class:`AllReduceBuckets` where the workers cannot share a file.
     """
 
-    def __init__(self, control: WorkerControl, shared: _SharedFile):
+    def __init__(self, control: WorkerControl, shared: _SharedFile, one_shot_bytes: int = 0):
         self._control = control
         self._shared = shared
+        self._one_shot_bytes = one_shot_bytes
 
     @property
     def overlaps_backward(self) -> bool:
@@ -259,7 +315,7 @@ class SharedMemoryBuckets(BucketTransport):
         return HandOut.COPIES  # a peer zeroing its gradients in place must not zero the shared result
 
     def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
-        if _into_shared_memory(self._shared.shared_memory, buckets):
+        if _into_shared_memory(self._shared.shared_memory, buckets, self._one_shot_bytes):
             return self
         return AllReduceBuckets(self._control)
 
@@ -270,12 +326,23 @@ class SharedMemoryBuckets(BucketTransport):
         engine = self._shared.shared_memory
         for bucket in buckets:
             self._control.wait(bucket.work, _OPERATION)
-        segments = [typing.cast(SharedSegment, bucket.segment) for bucket in buckets]
-        for segment in segments:
-            engine.sum_my_slice(segment)
-        self._shared.complete(segments)
+        sliced = []
+        for bucket in buckets:
+            halves = bucket.halves
+            if halves is None:
+                segment = typing.cast(SharedSegment, bucket.segment)
+                engine.sum_my_slice(segment)
+                sliced.append(segment)
+            else:
+                halves.add_up()
+                turn = halves.turn = halves.turn ^ 1  # the next step writes the other half
+                bucket.flat, bucket.views = halves.flats[turn], halves.views[turn]
+        if sliced:
+            self._shared.complete(sliced)
 
     def sums(self, bucket: GradientBucket) -> torch.Tensor:
+        if bucket.halves is not None:
+            return bucket.halves.sums
         return typing.cast(SharedSegment, bucket.segment).result
 
     @property

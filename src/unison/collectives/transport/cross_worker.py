@@ -40,6 +40,7 @@ from unison.collectives.group.process_group import WorkerGroup
 from unison.collectives.group.worker_control import WorkerControl
 from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
 from unison.collectives.transport.bucket_transports import (
+    ONE_SHOT_BYTES,
     AllReduceBuckets,
     BucketTransport,
     CompressedBuckets,
@@ -126,7 +127,7 @@ class SharedMemoryTransport:
         self._summed = torch.zeros(1, dtype=torch.int32)
 
     def bucket_transport(self) -> BucketTransport:
-        return SharedMemoryBuckets(self._control, self)
+        return SharedMemoryBuckets(self._control, self, one_shot_bytes=ONE_SHOT_BYTES)
 
     def announce(self, flag: torch.Tensor) -> Any:
         return _announce(self.shared_memory, lambda: self._control.launch(_BUCKETS, dist.all_reduce, flag))

@@ -190,6 +190,16 @@ class SharedMemoryAllReduce:
         for (_, _, sources), segment in zip(groups, segments):
             fill(segment.inputs[self._rank], sources)
 
+    @property
+    def rank(self) -> int:
+        """This worker's place among the host's workers."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """How many workers share the host's files."""
+        return self._world_size
+
     def my_slot(self, segment: SharedSegment) -> torch.Tensor:
         """This worker's input slot of ``segment``."""
         return segment.inputs[self._rank]

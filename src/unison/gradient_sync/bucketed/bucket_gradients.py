@@ -54,9 +54,8 @@ def point_grads_at_slots(buckets: Sequence[GradientBucket]) -> None:
 def fill_from_slots(bucket: GradientBucket, divisor: int) -> bool:
     """Writes a bucket whose gradients all live in its slots into its flat in one pass
     (divided for MEAN, as the per-gradient path divides); False otherwise."""
-    grads = grads_of(bucket.params)
     slots = bucket.slots
-    bucket.launched_from_slots = slots is not None and slots.in_slots(grads)
+    bucket.launched_from_slots = slots is not None and slots.in_slots(grads_of(bucket.params))
     if slots is None or not bucket.launched_from_slots:
         return False
     (gradients,) = slots.flats.values()  # a bucket holds one dtype

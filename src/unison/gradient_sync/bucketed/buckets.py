@@ -328,9 +328,8 @@ class BucketedGradientSync:
         if self._in_slots:
             # Few gradients are divided straight into the flat (one pass each); slots would
             # add a pass (zeroing, and autograd adding where it took the tensor over)
-            grads = grads_of(bucket.params)
             bucket.in_slots_next = len(bucket.params) > _FUSED_DIVIDE_MAX_PARAMS and bucket.plain and all(
-                g is not None and fits(g, v) for g, v in zip(grads, bucket.views))
+                g is not None and fits(g, v) for g, v in zip(grads_of(bucket.params), bucket.views))
 
     def _gather_gradients(self, bucket: GradientBucket) -> None:
         """For a transport that reduces the gradients themselves: every dense gradient (zeros
