@@ -42,6 +42,10 @@ WRITTEN = 2
 ARRIVED = 3
 """Counts barriers: 'I am here' (e.g. my slice of every result is summed)."""
 _SPIN_S = 0.002  # poll without sleeping this long (the peers are usually a few microseconds away)
+_SPIN_S_CORE_EACH = 0.05
+"""How long to poll when the host's workers have a core each: a waiting worker then takes no
+core a peer needs, and a sleep overshoots the peer's arrival by up to the sleep (plus the
+kernel's timer slack), which a step that waits for a slower peer pays every time."""
 _MAX_SLEEP_S = 0.0005
 _LIVENESS_PERIOD_S = 0.05
 
@@ -90,6 +94,7 @@ class SharedSignals:
         self._timeout = timeout
         self._names = names
         self._counts = [0] * SLOTS_PER_WORKER
+        self._spin_s = _SPIN_S_CORE_EACH if world_size <= _usable_cores() else _SPIN_S
         self._watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, start time) of peers /proc can see
 
     def introduce(self) -> None:
@@ -147,7 +152,7 @@ class SharedSignals:
                     raise RuntimeError(f"shared-memory wait timed out after {now - start:.1f} s: "
                                        f"{', '.join(late)} did not arrive")
                 next_check = now + _LIVENESS_PERIOD_S
-            if now - start < _SPIN_S:
+            if now - start < self._spin_s:
                 os.sched_yield()
             else:
                 sleep = min(_MAX_SLEEP_S, sleep * 2 or 1e-5)
@@ -166,6 +171,13 @@ class SharedSignals:
             if self._cells[rank * SLOTS_PER_WORKER + kind] < count and _start_time(pid) != start:
                 raise RuntimeError(f"{self._names[rank]} (pid {pid}) exited while this worker waited for it in "
                                    f"shared memory")
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def make_signals(words: torch.Tensor, rank: int, world_size: int, timeout: float, names: list[str],
