@@ -15,12 +15,12 @@ import pathlib
 import pytest
 
 import unison.gradient_sync
-from unison.collectives.transport import bucket_transports, cross_worker
+from unison.collectives.transport import bucket_transports, cross_worker, shared_buckets
 
 pytestmark = pytest.mark.timeout(30)
 
 CONCRETE = sorted(
-    name for module in (bucket_transports, cross_worker) for name, value in vars(module).items()
+    name for module in (bucket_transports, shared_buckets, cross_worker) for name, value in vars(module).items()
     if inspect.isclass(value) and value.__module__ == module.__name__ and getattr(value, "__final__", False)
 )
 

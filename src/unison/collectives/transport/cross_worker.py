@@ -40,17 +40,15 @@ from unison.collectives.group.process_group import WorkerGroup
 from unison.collectives.group.worker_control import WorkerControl
 from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
 from unison.collectives.transport.bucket_transports import (
-    ONE_SHOT_BYTES,
     AllReduceBuckets,
     BucketTransport,
     CompressedBuckets,
-    PipelinedHostBuckets,
     PowerSGDBuckets,
-    SharedMemoryBuckets,
 )
 from unison.collectives.transport.compression import Compressor
 from unison.collectives.transport.packed_all_reduce import PackedAllReduce
 from unison.collectives.transport.powersgd import PowerSGDReducer
+from unison.collectives.transport.shared_buckets import ONE_SHOT_BYTES, PipelinedHostBuckets, SharedMemoryBuckets
 from unison.collectives.transport.shared_memory import SharedMemoryAllReduce, SharedSegment
 from unison.collectives.transport.shm_signals import WRITTEN
 

@@ -19,7 +19,8 @@ on one device and under DDP's ``find_unused_parameters``, so an optimizer skips 
 workers' mean everywhere.
 
 How a bucket travels is its transport's (``collectives/transport/bucket_transports.py``:
-over the group, compressed, PowerSGD, one host's shared memory, or slices across hosts):
+over the group, compressed, PowerSGD; ``shared_buckets.py``: one host's shared memory, or
+slices across hosts):
 this class fills buckets, launches them through that contract and hands the sums out.
 Where every bucket is reduced when backward ends (shared memory, PowerSGD) only a
 backward pass's first gradient has work to do (its hook remembers the autograd graph

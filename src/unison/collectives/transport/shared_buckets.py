@@ -1,0 +1,264 @@
+"""Bucket transports through the shared memory of a host (the contract: ``bucket_transports.py``).
+
+:class:`SharedMemoryBuckets`: the workers of one host share one file per bucket; each sums
+a slice of everyone's (or, for a small bucket, all of it) when backward ends.
+:class:`PipelinedHostBuckets`: several hosts, each bucket's slices crossing hosts while
+backward runs. Both fall back to ``AllReduceBuckets`` where the workers cannot share a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import torch
+
+from unison.collectives.group.worker_control import WorkerControl
+from unison.collectives.transport.bucket_transports import (
+    DEFAULT_BUCKET_BYTES,
+    OPERATION,
+    AllReduceBuckets,
+    BucketTransport,
+    GradientBucket,
+    HandOut,
+)
+from unison.collectives.transport.flat_buffers import views_of
+from unison.collectives.transport.shared_memory import SharedMemoryAllReduce, SharedSegment
+
+__all__ = ["ONE_SHOT_BYTES", "PIPELINED_BUCKET_BYTES", "PipelinedHostBuckets", "SharedMemoryBuckets"]
+
+PIPELINED_BUCKET_BYTES = 2 * 1024 * 1024
+"""Default bucket size when buckets cross hosts one by one during backward: small enough
+that a model's first buckets leave early, large enough to keep the collectives few."""
+
+ONE_SHOT_BYTES = 64 * 1024
+"""Up to this size a bucket in one host's shared memory is summed whole by every worker: one
+wait instead of two (a reduce-scatter's barrier, then the all-gather's), for one add over
+bytes that fit a core's cache. Above it, each worker sums its slice, so the work divides."""
+
+
+class _SharedFile(typing.Protocol):
+    """What the shared-memory bucket transports need of their cross-worker transport."""
+
+    @property
+    def shared_memory(self) -> SharedMemoryAllReduce: ...
+
+    def announce(self, flag: torch.Tensor) -> Any: ...
+
+    def complete(self, segments: list[SharedSegment]) -> None: ...
+
+
+@dataclasses.dataclass(eq=False)
+class _Halves:
+    """A small shared bucket: two input slots per worker, used in turn, summed whole by every worker.
+
+    Every worker adds all the inputs of a finished bucket into its own ``sums`` (in worker
+    order, as a slice's owner would: the same numbers everywhere), so no second barrier
+    ("every slice summed") is needed. The next step writes the other half; a worker writes
+    a half again only two steps later, after every peer announced the step between, which
+    it did after it had read this one.
+    """
+
+    inputs: list[list[torch.Tensor]]  # [half][rank]: that worker's input slot in that half
+    flats: list[torch.Tensor]  # [half]: this worker's slot
+    views: list[list[torch.Tensor]]  # [half]: this worker's per-parameter views of its slot
+    sums: torch.Tensor  # this worker's own: the totals, handed out from here
+    turn: int = 0
+
+    def add_up(self) -> None:
+        inputs = self.inputs[self.turn]
+        torch.add(inputs[0], inputs[1], out=self.sums)
+        for more in inputs[2:]:
+            self.sums.add_(more)
+
+
+def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket], one_shot_bytes: int = 0) -> bool:
+    """Moves every bucket's flat into a slot of a shared file; False (nothing moved) where the workers cannot share one.
+
+    A bucket of at most ``one_shot_bytes`` (on a host of two workers or more) gets two
+    slots per worker, used in turn, and is summed whole by each (:class:`_Halves`)."""
+    if not engine.available or not buckets or any(not b.flat.is_cpu or b.flat.numel() == 0 for b in buckets):
+        return False
+    whole = [engine.world_size > 1 and b.flat.numel() * b.flat.element_size() <= one_shot_bytes for b in buckets]
+    segments = []
+    for bucket, halves in zip(buckets, whole):
+        segment = engine.new_segment(bucket.flat.dtype, bucket.flat.numel() * (2 if halves else 1))
+        if segment is None:
+            return False  # the workers cannot share memory: every bucket stays on the group
+        segments.append(segment)
+    for bucket, segment, halves in zip(buckets, segments, whole):
+        slot = engine.my_slot(segment)
+        slot.zero_()
+        size, numel = bucket.size, bucket.flat.numel()
+        if halves:
+            inputs = [[peer[h * numel:(h + 1) * numel] for peer in segment.inputs] for h in (0, 1)]
+            mine = [inputs[h][engine.rank] for h in (0, 1)]
+            sums = torch.zeros(numel, dtype=bucket.flat.dtype)
+            bucket.halves = _Halves(inputs, mine, [views_of(flat[:size], bucket.params) for flat in mine], sums)
+            bucket.flat, bucket.views, bucket.segment = mine[0], bucket.halves.views[0], segment
+            bucket.results = views_of(sums[:size], bucket.params)
+        else:
+            bucket.halves = None
+            bucket.flat, bucket.views, bucket.segment = slot, views_of(slot[:size], bucket.params), segment
+            bucket.results = views_of(segment.result[:size], bucket.params)
+    return True
+
+
+@typing.final
+class SharedMemoryBuckets(BucketTransport):
+    """The workers of a host share one file per bucket; each sums a slice of everyone's when backward ends.
+
+    A full bucket only says that this worker's slot is written (a shared counter); when
+    backward ends each worker sums its slice of every bucket and, once every worker has
+    (and, on several hosts, the hosts' sums are added), copies the totals out. A bucket of
+    at most ``one_shot_bytes`` (one host only) is summed whole by every worker instead,
+    from two slots used in turn (:class:`_Halves`): one wait a step rather than two, which
+    is most of the cost of synchronising a small model. Falls back to
+    :class:`AllReduceBuckets` where the workers cannot share a file.
+    """
+
+    def __init__(self, control: WorkerControl, shared: _SharedFile, one_shot_bytes: int = 0):
+        self._control = control
+        self._shared = shared
+        self._one_shot_bytes = one_shot_bytes
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return False
+
+    @property
+    def hand_out(self) -> HandOut:
+        return HandOut.COPIES  # a peer zeroing its gradients in place must not zero the shared result
+
+    def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
+        if _into_shared_memory(self._shared.shared_memory, buckets, self._one_shot_bytes):
+            return self
+        return AllReduceBuckets(self._control)
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        bucket.work = self._shared.announce(bucket.written)
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        engine = self._shared.shared_memory
+        for bucket in buckets:
+            self._control.wait(bucket.work, OPERATION)
+        sliced = []
+        for bucket in buckets:
+            halves = bucket.halves
+            if halves is None:
+                segment = typing.cast(SharedSegment, bucket.segment)
+                engine.sum_my_slice(segment)
+                sliced.append(segment)
+            else:
+                halves.add_up()
+                turn = halves.turn = halves.turn ^ 1  # the next step writes the other half
+                bucket.flat, bucket.views = halves.flats[turn], halves.views[turn]
+        if sliced:
+            self._shared.complete(sliced)
+
+    def sums(self, bucket: GradientBucket) -> torch.Tensor:
+        if bucket.halves is not None:
+            return bucket.halves.sums
+        return typing.cast(SharedSegment, bucket.segment).result
+
+    @property
+    def shared_counters(self) -> bool:
+        """Whether the workers signal through counters in the shared file (else tiny collectives; diagnostics)."""
+        return self._shared.shared_memory.signals is not None
+
+
+class _AcrossHosts(typing.Protocol):
+    """What the hierarchical bucket transport needs: the shared file, and sending a host's slice across hosts."""
+
+    @property
+    def shared_memory(self) -> SharedMemoryAllReduce: ...
+
+    def announce(self, flag: torch.Tensor) -> Any: ...
+
+    def complete(self, segments: list[SharedSegment]) -> None: ...
+
+    @property
+    def slices_cross_hosts(self) -> bool: ...
+
+    def start_across_hosts(self, segment: SharedSegment) -> list[Any]: ...
+
+    def finish_across_hosts(self, works: list[Any]) -> None: ...
+
+
+@typing.final
+class PipelinedHostBuckets(BucketTransport):
+    """Several hosts with equally many workers: each bucket's slices cross hosts while backward runs.
+
+    Each bucket goes into its slot as soon as it is complete; as soon as every worker of
+    the host wrote it (a look at the shared counters from a later hook, never a wait),
+    this worker sums its slice and starts that slice's all-reduce with the same slice
+    on the other hosts. Where the hosts differ in size (one leader per host adds the
+    sums) or a host has no shared counters, its plan is :class:`SharedMemoryBuckets`
+    (the hosts' sums added when backward ends).
+    """
+
+    def __init__(self, control: WorkerControl, hosts: _AcrossHosts):
+        self._control = control
+        self._hosts = hosts
+        self._buckets: list[GradientBucket] = []
+        self._launched = 0
+        self._started = 0
+        self.started_during_backward = 0
+        """How many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return True
+
+    @property
+    def hand_out(self) -> HandOut:
+        return HandOut.COPIES
+
+    def default_bucket_bytes(self) -> int:
+        """Smaller buckets where they cross hosts during backward: more of the trip overlaps.
+        (Forms the host groups on first use: a collective, asked where the buckets are built.)"""
+        return PIPELINED_BUCKET_BYTES if self._hosts.slices_cross_hosts else DEFAULT_BUCKET_BYTES
+
+    def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
+        if not self._hosts.slices_cross_hosts:
+            return SharedMemoryBuckets(self._control, self._hosts).plan(buckets)
+        engine = self._hosts.shared_memory
+        if not _into_shared_memory(engine, buckets):
+            return AllReduceBuckets(self._control)
+        if engine.signals is None:
+            return SharedMemoryBuckets(self._control, self._hosts)
+        self._buckets, self._launched, self._started = buckets, 0, 0
+        return self
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        bucket.work = self._hosts.announce(bucket.written)
+        self._launched += 1
+
+    def poll(self) -> None:
+        while self._started < self._launched:
+            bucket = self._buckets[self._started]
+            if not bucket.work.is_completed():
+                return
+            self._start_across(bucket)
+
+    def _start_across(self, bucket: GradientBucket) -> None:
+        segment = typing.cast(SharedSegment, bucket.segment)
+        self._hosts.shared_memory.sum_my_slice(segment)
+        bucket.across = self._hosts.start_across_hosts(segment)
+        self._started += 1
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        self.started_during_backward = self._started
+        try:
+            for bucket in buckets[self._started:]:
+                self._control.wait(bucket.work, OPERATION)
+                self._start_across(bucket)
+            self._hosts.finish_across_hosts([work for bucket in buckets for work in bucket.across])
+        finally:
+            self._launched = self._started = 0
+            for bucket in buckets:
+                bucket.across = []
+
+    def sums(self, bucket: GradientBucket) -> torch.Tensor:
+        return typing.cast(SharedSegment, bucket.segment).result

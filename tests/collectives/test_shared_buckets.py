@@ -1,0 +1,89 @@
+"""Shared-memory bucket transports: small buckets summed whole, from two slots in turn (``shared_buckets.py``).
+
+Two warm pool workers move buckets through the transport of a one-host strategy for
+several steps and read every step's sums back (the contract's checks against a plain sum
+for every transport: ``test_bucket_transports.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import unison
+from unison.collectives.transport.bucket_transports import GradientBucket
+from unison.collectives.transport.flat_buffers import views_of
+from unison.collectives.transport.shared_buckets import SharedMemoryBuckets
+
+pytestmark = pytest.mark.timeout(60)
+
+ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2"]  # never bound: the pool's gloo group is reused
+
+
+SMALL_AND_LARGE = [[(3, 4), (5,)], [(20_000,)]]  # 17 elements; 80 KB, above ONE_SHOT_BYTES
+SMALL = [[(3, 4), (5,)], [(7,)]]
+
+
+def _several_steps(rank: int, world: int, steps: int, shapes: list, lag: bool):
+    """Buckets of ``shapes`` through the shared-memory transport for several steps. With
+    ``lag``, worker 1 adds up each small bucket (summed whole, from two slots in turn) 50 ms
+    late, so worker 0 has written its next step's gradients by then."""
+    from unison.collectives.transport import shared_buckets
+
+    add_up = shared_buckets._Halves.add_up
+    if lag and rank == 1:
+        add_up = shared_buckets._Halves.add_up
+
+        def late_add_up(self):
+            time.sleep(0.05)
+            add_up(self)
+
+        shared_buckets._Halves.add_up = late_add_up
+    try:
+        resolver = unison.SimpleClusterResolver(unison.ClusterSpec({"worker": ADDRESSES[:world]}),
+                                                task_type="worker", task_id=rank)
+        strategy = unison.MultiWorkerMirroredStrategy(resolver)
+        transport = strategy.extended.cross_device_ops.transport.bucket_transport()
+        buckets = []
+        for bucket_shapes in shapes:
+            params = [torch.zeros(shape, requires_grad=True) for shape in bucket_shapes]
+            size = sum(p.numel() for p in params)
+            flat = torch.zeros(size + len(params))
+            buckets.append(GradientBucket(params, views_of(flat[:size], params), flat))
+        carrier = transport.plan(buckets)
+        summed_whole = [bucket.halves is not None for bucket in buckets]
+        sums = []
+        for step in range(steps):
+            for b, bucket in enumerate(buckets):
+                for k, view in enumerate(bucket.views):
+                    view.fill_(1000.0 * step + 100.0 * b + 10.0 * k + rank)
+                bucket.used.fill_(1)
+                carrier.launch(bucket, world)
+            carrier.finish(buckets)
+            sums.append([[float(v.min()), float(v.max())] for bucket in buckets
+                         for v in views_of(carrier.sums(bucket)[:bucket.size], bucket.params)]
+                        + [carrier.used_sums(bucket) for bucket in buckets])
+        return {"carrier": type(carrier).__name__, "summed_whole": summed_whole, "sums": sums}
+    finally:
+        shared_buckets._Halves.add_up = add_up
+
+
+@pytest.mark.parametrize("shapes,lag,summed_whole", [
+    (SMALL_AND_LARGE, False, [True, False]),
+    (SMALL, True, [True, True]),
+], ids=["small_and_large", "small_with_a_lagging_peer"])
+def test_small_shared_buckets_are_summed_whole_from_two_slots_in_turn(worker_pool, shapes, lag, summed_whole):
+    """A small bucket is summed whole by every worker (one wait a step), a large one in slices;
+    every step's sums are right, also when a peer adds up late (a worker that wrote its next
+    step into the slot a peer still reads would change that peer's sums)."""
+    steps = 6
+    results = worker_pool.run(_several_steps, steps, shapes, lag, timeout=40)
+    for result in results:
+        assert result["carrier"] == SharedMemoryBuckets.__name__
+        assert result["summed_whole"] == summed_whole
+        for step, got in enumerate(result["sums"]):
+            values = [2 * (1000.0 * step + 100.0 * b + 10.0 * k) + 1 for b, k in ((0, 0), (0, 1), (1, 0))]
+            assert got[:3] == [[v, v] for v in values], (step, got)
+            assert got[3:] == [[2.0, 2.0], [2.0]]
