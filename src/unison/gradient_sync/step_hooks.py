@@ -97,7 +97,8 @@ def _on_step_pre(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     known = _CHECKED.get(optimizer)
     if known is None or known[0] != count:  # once per optimizer and set of parameters
         _check_owners(optimizer)
-    _CHECKED[optimizer] = (count, sync)  # the post-hook's, without a second lookup
+    if known is None or known[0] != count or known[1] is not sync:
+        _CHECKED[optimizer] = (count, sync)  # the post-hook's, without a second lookup (a new weak key only then)
     return None if sync is None else sync.pre_step(optimizer, args, kwargs)
 
 
