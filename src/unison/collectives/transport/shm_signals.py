@@ -42,11 +42,12 @@ WRITTEN = 2
 ARRIVED = 3
 """Counts barriers: 'I am here' (e.g. my slice of every result is summed)."""
 _SPIN_S = 0.002  # poll without sleeping this long (the peers are usually a few microseconds away)
-_SPIN_S_CORE_EACH = 0.05
+_SPIN_S_CORE_EACH = 0.01
 """How long to poll when the host's workers have a core each: a waiting worker then takes no
 core a peer needs, and a sleep overshoots the peer's arrival by up to the sleep (plus the
-kernel's timer slack), which a step that waits for a slower peer pays every time."""
-_MAX_SLEEP_S = 0.0005
+kernel's timer slack), which a step that waits for a slower peer pays every time. Bounded,
+since other processes (data loaders) may want the core after all."""
+_MAX_SLEEP_S = 0.0002
 _LIVENESS_PERIOD_S = 0.05
 
 
