@@ -21,14 +21,15 @@ import torch
 
 from unison.cluster import env
 
-__all__ = ["ThreadsDefaultWarning", "ThreadDefault", "THREAD_DEFAULT", "cpu_share"]
+__all__ = ["ThreadsDefaultWarning", "ThreadDefault", "THREAD_DEFAULT", "cpu_share", "usable_cpus"]
 
 
 class ThreadsDefaultWarning(UserWarning):
     """unison lowered torch's intra-op threads to the task's CPU share (set ``OMP_NUM_THREADS`` to choose)."""
 
 
-def _affinity() -> int:
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (its affinity; all of them off Linux)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
@@ -46,7 +47,7 @@ def cpu_share(cpus_per_task: "int | None", tasks_on_host: int, affinity: "int | 
     Returns:
         At least 1, and never more than ``affinity``.
     """
-    usable = _affinity() if affinity is None else affinity
+    usable = usable_cpus() if affinity is None else affinity
     share = cpus_per_task if cpus_per_task is not None else usable // max(1, tasks_on_host)
     return max(1, min(share, usable))
 

@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from unison.cluster.threads import usable_cpus
+
 __all__ = ["SharedSignals", "make_signals", "supported", "WRITTEN", "ARRIVED", "SLOTS_PER_WORKER"]
 
 SLOTS_PER_WORKER = 8
@@ -95,7 +97,7 @@ class SharedSignals:
         self._timeout = timeout
         self._names = names
         self._counts = [0] * SLOTS_PER_WORKER
-        self._spin_s = _SPIN_S_CORE_EACH if world_size <= _usable_cores() else _SPIN_S
+        self._spin_s = _SPIN_S_CORE_EACH if world_size <= usable_cpus() else _SPIN_S
         self._watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, start time) of peers /proc can see
 
     def introduce(self) -> None:
@@ -172,13 +174,6 @@ class SharedSignals:
             if self._cells[rank * SLOTS_PER_WORKER + kind] < count and _start_time(pid) != start:
                 raise RuntimeError(f"{self._names[rank]} (pid {pid}) exited while this worker waited for it in "
                                    f"shared memory")
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 def make_signals(words: torch.Tensor, rank: int, world_size: int, timeout: float, names: list[str],
