@@ -3,7 +3,8 @@
 The merge reduces whole buffers; what users see must not change: ``zero_grad()`` still
 leaves None, a parameter without a gradient still has None after the backward pass (an
 optimizer skips it), a gradient kept from an earlier step is never overwritten, and
-the results equal the general reduction's and single-device training's.
+the results equal the general reduction's and plain PyTorch's (autograd on each
+replica's half of the batch, averaged or summed; single-device training).
 """
 
 from __future__ import annotations
@@ -41,6 +42,24 @@ def _halves(x: torch.Tensor) -> unison.PerReplica:
     return unison.PerReplica(list(x.chunk(2)))
 
 
+def _scaled_loss(model: nn.Module, batch: torch.Tensor, replica: int) -> torch.Tensor:
+    """Replica ``replica``'s loss, scaled by ``replica + 1`` so the replicas' gradients differ."""
+    return model(batch).pow(2).sum() * (replica + 1)
+
+
+def _plain_reduced(model: nn.Module, x: torch.Tensor, reduce_op: str = "mean") -> list["torch.Tensor | None"]:
+    """The oracle, in plain PyTorch: each replica's gradients of ``model``'s parameters from a
+    copy of it on its half of ``x`` (``_scaled_loss``), summed or averaged; None for a
+    parameter no replica computed a gradient for."""
+    per_replica = []
+    for replica, half in enumerate(x.chunk(2)):
+        here = copy.deepcopy(model)
+        _scaled_loss(here, half, replica).backward()
+        per_replica.append([p.grad for p in here.parameters()])
+    total = [None if grads[0] is None else grads[0] + grads[1] for grads in zip(*per_replica)]
+    return [t if t is None or reduce_op == "sum" else t / 2 for t in total]
+
+
 class _TwoHeads(nn.Module):
     """A shared layer and two heads; ``head`` picks the one the loss uses (the other gets no gradient)."""
 
@@ -66,7 +85,7 @@ def _grads_after_one_backward(strategy: unison.MirroredStrategy, seed: int) -> d
 
     def step(batch):
         replica = unison.get_replica_context().replica_id_in_sync_group
-        (model(batch).pow(2).sum() * (replica + 1)).backward()
+        _scaled_loss(model, batch, replica).backward()
         used = [model.shared.weight.grad, model.shared.bias.grad, model.used.weight.grad, model.used.bias.grad]
         out[replica] = ([g.clone() for g in used], {g.untyped_storage().data_ptr() for g in used})
 
@@ -74,10 +93,20 @@ def _grads_after_one_backward(strategy: unison.MirroredStrategy, seed: int) -> d
     return out
 
 
+def _plain_used_grads(seed: int, reduce_op: str = "mean") -> list[torch.Tensor]:
+    """``_grads_after_one_backward``'s gradients, by the plain PyTorch oracle."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))
+    shared_w, shared_b, used_w, used_b, unused_w, unused_b = _plain_reduced(_TwoHeads(), x, reduce_op)
+    assert unused_w is None and unused_b is None
+    return [shared_w, shared_b, used_w, used_b]
+
+
 def test_gradients_are_aliases_of_one_buffer_per_replica_and_equal_the_general_reduction(mirrored2):
     fast, general = _grads_after_one_backward(mirrored2, 1), _grads_after_one_backward(_general(), 1)
+    plain = _plain_used_grads(1)
     for replica in (0, 1):
-        for a, b in zip(fast[replica][0], general[replica][0]):
+        for a, b, p in zip(fast[replica][0], general[replica][0], plain):
+            torch.testing.assert_close(a, p)  # the mean of plain autograd's gradients on the halves
             assert torch.equal(a, b)
     assert len(fast[0][1]) == 1 and len(fast[1][1]) == 1 and fast[0][1] != fast[1][1]  # one buffer each
     assert len(general[0][1]) == 4  # the general path: a tensor per gradient
@@ -165,7 +194,14 @@ def test_two_dtypes_get_a_buffer_each_and_train_as_the_general_path(mirrored2):
         weights.append([p.detach().clone() for p in model.parameters()])
     buffers = mirrored2.extended.components.gradient_sync.merge.buffers
     assert set(buffers._replicas[0].flats) == {torch.float64, torch.float32}
-    for a, b in zip(*weights):
+    reference = _TwoHeads(dtype=torch.float64, head_dtype=torch.float32)  # plain SGD, one device, whole batch
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        reference_opt.zero_grad()
+        reference(x).pow(2).mean().backward()
+        reference_opt.step()
+    for a, b, p in zip(*weights, reference.parameters()):
+        torch.testing.assert_close(a, p.detach(), rtol=1e-5, atol=1e-6)
         assert torch.equal(a, b)
 
 
@@ -205,16 +241,20 @@ def test_large_gradients_and_small_models_keep_the_general_path(mirrored2, monke
     own; with fewer than MIN_GRADIENTS small ones there are no buffers at all."""
     monkeypatch.setattr(replica_grad_buffers, "SMALL_GRADIENT", 12)
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(6))
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2))  # weights of 20 and 10 elements
+
     results = []
     for strategy in (mirrored2, _general()):
         with strategy.scope():
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2))  # weights of 20 and 10 elements
+            model = make()
         out = {}
 
         def step(batch):
             replica = unison.get_replica_context().replica_id_in_sync_group
-            (model(batch).pow(2).sum() * (replica + 1)).backward()
+            _scaled_loss(model, batch, replica).backward()
             out[replica] = [(p.grad.clone(), p.grad.untyped_storage().data_ptr()) for p in model.parameters()]
 
         strategy.run(step, args=(_halves(x),))
@@ -224,7 +264,8 @@ def test_large_gradients_and_small_models_keep_the_general_path(mirrored2, monke
         flat = buffers[replica].flats[torch.float32].untyped_storage().data_ptr()
         in_buffer = [ptr == flat for _, ptr in results[0][replica]]
         assert in_buffer == [False, True, True, True]  # the 20-element weight is above the bound
-        for (got, _), (want, _) in zip(results[0][replica], results[1][replica]):
+        for (got, _), (want, _), plain in zip(results[0][replica], results[1][replica], _plain_reduced(make(), x)):
+            torch.testing.assert_close(got, plain)
             assert torch.equal(got, want)
 
     monkeypatch.setattr(replica_grad_buffers, "MIN_GRADIENTS", 32)
@@ -301,6 +342,8 @@ def test_a_sum_reduction_adds_the_buffers(mirrored2, monkeypatch):
         strategy.extended.gradient_reduce_op = unison.ReduceOp.SUM
     got, want = _grads_after_one_backward(mirrored2, 10), _grads_after_one_backward(general, 10)
     assert calls == [False]  # whole buffers, summed
+    plain = _plain_used_grads(10, "sum")
     for replica in (0, 1):
-        for a, b in zip(got[replica][0], want[replica][0]):
+        for a, b, p in zip(got[replica][0], want[replica][0], plain):
+            torch.testing.assert_close(a, p)  # the sum of plain autograd's gradients on the halves
             assert torch.equal(a, b)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import unison
 from unison._testing import run_workers
 from unison.collectives.transport import shm_signals
 from tests.multi_worker import _workers as w
@@ -257,14 +258,75 @@ def test_a_parameter_unfrozen_on_one_worker_only_fails_every_worker_with_the_lik
         assert "every heartbeat is alive" in message and "unfroze a parameter the others did not" in message
 
 
+def _used_on_one_worker_with_grads(rank: int, world: int):
+    """``w.used_on_one_worker``, also returning each step's reduced gradients of ``a`` and
+    ``b`` as every local replica has them after backward: two local replicas per worker,
+    ``b`` used only on worker 0, ``c`` nowhere."""
+    strategy = w.strategy_for(rank, world, devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        torch.manual_seed(0)
+        a, b, c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW([*a.parameters(), *b.parameters(), *c.parameters()], lr=0.1, weight_decay=0.5)
+    c_before = c.weight.detach().clone()
+    grads: list[dict] = []  # per step: each local replica's gradients, by replica id
+
+    def step(x):
+        opt.zero_grad()
+        out = a(x)
+        if rank == 0:
+            out = b(out)
+        out.pow(2).sum().backward()
+        replica = unison.get_replica_context().replica_id_in_sync_group
+        grads[-1][replica] = [p.grad.detach().clone() for p in [*a.parameters(), *b.parameters()]]
+        opt.step()
+        return c.weight.grad is None
+
+    none = []
+    for _ in range(3):
+        grads.append({})
+        none.append(strategy.run(step, args=(torch.full((4, 4), 0.5),)))
+    return ([p.detach().clone() for p in [*a.parameters(), *b.parameters()]],
+            [list(replicas.values()) for replicas in grads],
+            all(v for n in none for v in strategy.experimental_local_results(n)),
+            torch.equal(c.weight.detach(), c_before))
+
+
+def _plain_used_on_one_worker() -> tuple[list, list]:
+    """The oracle in plain PyTorch: the mean over the 4 replicas (2 per worker) of their
+    gradients, where worker 1's replicas have a zero gradient for ``b``, so ``b`` gets half
+    of worker 0's; AdamW then steps ``a`` and ``b`` (``c`` has no gradient). The weights
+    after 3 steps and each step's gradients."""
+    torch.manual_seed(0)
+    a, b, c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW([*a.parameters(), *b.parameters(), *c.parameters()], lr=0.1, weight_decay=0.5)
+    x = torch.full((4, 4), 0.5)
+    grads = []
+    for _ in range(3):
+        opt.zero_grad()
+        hidden = a(x)
+        worker0, worker1 = b(hidden).pow(2).sum(), hidden.pow(2).sum()
+        ((2 * worker0 + 2 * worker1) / 4).backward()
+        grads.append([p.grad.clone() for p in [*a.parameters(), *b.parameters()]])
+        opt.step()
+    assert c.weight.grad is None
+    return [p.detach().clone() for p in [*a.parameters(), *b.parameters()]], grads
+
+
 @pytest.mark.timeout(90)
 def test_several_local_replicas_reduce_a_layer_only_one_worker_used():
     # Each worker reduced only the variables its replicas had gradients for: the workers'
     # lists differed and the reduction failed with a CollectiveMismatchError.
-    (weights0, none0, c_kept0), (weights1, none1, c_kept1) = run_workers(w.used_on_one_worker, 2, timeout=60)
-    assert none0 and none1 and c_kept0 and c_kept1  # used nowhere: no gradient, not moved
-    for got0, got1 in zip(weights0, weights1):
+    results = run_workers(_used_on_one_worker_with_grads, 2, timeout=60)
+    expected_weights, expected_grads = _plain_used_on_one_worker()
+    for weights, grads, c_none, c_kept in results:
+        assert c_none and c_kept  # used nowhere: no gradient, not moved
+        # b's gradient is the mean over all 4 replicas, worker 1's zeros included (half of
+        # worker 0's): AdamW's update hardly shows a factor of 2, so the gradients are checked
+        for step, want in enumerate(expected_grads):
+            assert len(grads[step]) == 2
+            for replica in grads[step]:
+                for got, expected in zip(replica, want):
+                    torch.testing.assert_close(got, expected)
+        _assert_weights_close(weights, expected_weights)
+    for got0, got1 in zip(results[0][0], results[1][0]):
         assert torch.equal(got0, got1)  # b's gradient from worker 0 reached worker 1 too
-    torch.manual_seed(0)
-    b_initial = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)][1]
-    assert not torch.equal(weights1[2], b_initial.weight.detach())  # b trained on worker 1 as well

@@ -6,8 +6,10 @@ hooks (``gradient_sync/bucketed/buckets.py``). AOTAutograd runs the compiled reg
 autograd node, and the parameters' AccumulateGrad nodes (with their hooks) still run one by
 one after it: these tests check that every hook fires, that every bucket is launched from
 them before the end-of-backward callback (flat gloo), and that the compiled model trains
-exactly as the eager one on the same shards. They run ``backend="aot_eager"``: the same
-Dynamo guards and AOTAutograd backward node as inductor, without its C++ compile time.
+exactly as the eager one on the same shards, and as plain PyTorch (one device on the
+global batch; with BatchNorm, a model copy per worker on its shard, gradients averaged).
+They run ``backend="aot_eager"``: the same Dynamo guards and AOTAutograd backward node as
+inductor, without its C++ compile time.
 
 What the hooks cannot give a compiled model is overlap: the gradients all appear when the
 compiled backward node ends, so no bucket leaves while backward still computes (DDP's
@@ -129,6 +131,25 @@ def _one_device_mlp() -> list[torch.Tensor]:
     return _state(model)
 
 
+def _plain_workers(kind: str, world: int) -> list[list[torch.Tensor]]:
+    """The plain PyTorch oracle for workers that keep their own BatchNorm statistics: a copy
+    of the model per worker trains on its shard of each batch, the copies' gradients
+    averaged before each (identical) SGD step. Each worker's ``_state``."""
+    models = [_make(kind) for _ in range(world)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for x, y in _batches(kind):
+        for model, opt, shard_x, shard_y in zip(models, opts, x.chunk(world), y.chunk(world)):
+            opt.zero_grad()
+            F.cross_entropy(model(shard_x), shard_y).backward()
+        for params in zip(*(m.parameters() for m in models)):
+            mean = sum(p.grad for p in params) / world
+            for p in params:
+                p.grad = mean.clone()
+        for opt in opts:
+            opt.step()
+    return [_state(m) for m in models]
+
+
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     assert len(a) == len(b)
     return max((x - y).abs().max().item() for x, y in zip(a, b))
@@ -149,10 +170,12 @@ def test_compiled_mlp_trains_as_eager_with_every_hook(worker_pool, implementatio
             assert eager["launched_in_hooks"] == eager["buckets"]
 
 
-def test_compiled_conv_batchnorm_trains_as_eager(worker_pool):
+def test_compiled_conv_batchnorm_trains_as_eager_and_plain_pytorch(worker_pool):
     results = worker_pool.run(_eager_and_compiled, "conv", "AUTO", timeout=90)
-    for eager, compiled in results:
+    plain = _plain_workers("conv", len(results))
+    for (eager, compiled), want in zip(results, plain):
         assert _max_diff(compiled["state"], eager["state"]) <= 1e-5
+        assert _max_diff(compiled["state"], want) <= 1e-5  # per-worker BatchNorm, mean gradients
         assert compiled["graph_breaks"] == 0
         assert compiled["grads"] == eager["grads"] == 6
     assert _max_diff(results[0][1]["state"], results[1][1]["state"]) > 1e-4  # per-worker BN statistics differ

@@ -1,8 +1,9 @@
 """``torch.compile`` on models built in a strategy's scope (in-process strategies).
 
 A compiled model trained with a plain step inside ``strategy.run`` must reach the
-parameters of the same model run eagerly under the same strategy (and, for an MLP, of
-one device on the global batch), with no graph break unison causes. Under
+parameters of the same model run eagerly under the same strategy and of plain PyTorch
+(one device on the global batch; with BatchNorm under MirroredStrategy, a model copy per
+replica on its part of the batch, gradients averaged), with no graph break unison causes. Under
 MirroredStrategy each replica thread reads its own plain components through the module's
 ``ReplicaParameters`` (``interpose/replica_parameters.py``): Dynamo traces that lookup, guards
 on the replica id and compiles one graph per replica. Where a read cannot be a plain
@@ -138,6 +139,27 @@ def _train(strategy: unison.Strategy | None, make: Callable[[], nn.Module], how:
     return _state(model)
 
 
+def _plain_replicas(make: Callable[[], nn.Module], replicas: int) -> list[torch.Tensor]:
+    """The plain PyTorch oracle for ``replicas`` replicas that keep their own BatchNorm
+    statistics: a copy of ``make()`` per replica trains on its part of each batch, the
+    copies' gradients averaged before each (identical) SGD step. As ``_state`` returns
+    them: the parameters, then every buffer's replicas in replica order."""
+    models = [make() for _ in range(replicas)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for x, y in _batches(make):
+        for model, opt, part_x, part_y in zip(models, opts, x.chunk(replicas), y.chunk(replicas)):
+            opt.zero_grad()
+            F.cross_entropy(model(part_x), part_y).backward()
+        for params in zip(*(m.parameters() for m in models)):
+            mean = sum(p.grad for p in params) / replicas
+            for p in params:
+                p.grad = mean.clone()
+        for opt in opts:
+            opt.step()
+    return ([p.detach().clone() for p in models[0].parameters()]
+            + [b.detach().float().clone() for per_replica in zip(*(m.buffers() for m in models)) for b in per_replica])
+
+
 def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
@@ -186,14 +208,15 @@ def test_each_replica_runs_its_own_components():
     assert not torch.allclose(own(0), own(1))
 
 
-def test_conv_batchnorm_one_device_trains_as_eager():
+def test_conv_batchnorm_one_device_trains_as_eager_and_plain_pytorch():
     eager = _train(STRATEGIES["one_device"](), _conv_bn, "eager")
     compiled = _train(STRATEGIES["one_device"](), _conv_bn, "after")
     assert _graph_breaks() == 0, counters["graph_break"]
     assert _max_diff(compiled, eager) <= 1e-5
+    assert _max_diff(compiled, _train(None, _conv_bn, "eager")) <= 1e-5
 
 
-def test_conv_batchnorm_mirrored_trains_as_eager():
+def test_conv_batchnorm_mirrored_trains_as_eager_and_plain_pytorch():
     """BatchNorm's running statistics are sync-on-read buffers; each replica, replica 0
     included, reads and updates a plain component (component 0 is a plain alias of the
     variable, as a MirroredVariable's is), so AOTAutograd takes them as graph inputs."""
@@ -205,6 +228,7 @@ def test_conv_batchnorm_mirrored_trains_as_eager():
     compiled = _train(strategy, _conv_bn, "after")
     assert _graph_breaks() == 0, counters["graph_break"]
     assert _max_diff(compiled, eager) <= 1e-5
+    assert _max_diff(compiled, _plain_replicas(_conv_bn, 2)) <= 1e-5  # per-replica BatchNorm, mean gradients
 
 
 def test_cross_replica_call_reads_component_0_or_says_why_not():
@@ -223,8 +247,9 @@ def test_cross_replica_call_reads_component_0_or_says_why_not():
         torch.compile(conv, backend="aot_eager")(torch.randn(2, 3, 6, 6))
 
 
-def test_inductor_mirrored_mlp_trains_as_eager(monkeypatch):
-    """The one inductor case: two replica graphs compiled to C++, same numbers as eager."""
+def test_inductor_mirrored_mlp_trains_as_eager_and_plain_pytorch(monkeypatch):
+    """The one inductor case: two replica graphs compiled to C++, the numbers of eager and
+    of one device on the global batch."""
     import torch._inductor.config
 
     # In this process: with a cold cache inductor's pool of compile workers outlives the test.
@@ -233,3 +258,4 @@ def test_inductor_mirrored_mlp_trains_as_eager(monkeypatch):
     compiled = _train(STRATEGIES["mirrored"](), _mlp, "after", backend="inductor")
     assert _graph_breaks() == 0, counters["graph_break"]
     assert _max_diff(compiled, eager) <= 1e-5
+    assert _max_diff(compiled, _train(None, _mlp, "eager")) <= 1e-5
