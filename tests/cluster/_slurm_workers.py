@@ -12,6 +12,7 @@ import os
 import time
 
 import unison
+from unison.collectives.group.store_connect import OWNER_KEY
 from unison.errors import ClusterError
 
 from tests.multi_worker._workers import global_batches, mlp_and_step
@@ -30,7 +31,9 @@ def srun_environment(job_id: int, procid: int, ntasks: int = 2, step_id: int = 0
 def slurm_task(rank: int, world: int, jobs: list, timeout_seconds: float, procids: "list | None" = None):
     """Trains a small MLP as task ``rank % 2`` of job ``jobs[rank // 2]`` = (job id, extra variables).
 
-    Returns ``("trained", job_id, weights, loss)`` or ``("error", job_id, message, seconds)``.
+    Returns ``("trained", job_id, weights, loss, owner)``, ``owner`` the run token that the
+    leader of the store this task joined wrote there (its own job's, or the store is another
+    run's), or ``("error", job_id, message, seconds, None)``.
     """
     job_id, extra = jobs[rank // 2]
     procid = procids[rank] if procids is not None else rank % 2
@@ -46,7 +49,10 @@ def slurm_task(rank: int, world: int, jobs: list, timeout_seconds: float, procid
 
         for x, y in global_batches():
             loss = strategy.run(step, args=(x.chunk(2)[procid], y.chunk(2)[procid]))
+        # Read while the leader, which hosts the store, still waits for this task in the reduce below.
+        store = strategy.extended.components.cross_device_ops.worker_group.store.underlying_store  # unprefixed
+        owner = store.get(OWNER_KEY).decode()
         mean = float(strategy.reduce("mean", loss))
-        return ("trained", job_id, [p.detach().clone() for p in model.parameters()], mean)
+        return ("trained", job_id, [p.detach().clone() for p in model.parameters()], mean, owner)
     except ClusterError as exc:
-        return ("error", job_id, str(exc), time.monotonic() - start)
+        return ("error", job_id, str(exc), time.monotonic() - start, None)

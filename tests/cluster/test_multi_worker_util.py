@@ -13,7 +13,7 @@ def test_normalize_cluster_spec():
     assert mwu.normalize_cluster_spec(spec) is spec
     assert mwu.normalize_cluster_spec(NO_CHIEF) == spec
     assert mwu.normalize_cluster_spec(None) == ClusterSpec({})
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"cluster must be a dict .* or a ClusterSpec, got str: 'worker:a:1'"):
         mwu.normalize_cluster_spec("worker:a:1")
 
 

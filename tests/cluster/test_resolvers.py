@@ -212,8 +212,8 @@ def test_simple_resolver():
 
 def test_resolvers_share_the_abstract_contract():
     assert issubclass(SimpleClusterResolver, ClusterResolver)
-    with pytest.raises(TypeError):
-        ClusterResolver()  # abstract
+    with pytest.raises(TypeError, match="Can't instantiate abstract class ClusterResolver"):
+        ClusterResolver()
 
 
 # --- detection --------------------------------------------------------------------------
@@ -244,5 +244,5 @@ def test_requested_but_absent_environment_raises():
         detect_cluster_resolver("tf_config", environ={})
     with pytest.raises(ValueError, match="unknown cluster environment 'kubernetes'"):
         detect_cluster_resolver("kubernetes", environ={})
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="resolver must be a ClusterResolver, a name or None, got int: 3"):
         detect_cluster_resolver(3, environ={})

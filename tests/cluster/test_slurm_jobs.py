@@ -44,7 +44,8 @@ def test_two_concurrent_jobs_on_one_host_both_train():
     reference = single_device_weights()
     assert [(r[0], r[1]) for r in results] == [("trained", job_a)] * 2 + [("trained", job_b)] * 2, \
         [r[2] for r in results if r[0] == "error"]
-    for _, _, weights, _ in results:
+    for _, job, weights, _, owner in results:
+        assert owner == f"slurm-job{job}-step0"  # each task joined its own job's store
         for got, want in zip(weights, reference):
             assert (got - want).abs().max().item() <= 1e-5
     assert results[0][3] == pytest.approx(results[1][3]) and results[2][3] == pytest.approx(results[3][3])
@@ -62,8 +63,12 @@ def test_two_jobs_given_one_port_never_join_each_others_store():
     by_job = {job: [r for r in results if r[1] == job] for job in (job_a, job_b)}
     winners = [job for job, rs in by_job.items() if all(r[0] == "trained" for r in rs)]
     assert winners, results
+    # Every task that trained did so in a store its own job's leader hosts (the owner key it
+    # read there): in every outcome, no task joined the other job's store.
+    trained = [(job, owner) for kind, job, _, _, owner in results if kind == "trained"]
+    assert all(owner == f"slurm-job{job}-step0" for job, owner in trained), trained
     if len(winners) == 2:  # the first job ended and freed the port before the second's leader bound it
-        return  # each trained with its own leader: neither joined the other's store
+        return
     loser = by_job[({job_a, job_b} - set(winners)).pop()]
     leader_error, worker_error = loser[0][2], loser[1][2]
     assert loser[0][0] == loser[1][0] == "error"
@@ -89,7 +94,7 @@ def test_a_port_held_by_another_program_ends_in_a_clear_error_in_time():
         port = squatter.getsockname()[1]
         job, = _free_job_ids(1)
         results = run_workers(sw.slurm_task, 2, args=([(job, {"MASTER_PORT": str(port)})], TIMEOUT_S), timeout=90)
-    (kind0, _, leader_error, leader_s), (kind1, _, worker_error, worker_s) = results
+    (kind0, _, leader_error, leader_s, _), (kind1, _, worker_error, worker_s, _) = results
     assert kind0 == kind1 == "error", results
     assert f"127.0.0.1:{port}" in leader_error and "hosting the rendezvous store" in leader_error
     assert "does not answer as a torch.distributed store" in worker_error
@@ -100,7 +105,7 @@ def test_a_port_held_by_another_program_ends_in_a_clear_error_in_time():
 def test_a_leader_that_never_comes_ends_in_a_clear_error_in_time():
     job, = _free_job_ids(1)
     # Only task 1 of the job's two runs: nothing ever listens at the leader's port.
-    (kind, _, message, seconds), = run_workers(sw.slurm_task, 1, args=([(job, {})], TIMEOUT_S, [1]), timeout=60)
+    (kind, _, message, seconds, _), = run_workers(sw.slurm_task, 1, args=([(job, {})], TIMEOUT_S, [1]), timeout=60)
     assert kind == "error", message
     assert f"127.0.0.1:{rendezvous_port(job, 0)}" in message and "worker:1" in message
     assert TIMEOUT_S - 1 < seconds < TIMEOUT_S + 10

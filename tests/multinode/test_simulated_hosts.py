@@ -79,12 +79,14 @@ def test_a_link_rate_makes_the_network_slower_than_memory(simulated_hosts):
 
 
 @pytest.mark.timeout(60)
-def test_a_link_delay_needs_netem_and_says_so_when_the_kernel_lacks_it(simulated_hosts):
+def test_a_link_delay_slows_every_round_trip(simulated_hosts):
     try:
         hosts = simulated_hosts(2, link_delay_ms=20)
     except RuntimeError as e:
-        assert "no netem qdisc" in str(e)
-        return
+        if "no netem qdisc" not in str(e):  # a kernel without netem is the one refusal that skips
+            raise
+        pytest.skip("the delay is not measured: this kernel has no netem qdisc (sch_netem), so link_delay_ms "
+                    "cannot be simulated; `modprobe sch_netem` where the kernel ships it")
     assert "netem" in hosts.run(0, ["tc", "qdisc", "show", "dev", "eth0"]).stdout
     server = hosts.popen(1, [sys.executable, "-c", (
         "import socket; s = socket.create_server(('0.0.0.0', 7000)); print('ready', flush=True); "

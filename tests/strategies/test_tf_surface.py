@@ -36,7 +36,7 @@ def test_value_context_checks_its_arguments():
     assert repr(unison.ValueContext(1, 2)) == "ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=2)"
     with pytest.raises(ValueError, match=r"replica_id_in_sync_group` 2 is out of range"):
         unison.ValueContext(2, 2)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="value_fn must be callable, got str: 'not callable'"):
         unison.MirroredStrategy(MIRRORED).experimental_distribute_values_from_function("not callable")
 
 
@@ -123,5 +123,5 @@ def test_experimental_set_strategy_follows_tf_rules():
     with strategy.scope():
         with pytest.raises(RuntimeError, match="must not be called inside"):
             unison.experimental_set_strategy(strategy)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="takes a unison Strategy or None, got str"):
         unison.experimental_set_strategy("mirrored")
