@@ -69,6 +69,7 @@ def test_bad_arguments_are_named(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_launch_with_an_evaluator_beside_training(tmp_path):
+    pytest.importorskip("sklearn", reason="scikit-learn not installed: pip install -e '.[examples]'")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop("TF_CONFIG", None)
     done = subprocess.run(

@@ -21,7 +21,7 @@ from unison import (
 
 pytestmark = pytest.mark.timeout(30)  # in-process only; a regression that loops fails instead of hanging
 
-FAST = settings(max_examples=25, deadline=None)
+FAST = settings(max_examples=25)
 
 ALGORITHMS = {
     "reduction_to_one_device": ReductionToOneDevice,

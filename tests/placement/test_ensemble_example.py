@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(240)
 def test_round_robin_ensemble_trains_on_a_cluster_as_the_placement_says(tmp_path):
+    pytest.importorskip("sklearn", reason="scikit-learn not installed: pip install -e '.[examples]'")
     report = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop("TF_CONFIG", None)

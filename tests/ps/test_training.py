@@ -38,8 +38,6 @@ def test_regression_trains_on_two_workers_and_two_ps():
         with strategy.scope():
             model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        placements = [strategy.extended.variable_placement(p) for p in model.parameters()]
-        assert placements == [f"/job:ps/replica:0/task:{i % 2}" for i in range(4)]  # round-robin
 
         def dataset_fn(context):
             g = torch.Generator().manual_seed(context.input_pipeline_id)

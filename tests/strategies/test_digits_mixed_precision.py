@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sklearn")  # the examples extra
-
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
 
 
@@ -21,6 +19,7 @@ def _digits():
 
 @pytest.mark.timeout(120)
 def test_mixed_precision_under_two_replicas_reaches_full_precisions_accuracy(tmp_path):
+    pytest.importorskip("sklearn", reason="scikit-learn not installed: pip install -e '.[examples]'")
     digits = _digits()
 
     def run(*extra: str) -> dict:

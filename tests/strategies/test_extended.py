@@ -152,7 +152,3 @@ def test_mirrored_uses_given_cross_device_ops():
     assert strategy.extended.cross_device_ops is ops
     out = strategy.run(lambda: get_replica_context().all_reduce("sum", torch.ones(3)))
     assert [t.tolist() for t in strategy.experimental_local_results(out)] == [[2.0, 2.0, 2.0]] * 2
-
-
-def test_mirrored_default_on_cpu_is_reduction_to_one_device(mirrored2):
-    assert isinstance(mirrored2.extended.cross_device_ops, unison.ReductionToOneDevice)

@@ -166,9 +166,26 @@ def test_variable_pickles_as_plain_parameter(mirrored2):
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
     assert type(loaded) is nn.Parameter and torch.equal(loaded, layer.weight.values[0])
-    copied = copy.deepcopy(layer.weight)  # a deep copy stays a variable of the strategy (as in TF)
-    assert type(copied) is unison.MirroredVariable and copied is not layer.weight
-    assert all(torch.equal(a, b) for a, b in zip(copied.values, layer.weight.values))
+
+
+def test_a_deep_copy_is_a_new_variable_of_the_same_strategy(mirrored2):
+    """As TensorFlow's ``DistributedVariable.__deepcopy__``: a variable of the same strategy with
+    storage of its own, so that an EMA or teacher copy, or a layer ``nn.TransformerEncoder``
+    clones, trains apart from the original."""
+    with mirrored2.scope():
+        layer = nn.Linear(3, 2)
+    before = [c.clone() for c in layer.weight.values]
+    copied = copy.deepcopy(layer.weight)  # outside the scope, as an EMA copy is taken
+    assert type(copied) is MirroredVariable and copied is not layer.weight
+    assert copied._strategy is mirrored2 and copied.devices == layer.weight.devices
+    for mine, theirs in zip(copied.values, layer.weight.values, strict=True):
+        assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr()
+    with torch.no_grad():
+        copied.add_(1.0)  # a write to the copy: every component of it, none of the original's
+    seen = mirrored2.experimental_local_results(mirrored2.run(lambda: copied * 1))  # replicas read the copy
+    assert len(seen) == 2 and all(torch.equal(t, before[0] + 1) for t in seen)
+    assert all(torch.equal(c, b + 1) for c, b in zip(copied.values, before, strict=True))
+    assert all(torch.equal(c, b) for c, b in zip(layer.weight.values, before, strict=True))
 
 
 # --- reads ----------------------------------------------------------------------------------
@@ -211,19 +228,6 @@ def test_gradients_land_on_local_component(mirrored2):
     grads = mirrored2.experimental_local_results(mirrored2.run(fn, args=(x,)))
     assert [g.tolist() for g in grads] == [[[1.0, 1.0]], [[3.0, 3.0]]]
     assert layer.weight.grad.tolist() == [[1.0, 1.0]]  # cross-replica: component 0's gradient
-
-
-def test_gradients_are_averaged_when_backward_ends(mirrored2):
-    with mirrored2.scope():
-        layer = nn.Linear(2, 1, bias=False)
-
-    def fn(x):
-        layer(x).sum().backward()
-        return layer.weight.grad.clone()  # read before any opt.step(), as clip_grad_norm_ would
-
-    x = PerReplica([torch.ones(1, 2), 3 * torch.ones(1, 2)])
-    grads = mirrored2.experimental_local_results(mirrored2.run(fn, args=(x,)))
-    assert [g.tolist() for g in grads] == [[[2.0, 2.0]], [[2.0, 2.0]]]
 
 
 # --- cross-replica writes ---------------------------------------------------------------------
