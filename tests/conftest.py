@@ -4,7 +4,9 @@ Every test runs with three cheap guards (autouse): ``os.environ`` is restored af
 a default ``torch.distributed`` process group it left initialised is destroyed, and it
 fails if it leaves non-daemon threads or child processes running. Outside ``tests/gpu``
 the processes a test starts see no GPU. Multi-process tests
-use ``unison._testing.run_workers`` or the session's warm ``worker_pool``.
+use ``unison._testing.run_workers`` or the session's warm ``worker_pool``. Hypothesis runs
+under one profile for the suite (no deadline), and the run's summary says how many
+multi-host tests ran.
 """
 
 from __future__ import annotations
@@ -16,8 +18,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, settings
 
 from unison._testing import WorkerPool, leaks, rendezvous
+
+# One Hypothesis policy for the whole suite. No deadline and no too_slow health check:
+# both judge an example by wall-clock time, which on two busy cores says more about the
+# neighbours than about the code (the default 200 ms deadline fails an example that was only slow).
+# 100 examples unless a test asks for others. Under CI the examples are derandomized (the
+# same every run: a red run is a regression, not an unlucky draw); elsewhere they vary, and
+# a failure prints the blob for ``@reproduce_failure``. ``--hypothesis-profile`` overrides.
+settings.register_profile("dev", deadline=None, max_examples=100, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", settings.get_profile("dev"), derandomize=True, database=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 SERIAL_FILES = frozenset({
@@ -26,6 +40,7 @@ SERIAL_FILES = frozenset({
     "tests/checkpoint/test_sidecar.py",
     "tests/cluster/test_slurm_jobs.py",
     "tests/coordinator/test_coordinator_strategy.py",
+    "tests/coordinator/test_independent_worker.py",
     "tests/docs/test_from_tensorflow.py",
     "tests/examples/test_ctr_example.py",
     "tests/launch/test_launch.py",
@@ -53,6 +68,50 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         path = Path(str(item.path)).resolve()
         if path.is_relative_to(_REPO) and path.relative_to(_REPO).as_posix() in SERIAL_FILES:
             item.add_marker(pytest.mark.xdist_group("launches"))
+
+
+MULTI_HOST_TESTS = Path(__file__).resolve().parent / "multinode"
+
+
+class _MultiHostCount:
+    """Counts the tests in ``tests/multinode`` that ran and that skipped, for the summary.
+
+    They need root, ``ip``, ``unshare`` and network namespaces and skip elsewhere, so a run
+    without them is green without having run them; the summary line says so. Registered on
+    the controlling process only: under xdist the workers' reports arrive there through
+    ``pytest_runtest_logreport``.
+    """
+
+    def __init__(self, rootpath: Path):
+        self._rootpath = rootpath
+        self._outcomes: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        path = (self._rootpath / report.nodeid.split("::", 1)[0]).resolve()
+        if MULTI_HOST_TESTS not in path.parents:
+            return
+        if report.skipped and not hasattr(report, "wasxfail"):
+            self._outcomes[report.nodeid] = "skipped"  # by the fixture (setup) or in the test
+        elif report.when == "call":
+            self._outcomes[report.nodeid] = "ran"
+        elif report.failed and report.nodeid not in self._outcomes:
+            self._outcomes[report.nodeid] = "error"  # setup failed: it never ran
+
+    def pytest_terminal_summary(self, terminalreporter: "pytest.TerminalReporter") -> None:
+        if not self._outcomes:
+            return
+        counts = {kind: list(self._outcomes.values()).count(kind) for kind in ("ran", "skipped", "error")}
+        line = f"multi-host tests (tests/multinode): {counts['ran']} ran, {counts['skipped']} skipped"
+        if counts["error"]:
+            line += f", {counts['error']} errors in setup"
+        if counts["skipped"]:
+            line += " (simulated hosts need root, `ip`, `unshare` and network namespaces; -ra lists why)"
+        terminalreporter.write_line(line, yellow=bool(counts["skipped"]), bold=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # not an xdist worker
+        config.pluginmanager.register(_MultiHostCount(config.rootpath), "unison-multi-host-count")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ host as it would on two machines (each host's workers share one file in /dev/shm
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -70,29 +72,59 @@ def train(rank: int, world: int, implementation: str):
 
 
 class _PauseInBackward(torch.autograd.Function):
-    """The identity, whose backward waits: every worker of a host has posted the buckets of
-    the layers after it long before any worker's backward goes on past it."""
+    """The identity, whose backward calls ``wait`` (a barrier of every worker): each worker
+    of a host has posted the buckets of the layers after it before any worker's backward
+    goes on past it, however late the scheduler runs a worker."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, wait):
+        ctx.wait = wait
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.3)
-        return grad
+        ctx.wait()
+        return grad, None
 
 
 class _Pause(nn.Module):
+    def __init__(self, wait: "Callable[[], None] | None" = None):
+        super().__init__()
+        self.wait = wait if wait is not None else (lambda: None)
+
     def forward(self, x):
-        return _PauseInBackward.apply(x)
+        return _PauseInBackward.apply(x, self.wait)
 
 
-def make_paused_mlp(out_of_order: bool = False) -> nn.Module:
+class FileBarrier:
+    """A barrier of ``world`` workers through files in ``directory``, one round per call.
+
+    Files, not a collective: a collective issued in the middle of backward would interleave
+    with the buckets' own all-reduces, in a different order on each worker.
+    """
+
+    def __init__(self, directory: str, rank: int, world: int, timeout: float = 60.0):
+        self._directory, self._rank, self._world, self._timeout = Path(directory), rank, world, timeout
+        self._round = 0
+
+    def __call__(self) -> None:
+        name = f"round-{self._round}"
+        (self._directory / f"{name}-rank-{self._rank}").touch()
+        deadline = time.monotonic() + self._timeout
+        while len(list(self._directory.glob(f"{name}-rank-*"))) < self._world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"barrier {name} in {self._directory}: not every one of "
+                                   f"{self._world} workers arrived within {self._timeout:g} s")
+            time.sleep(0.005)
+        self._round += 1
+
+
+def make_paused_mlp(out_of_order: bool = False, pause: "Callable[[], None] | None" = None) -> nn.Module:
     """An MLP with a pause in backward after its last three layers, its layers made in
     forward order (so its first buckets are backward's first gradients), or, with
     ``out_of_order``, the hidden layers first (as ``make_mlp`` does), so that reverse
-    registration order is not backward's order."""
+    registration order is not backward's order. The pause calls ``pause()`` (by default
+    nothing)."""
     torch.manual_seed(0)
     if out_of_order:
         hidden = [nn.Linear(16, 16), nn.Linear(16, 16)]
@@ -101,7 +133,7 @@ def make_paused_mlp(out_of_order: bool = False) -> nn.Module:
         first = nn.Linear(8, 16)
         hidden = [nn.Linear(16, 16), nn.Linear(16, 16)]
         last = nn.Linear(16, 4)
-    return nn.Sequential(first, nn.ReLU(), _Pause(), hidden[0], nn.ReLU(), hidden[1], nn.ReLU(), last)
+    return nn.Sequential(first, nn.ReLU(), _Pause(pause), hidden[0], nn.ReLU(), hidden[1], nn.ReLU(), last)
 
 
 def paused_mlp_single_device_weights(out_of_order: bool = False) -> list[torch.Tensor]:
@@ -114,13 +146,14 @@ def paused_mlp_single_device_weights(out_of_order: bool = False) -> list[torch.T
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_pipelined(rank: int, world: int, out_of_order: bool = False):
+def train_pipelined(rank: int, world: int, out_of_order: bool, barrier_directory: str):
     """``make_paused_mlp`` with one bucket per gradient or so (64-byte buckets): the buckets of
     the layers after the pause must start across hosts before backward ends (from the
-    second step on when the buckets first had to learn backward's order)."""
+    second step on when the buckets first had to learn backward's order). The pause is a
+    barrier of every worker (in ``barrier_directory``), so this holds on a busy machine too."""
     strategy = strategy_on_hosts(rank, "AUTO", bytes_per_pack=64)
     with strategy.scope():
-        model = make_paused_mlp(out_of_order)
+        model = make_paused_mlp(out_of_order, pause=FileBarrier(barrier_directory, rank, world))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sync = strategy.extended.components.gradient_sync
     started = []

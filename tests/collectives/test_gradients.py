@@ -17,7 +17,7 @@ from unison.collectives.compat.tensorpack import (
     split_grad_list,
 )
 
-FAST = settings(max_examples=40, deadline=None)
+FAST = settings(max_examples=40)
 CPUS = [f"cpu:{i}" for i in range(8)]
 
 shapes = st.lists(st.lists(st.integers(0, 4), max_size=3).map(tuple), min_size=0, max_size=5)

@@ -45,16 +45,20 @@ def test_training_on_two_hosts_matches_single_device(implementation):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("out_of_order", [False, True], ids=["made-in-forward-order", "made-out-of-order"])
-def test_buckets_cross_hosts_during_backward_and_training_still_matches_single_device(out_of_order):
+def test_buckets_cross_hosts_during_backward_and_training_still_matches_single_device(out_of_order, tmp_path):
     """Equal hosts: each bucket's trip between hosts starts as soon as the host wrote it, while
     backward goes on (DDP's overlap); the result is the same as single-device training. A
-    model made out of forward order gets its buckets in backward's order after one step."""
-    results = run_workers(h.train_pipelined, 4, args=(out_of_order,), timeout=130)
+    model made out of forward order gets its buckets in backward's order after one step.
+
+    The pause in backward is a barrier of the 4 workers, not a sleep: when a worker goes
+    past it, its host-mate has written the buckets of the layers after it, however the
+    two busy cores scheduled the workers, so those buckets must start before backward ends."""
+    results = run_workers(h.train_pipelined, 4, args=(out_of_order, str(tmp_path)), timeout=130)
     reference = h.paused_mlp_single_device_weights(out_of_order)
     for result in results:
         assert result["pipelined"]
         assert result["buckets"] >= 6 and result["before_pause"] >= 4  # 64-byte buckets: about one per gradient
-        # the pause leaves the buckets of the layers after it written by the whole host in time
+        # the barrier leaves the buckets of the layers after it written by the whole host
         steps = result["started"][1:] if out_of_order else result["started"]
         assert all(started >= result["before_pause"] for started in steps), result["started"]
         for got, want in zip(result["weights"], reference):

@@ -18,7 +18,7 @@ from unison.collectives.transport.packing import (
 
 from unison.collectives.compat.tensorpack import GradientPacker
 
-FAST = settings(max_examples=60, deadline=None)
+FAST = settings(max_examples=60)
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.int32, torch.int64]
 
 

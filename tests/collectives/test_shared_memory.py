@@ -125,7 +125,7 @@ def _tensor(shape, dtype, seed: int) -> torch.Tensor:
     return torch.randint(-50, 50, shape, generator=g, dtype=dtype)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(layout=_layouts, world=st.integers(2, 3), mean=st.booleans())
 def test_threads_sum_any_layout_exactly_and_reuse_their_files(layout, world, mean):
     if sum(math.prod(shape) for shape, _ in layout) == 0:

@@ -160,17 +160,20 @@ def test_idle_and_dripping_connections_are_bounded_cut_and_do_not_stop_keyed_cli
 
         sockets += _open(server.port, 300)  # silent peers
         _wait_accepted(sockets)
+        opened_at = time.monotonic()  # before any dripper connects: no deadline starts earlier
         drippers = _open(server.port, 30)  # then peers that send one byte now and then
         sockets += drippers
-        opened_at = time.monotonic()
         _wait_accepted(drippers)
         # A key holder is served while all of them are held open (it evicts the oldest).
         assert server.ping() == ("pong", "worker", 0)
         peak_fds, peak_threads = server.fds(), server.threads()
-        cut = _cut_times(drippers, opened_at, limit=4 * timeout)
+        # A dripper's answer takes 78 s to drip (259 bytes, one per 0.3 s), and a deadline that
+        # each byte renewed would never pass: 20 s is a bound for "cut", not a speed claim.
+        cut = _cut_times(drippers, opened_at, limit=10 * timeout)
         peak_fds, peak_threads = max(peak_fds, server.fds()), max(peak_threads, server.threads())
-        # Dripping does not extend the deadline: each dripper is cut at the one deadline.
-        assert timeout - 0.5 < min(cut) and max(cut) < timeout + 1.5, cut
+        # Dripping does not extend the deadline: each dripper is cut, and none before the
+        # deadline (a busy machine only makes the cut later).
+        assert timeout - 0.25 < min(cut) and max(cut) < 10 * timeout, cut
         # Bounded: 2 descriptors and a thread per handshake under way, MAX_HANDSHAKES at most.
         assert peak_fds <= base_fds + 2 * MAX_HANDSHAKES + 8
         assert peak_threads <= base_threads + MAX_HANDSHAKES + 4
@@ -200,12 +203,14 @@ def _timed_ping(server: Server, timeout: float) -> "tuple[object, float]":
     return reply, time.monotonic() - started
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(110)
 def test_keyed_client_is_served_while_a_flood_outruns_the_descriptor_limit(tmp_path):
     # 48 descriptors: 22 silent peers (2 each) exhaust them long before 64 handshakes
-    # would be dropped. The server must shed them by the descriptors it has left.
+    # would be dropped. The server must shed them by the descriptors it has left. Their
+    # handshakes last 120 s, the keyed client waits 30 s at most: served at all means
+    # served by the shedding, not by the flood's deadlines running out.
     nofile = 48
-    server = Server(tmp_path, handshake_timeout=10.0, nofile=nofile)
+    server = Server(tmp_path, handshake_timeout=120.0, nofile=nofile)
     sockets: list[socket.socket] = []
     try:
         assert server.ping() == ("pong", "worker", 0)
@@ -213,12 +218,12 @@ def test_keyed_client_is_served_while_a_flood_outruns_the_descriptor_limit(tmp_p
         served = []
         for wave in range(2):  # a second wave is the same episode: still one warning
             sockets += _open(server.port, 40)
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30
             while server.warnings() == 0:
                 assert time.monotonic() < deadline, server.log.read_text()
                 time.sleep(0.05)
-            reply, seconds = _timed_ping(server, timeout=5)
-            assert reply == ("pong", "worker", 0) and seconds < 2.0, (wave, reply, seconds)
+            reply, seconds = _timed_ping(server, timeout=30)
+            assert reply == ("pong", "worker", 0), (wave, reply, seconds)
             served.append(seconds)
         peak_fds = server.fds()
         # Handshakes hold at most half of what the rest of the process leaves free.
@@ -244,7 +249,9 @@ def test_keyed_client_is_served_while_a_flood_outruns_the_descriptor_limit(tmp_p
 def test_server_keeps_accepting_after_running_out_of_descriptors(tmp_path):
     # A limit below what MAX_HANDSHAKES silent peers take (2 each), and descriptors the
     # server cannot count (no /proc): accept() hits EMFILE, and the oldest peer is dropped.
-    server = Server(tmp_path, handshake_timeout=60.0, nofile=64, count_descriptors=False)
+    # The flood's handshakes last 120 s, the keyed client waits 30 s at most: served at all
+    # means served by dropping peers, not by their deadlines running out.
+    server = Server(tmp_path, handshake_timeout=120.0, nofile=64, count_descriptors=False)
     sockets: list[socket.socket] = []
     try:
         assert server.ping() == ("pong", "worker", 0)
@@ -254,8 +261,8 @@ def test_server_keeps_accepting_after_running_out_of_descriptors(tmp_path):
             assert time.monotonic() < deadline, server.log.read_text()
             time.sleep(0.05)
         time.sleep(1.0)  # let it retry a few times: still one warning
-        reply, during = _timed_ping(server, timeout=5)
-        assert reply == ("pong", "worker", 0) and during < 2.0, (reply, during)
+        reply, during = _timed_ping(server, timeout=30)
+        assert reply == ("pong", "worker", 0), (reply, during)
         for s in sockets:
             s.close()
         sockets.clear()
@@ -289,7 +296,9 @@ def test_client_handshake_deadline_is_its_timeout_and_the_error_says_the_server_
     with pytest.raises(ClusterError, match=r"did not answer the key handshake within 0\.5 s: it is overloaded") as info:
         connect(address, KEY, timeout=0.5)
     elapsed = time.monotonic() - started
-    assert 0.4 < elapsed < 2.0, elapsed
+    # Not before its 0.5 s; and at its own deadline, not the servers' 10 s default (the bound
+    # leaves a busy machine 9 s of slack; how fast the error comes is not the claim).
+    assert 0.4 < elapsed < channel_module.HANDSHAKE_SECONDS, elapsed
     assert "another key" not in str(info.value)
 
 

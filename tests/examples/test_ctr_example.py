@@ -20,11 +20,19 @@ def _run(args, tmp_path, timeout):
 
 @pytest.mark.timeout(120)
 def test_the_hybrid_job_learns_as_one_device_does(tmp_path):
+    """Both learn, and the hybrid job about as well as one device at the same global batch.
+
+    The hybrid job's rows are asynchronous (not bit-reproducible), so its AUC spreads: after
+    these 16k samples one device reaches about 0.66 and the hybrid job was seen at 0.645-0.665
+    (commit 454fcf0: 0.649 failed the old 0.65 bound). The bounds sit between that and an
+    untrained model, which scores 0.49-0.51 on these 4096 test samples (``--train 0``, seeds
+    0-2): AUC > 0.58 leaves the trained runs 0.065 of margin and fails an untrained one by
+    0.07; the gap to one device (at most 0.015 seen) may be 0.03, and an untrained hybrid
+    job's (0.16) fails it.
+    """
     alone, _ = _run([str(EXAMPLE), "--strategy", "one_device", "--batch-size", "512"], tmp_path, 100)
     hybrid, done = _run(["-m", "unison.launch", "--workers", "2", "--ps", "1", str(EXAMPLE)], tmp_path, 100)
     assert "[worker:0] [hybrid] rows per ps task" in done.stdout
     assert hybrid["samples"] == alone["samples"] == 16384
-    # untrained: about 0.5; after 16k samples one device reaches about 0.66, the hybrid job
-    # (asynchronous rows: not bit-reproducible) 0.645-0.665
-    assert hybrid["auc"] > 0.6 and alone["auc"] > 0.6, (hybrid, alone)
+    assert hybrid["auc"] > 0.58 and alone["auc"] > 0.58, (hybrid, alone)  # untrained: 0.49-0.51
     assert abs(hybrid["auc"] - alone["auc"]) < 0.03, (hybrid, alone)  # the global batch is 512 in both

@@ -65,7 +65,7 @@ def test_several_replicas_yield_per_replica_leaves_in_the_same_structure():
     assert torch.equal(torch.cat(step["x"].values), batch["x"])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(
     workers=st.integers(1, 4),
     replicas=st.integers(1, 3),

@@ -33,7 +33,7 @@ def test_shard_rows_two_workers_two_replicas():
     assert shard_rows(2, 2, 1, 2) == (slice(1, 2), slice(2, 2))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(total=st.integers(0, 60), workers=st.integers(1, 4), replicas=st.integers(1, 4))
 def test_shard_rows_partitions_the_batch_in_global_replica_order(total, workers, replicas):
     slices = [s for w in range(workers) for s in shard_rows(total, workers, w, replicas)]
@@ -43,7 +43,7 @@ def test_shard_rows_partitions_the_batch_in_global_replica_order(total, workers,
     assert max(sizes) - min(sizes) <= 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     num_samples=st.integers(0, 80),
     global_batch=st.integers(1, 16),
@@ -81,7 +81,7 @@ def test_num_steps():
     assert num_steps(0, 4, drop_last=False) == 0
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(files=st.integers(1, 20), workers=st.integers(1, 5))
 def test_shard_files_partitions_files_round_robin(files, workers):
     names = [f"part-{i}" for i in range(files)]

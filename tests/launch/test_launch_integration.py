@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,8 @@ def launch(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(150)
 def test_demo_reaches_95_percent_with_two_workers(tmp_path):
-    started = time.monotonic()
+    pytest.importorskip("sklearn", reason="scikit-learn not installed: pip install -e '.[examples]'")
+    # How long the demo takes is a benchmark's business; the timeout only ends a hang.
     done = launch("--workers", "2", "examples/digits.py", "--checkpoint", str(tmp_path / "digits.pt"), timeout=140)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = re.search(r"\[worker:0\] summary: test accuracy ([0-9.]+), .* (\d+) replicas", done.stdout)
@@ -30,7 +30,6 @@ def test_demo_reaches_95_percent_with_two_workers(tmp_path):
     assert float(summary.group(1)) >= 0.95 and summary.group(2) == "2"
     assert "[worker:1] summary" not in done.stdout  # only the chief reports and checkpoints
     assert (tmp_path / "digits.pt").is_file() and not list(tmp_path.glob(".*.tmp"))
-    assert time.monotonic() - started < 120
 
 
 @pytest.mark.timeout(120)
@@ -51,11 +50,11 @@ def test_killed_worker_fails_the_launch(tmp_path):
             model(torch.randn(8, 4)).sum().backward()
             opt.step()
     """))
-    started = time.monotonic()
     done = launch("--workers", "2", str(script), timeout=100)
     assert done.returncode != 0
-    assert "worker:1" in done.stderr + done.stdout
-    assert time.monotonic() - started < 60
+    # The launcher's own verdict names the killed task (not just any line worker 1 printed).
+    assert re.search(r"^unison launch: cluster failed: task worker:1 exited with code 137 \(killed by SIGKILL\)$",
+                     done.stderr, re.MULTILINE), done.stderr[-3000:]
 
 
 @pytest.mark.timeout(90)
@@ -105,14 +104,16 @@ def test_workers_destroy_their_process_group_before_the_interpreter_finalises(tm
 
 
 @pytest.mark.timeout(90)
-def test_worker_raising_mid_backward_ends_the_launch_quickly(tmp_path):
+def test_worker_raising_mid_backward_ends_the_launch_before_the_collective_timeout(tmp_path):
     # The raising worker's exit runs unison's atexit release while its peer still waits in
-    # a collective: the release must not hold the exit up.
+    # a collective: the release must not hold the exit up. The collective timeout (600 s) is
+    # far beyond the launch's 80 s bound, so a release that waited for it fails the test
+    # however busy the machine, and no wall-clock reading is needed.
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
         import torch, unison
         strategy = unison.MultiWorkerMirroredStrategy(
-            communication_options=unison.CommunicationOptions(timeout_seconds=30))
+            communication_options=unison.CommunicationOptions(timeout_seconds=600))
         with strategy.scope():
             model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -130,9 +131,7 @@ def test_worker_raising_mid_backward_ends_the_launch_quickly(tmp_path):
             model(torch.randn(4, 256)).sum().backward()
             opt.step()
     """))
-    started = time.monotonic()
     done = launch("--workers", "2", str(script), timeout=80)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "worker 1 fails mid-backward" in done.stdout + done.stderr
     assert "task worker:1 exited with code 1" in done.stderr
-    assert time.monotonic() - started < 30  # well inside the 30 s collective timeout

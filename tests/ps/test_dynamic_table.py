@@ -90,7 +90,7 @@ def test_shard_of_rejects_bad_arguments():
         shard_of(torch.tensor([1.0]), 2)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(st.lists(st.tuples(st.sampled_from(["insert", "insert_at_probe_ends", "remove", "find"]),
                           st.lists(st.one_of(st.sampled_from(EXTREMES + [5, 6, 7]), int64s), max_size=40)),
                 max_size=25))
@@ -348,7 +348,7 @@ OPS: st.SearchStrategy[tuple[str, list[int]]] = st.one_of(
 POLICIES = st.one_of(st.integers(0, 3).map(EvictUnseen), st.integers(1, 4).map(EvictBelowCount))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(POLICIES, st.lists(OPS, max_size=30))
 def test_eviction_removes_exactly_the_rows_its_policy_names(policy, ops):
     table = DynamicTable(2, eviction=policy)

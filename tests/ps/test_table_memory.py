@@ -32,6 +32,20 @@ def _worker_memory():
 
 @pytest.mark.timeout(120)
 def test_a_worker_holds_only_its_batch_and_a_ps_task_about_its_rows_and_state():
+    """RSS bounds, which depend on glibc's allocator, so each keeps a margin and a reason.
+
+    A worker: its peak RSS may grow 64 MB while 256 MB of rows and state go to the ps tasks.
+    Its batch buffers are 8 MB; with glibc's default mmap threshold (workers keep it, see
+    ``benchmarks/RESULTS.md``) freed ones can stay resident: it grew 30 MB here and 26 MB in
+    the 2 GB benchmark. A worker that kept the
+    rows it looked up would grow by them, 128 MB (the other half of the 256 MB is the ps
+    tasks' Adagrad state): 2x the bound.
+
+    A ps task: its RSS may grow 1.5x the bytes of the rows and Adagrad state it gained. It
+    was seen at 1.16-1.19x (heap and id-index overhead; ``ps/memory.py`` fixes the mmap
+    threshold there); before the fixes of commit 689339e (a receive buffer kept per request
+    layout, per-thread heaps, a table touching its whole doubled capacity) it was 2.7x.
+    """
     total_bytes = 256 << 20
     steps = total_bytes // (NEW_IDS_PER_STEP * DIM * 4 * 2)  # rows and one Adagrad accumulator per value
     with ps_cluster(1, 2) as cluster:
