@@ -484,32 +484,6 @@ def single_device_two_heads_training():
     return _train_two_heads(TwoHeads(), lambda step, x, y, h: step(x, y, h), 0, 1)
 
 
-def used_on_one_worker(rank: int, world: int):
-    """Two local replicas per worker; layer ``b`` is used only on worker 0, layer ``c`` nowhere.
-
-    Every worker must reduce the same tensors: ``b``'s gradients (zeros on worker 1) reach
-    both workers, and ``c`` keeps no gradient (AdamW's decay would move it otherwise)."""
-    strategy = strategy_for(rank, world, devices=["cpu:0", "cpu:1"])
-    with strategy.scope():
-        torch.manual_seed(0)
-        a, b, c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
-        opt = torch.optim.AdamW([*a.parameters(), *b.parameters(), *c.parameters()], lr=0.1, weight_decay=0.5)
-    c_before = c.weight.detach().clone()
-
-    def step(x):
-        opt.zero_grad()
-        out = a(x)
-        if rank == 0:
-            out = b(out)
-        out.pow(2).sum().backward()
-        opt.step()
-        return c.weight.grad is None
-
-    none = [strategy.run(step, args=(torch.full((4, 4), 0.5),)) for _ in range(3)]
-    return ([p.detach().clone() for p in [*a.parameters(), *b.parameters()]],
-            all(v for n in none for v in strategy.experimental_local_results(n)), torch.equal(c.weight.detach(), c_before))
-
-
 def _train_with_grad_scaler(strategy, rank: int, world: int, local_devices: int):
     """Mixed-precision style training with ``torch.amp.GradScaler`` (unscale, clip, step,
     update); step 7's batch overflows in its last rows (the last worker's, last replica's

@@ -259,9 +259,10 @@ def test_a_parameter_unfrozen_on_one_worker_only_fails_every_worker_with_the_lik
 
 
 def _used_on_one_worker_with_grads(rank: int, world: int):
-    """``w.used_on_one_worker``, also returning each step's reduced gradients of ``a`` and
-    ``b`` as every local replica has them after backward: two local replicas per worker,
-    ``b`` used only on worker 0, ``c`` nowhere."""
+    """Two local replicas per worker; layer ``b`` is used only on worker 0, layer ``c`` nowhere.
+    Returns the weights, each step's reduced gradients of ``a`` and ``b`` as every local
+    replica has them after backward, whether ``c`` kept no gradient, and whether it stayed
+    (AdamW's decay would move it otherwise)."""
     strategy = w.strategy_for(rank, world, devices=["cpu:0", "cpu:1"])
     with strategy.scope():
         torch.manual_seed(0)
