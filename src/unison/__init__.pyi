@@ -53,10 +53,10 @@ from .input import (
     ValueContext,
 )
 
-from .ps.coordinator import ClusterCoordinator
-from .ps.server import Server
-from .ps.values import PerWorkerValues, RemoteValue
-from .ps.variables import ShardedVariable
+from .ps.chief.cluster_coordinator import ClusterCoordinator
+from .ps.task_server import Server
+from .ps.chief.remote_values import PerWorkerValues, RemoteValue
+from .ps.remote_variables.ps_variables import ShardedVariable
 from .reduce import ReduceOp
 from .strategies.base import Strategy, StrategyExtended
 from .strategies.central_storage import CentralStorageStrategy
@@ -72,8 +72,8 @@ from .strategies.current import (
 from .strategies.mirrored import MirroredStrategy
 from .strategies.multi_worker import CollectiveAllReduceStrategy, MultiWorkerMirroredStrategy
 from .strategies.one_device import OneDeviceStrategy
-from .ps.dynamic_embedding import DynamicEmbedding
-from .ps.hybrid import HybridParameterServerStrategy
+from .embeddings.modules.dynamic_embedding import DynamicEmbedding
+from .ps.hybrid_strategy import HybridParameterServerStrategy
 from .ps.strategy import ParameterServerStrategy
 from .values.aggregation import VariableAggregation, VariableSynchronization
 from .values.values import DistributedValues, Mirrored, PerReplica

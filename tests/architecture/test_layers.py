@@ -3,12 +3,14 @@
 Layers, top to bottom (a layer may import only the layers below it; packages on one line
 are independent of each other):
 
-    launch
+    launch | embeddings.modules (the modules a model author builds)
     placement | checkpoint
-    ps (the parameter-server strategy, its coordinator and runtime)
+    ps (the parameter-server strategies, the chief, workers, ps tasks and the wire)
     strategies
     gradient_sync
     coordinator | collectives | input
+    embeddings.tables (the Table contract, the local table that ps tasks run too)
+    embeddings.optim (row optimizers)
     interpose (everything unison changes in torch, and the private torch it reads)
     context
     values | cluster
@@ -22,7 +24,18 @@ Inside ``collectives`` the same rule holds between its homes, top to bottom:
     group            (the workers' process group and its plumbing)
     options          (CommunicationOptions)
 
-so the worker group and the transports never import the ops that drive them, and
+so the worker group and the transports never import the ops that drive them. Inside
+``ps``, by role and by the process that runs the code:
+
+    chief | task_server (the chief's ClusterCoordinator, its queue, remote values and
+                     datasets; the server of a worker or ps task)
+    strategy | hybrid_strategy  (the two strategies: a coordinator is made from one)
+    worker           (a worker's runtime; the remote table, client half of a dynamic table)
+    remote_variables (ps variables as the chief sees them, placement, partitioners)
+    task             (the ps process: parameter store, table shards, request dispatch)
+    wire             (what both sides import: the typed protocol, links, the client)
+
+and inside ``embeddings``: ``modules`` above ``tables`` above ``optim``. And
 ``compat`` is imported by no module but the package's ``__init__`` (which re-exports its
 public names; everyone else, ``unison.ps`` included, imports them from there).
 
@@ -33,16 +46,22 @@ are left out. The graph is built by grimp, import-linter's engine.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grimp
 import pytest
 
+import unison
+
 LAYERS = (
-    ("launch", "partitioners", "embeddings"),
+    ("launch", "partitioners", "embeddings.modules"),
     ("placement", "checkpoint"),
     ("ps",),
     ("strategies",),
     ("gradient_sync",),
     ("coordinator", "collectives", "input"),
+    ("embeddings.tables",),
+    ("embeddings.optim",),
     ("interpose",),
     ("context",),
     ("values", "cluster"),
@@ -58,6 +77,27 @@ COLLECTIVES_LAYERS = (
     ("options",),
 )
 COLLECTIVES = "unison.collectives"
+
+#: The layers inside ``unison.ps``, top to bottom, by role and process.
+PS_LAYERS = (
+    ("chief", "task_server"),
+    ("strategy", "hybrid_strategy"),
+    ("worker",),
+    ("remote_variables",),
+    ("task",),
+    ("wire",),
+)
+PS = "unison.ps"
+
+#: The layers inside ``unison.embeddings``.
+EMBEDDINGS_LAYERS = (("modules",), ("tables",), ("optim",))
+EMBEDDINGS = "unison.embeddings"
+
+#: At most this many modules directly in ``unison.ps`` (more means a role needs its own package).
+MAX_PS_TOP_MODULES = 10
+
+#: One meaning per name: at most one module of each of these names in all of ``unison``.
+AMBIGUOUS_NAMES = ("store", "server", "coordinator", "values", "variables", "dataset", "placement", "partitioners")
 COMPAT = "unison.collectives.compat"
 
 
@@ -96,7 +136,7 @@ def _describe(dependencies: set) -> str:
 
 def test_every_package_is_in_a_layer(graph):
     packages = {m.split(".")[1] for m in graph.modules if m.count(".") >= 1} - {"_testing"}
-    layered = {name for names in LAYERS for name in names}
+    layered = {name.split(".")[0] for names in LAYERS for name in names}
     assert packages <= layered, f"packages in no layer: {sorted(packages - layered)}; add them to LAYERS"
 
 
@@ -150,3 +190,53 @@ def test_the_collectives_checks_catch_added_imports():
             ("unison.collectives.transport", "unison.collectives.ops"),
             ("unison.collectives.ops", "unison.collectives.compat")} <= illegal, illegal
     assert _compat_importers(graph) == ["unison.collectives.ops.local", "unison.strategies.base"]
+
+
+def _sub_layers(layers: tuple) -> list:
+    return [grimp.Layer(*names, independent=True) for names in layers]
+
+
+def _stray(graph: grimp.ImportGraph, container: str, layers: tuple) -> list[str]:
+    homes = [f"{container}.{name}" for names in layers for name in names]
+    return sorted(m for m in graph.modules if m.startswith(f"{container}.")
+                  and not any(m == home or m.startswith(f"{home}.") for home in homes))
+
+
+@pytest.mark.parametrize("container, layers", [(PS, PS_LAYERS), (EMBEDDINGS, EMBEDDINGS_LAYERS)])
+def test_every_module_of_ps_and_embeddings_is_in_a_layer(graph, container, layers):
+    stray = _stray(graph, container, layers)
+    assert not stray, f"{container} modules in no layer: {stray}; move them into a sub-package or add it to the layers"
+
+
+@pytest.mark.parametrize("container, layers", [(PS, PS_LAYERS), (EMBEDDINGS, EMBEDDINGS_LAYERS)])
+def test_inside_ps_and_embeddings_no_module_imports_a_higher_layer(graph, container, layers):
+    illegal = graph.find_illegal_dependencies_for_layers(layers=_sub_layers(layers), containers={container})
+    assert not illegal, f"upward or sideways imports inside {container}:\n" + _describe(illegal)
+
+
+def test_the_ps_checks_catch_added_imports():
+    graph = grimp.build_graph("unison", exclude_type_checking_imports=True)
+    graph.add_import(importer="unison.ps.wire.client", imported="unison.ps.task.parameter_store")
+    graph.add_import(importer="unison.ps.task.table_shards", imported="unison.ps.worker.remote_table")
+    graph.add_import(importer="unison.embeddings.tables.local_table", imported="unison.embeddings.modules.row_updates")
+    illegal = {(d.importer, d.imported) for d in graph.find_illegal_dependencies_for_layers(
+        layers=_sub_layers(PS_LAYERS), containers={PS})}
+    assert {("unison.ps.wire", "unison.ps.task"), ("unison.ps.task", "unison.ps.worker")} <= illegal, illegal
+    illegal = {(d.importer, d.imported) for d in graph.find_illegal_dependencies_for_layers(
+        layers=_sub_layers(EMBEDDINGS_LAYERS), containers={EMBEDDINGS})}
+    assert ("unison.embeddings.tables", "unison.embeddings.modules") in illegal, illegal
+
+
+def test_ps_keeps_at_most_ten_modules_at_its_top(graph):
+    top = sorted(m for m in graph.modules if m.startswith(f"{PS}.") and m.count(".") == 2)
+    assert len(top) <= MAX_PS_TOP_MODULES, f"{len(top)} modules directly in {PS}: {top}; group them by role"
+
+
+def test_one_module_per_ambiguous_name():
+    root = Path(unison.__file__).parent
+    by_name: dict[str, list[str]] = {}
+    for path in root.rglob("*.py"):
+        if path.stem in AMBIGUOUS_NAMES:
+            by_name.setdefault(path.stem, []).append(path.relative_to(root).as_posix())
+    shared = {name: sorted(modules) for name, modules in by_name.items() if len(modules) > 1}
+    assert not shared, f"one name, several modules (name each for what it holds): {shared}"

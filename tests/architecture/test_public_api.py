@@ -3,7 +3,7 @@
 A public namespace is ``unison``, ``unison.coordinator`` and, recursively, every module a
 public namespace lists in its ``__all__`` (``unison.cluster``, ``unison.cluster.env``, ...),
 each named by the dotted path a user writes (``unison.partitioners``, though that module
-is ``unison.ps.partitioners``). Rules:
+is ``unison.ps.remote_variables.shard_partitioners``). Rules:
 
 - a leading underscore means private: no exported path has a segment that starts with
   one, and no ``__all__`` lists such a name. The rule reads the *exported* path, so a

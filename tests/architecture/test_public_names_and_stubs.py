@@ -79,7 +79,7 @@ def test_import_unison_costs_no_torch_until_a_name_is_used():
                  "print('torch' in sys.modules)\n"
                  "name = type(unison.MirroredStrategy()).__name__\n"
                  "print('torch' in sys.modules, name)\n"
-                 "import unison.partitioners as p, unison.ps.partitioners as q\n"
+                 "import unison.partitioners as p, unison.ps.remote_variables.shard_partitioners as q\n"
                  "print(p is unison.partitioners and p.FixedShardsPartitioner is q.FixedShardsPartitioner)\n"
                  ) == ["False", "True MirroredStrategy", "True"]
     # the namespaces the README documents, reached first thing in a fresh process

@@ -167,8 +167,8 @@ def test_standard_server_refuses_wrong_key_and_keeps_serving(tmp_path):
     cluster = {"worker": [f"127.0.0.1:{port}"]}
     with StandardServer(cluster, "worker", 0, authkey=KEY) as server:
         assert server.address == f"127.0.0.1:{port}"  # its own cluster address, not 0.0.0.0
-        from unison.coordinator.coordinator import _drive_task
-        from unison.coordinator.server import RunRequest
+        from unison.coordinator.distribute_coordinator import _drive_task
+        from unison.coordinator.standard_server import RunRequest
 
         request = RunRequest(lambda s: marker.write_text("x"), None, cluster, "worker", 0, "tcp", use_barrier=False)
         with pytest.raises(AuthenticationError):

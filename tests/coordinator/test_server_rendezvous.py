@@ -15,7 +15,7 @@ from unison.cluster import ClusterSpec
 from unison.cluster.resolved import RendezvousKind
 from unison.coordinator import generate_authkey
 from unison.coordinator.channel import connect
-from unison.coordinator.server import RunRequest, StandardServer
+from unison.coordinator.standard_server import RunRequest, StandardServer
 from unison.coordinator.worker_context import run_in_worker_context
 
 CLUSTER = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}

@@ -7,7 +7,7 @@ import doctest
 import pytest
 
 from unison.placement import config, parameter_servers, strategies
-from unison.ps import placement as ps_placement
+from unison.ps.remote_variables import name_placement as ps_placement
 
 
 @pytest.mark.parametrize("module", [config, parameter_servers, strategies, ps_placement], ids=lambda m: m.__name__)

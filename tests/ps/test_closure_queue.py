@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from unison.errors import FunctionCancelledError, ParameterServerError
-from unison.ps.closure_queue import Closure, ClosureQueue
+from unison.ps.chief.closure_queue import Closure, ClosureQueue
 
 
 def _closure(name="fn"):

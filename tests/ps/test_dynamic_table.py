@@ -1,4 +1,4 @@
-"""DynamicTable: rows from the id alone, sparse row optimizers against torch, eviction
+"""LocalTable: rows from the id alone, sparse row optimizers against torch, eviction
 against a pure-Python model, and checkpoints re-split over any shard count bit-equal."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from unison.ps.dynamic_table import DynamicTable, shard_of
-from unison.ps.id_hash import splitmix64
-from unison.ps.id_index import IdIndex
-from unison.ps.id_initializers import Initializer, initializer_from_config, normal, uniform, zeros
-from unison.ps.row_eviction import EvictBelowCount, EvictionPolicy, EvictUnseen
-from unison.ps.row_optimizers import RowAdagrad, RowSGD, RowWiseAdagrad
+from unison.embeddings.tables.local_table import LocalTable, shard_of
+from unison.embeddings.tables.id_hashing import splitmix64
+from unison.embeddings.tables.id_index import IdIndex
+from unison.embeddings.tables.initializers import Initializer, initializer_from_config, normal, uniform, zeros
+from unison.embeddings.tables.eviction import EvictBelowCount, EvictionPolicy, EvictUnseen
+from unison.embeddings.optim.row_optimizers import RowAdagrad, RowSGD, RowWiseAdagrad
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -139,18 +139,18 @@ def test_id_index_keeps_probe_chains_through_removals_and_reuse():
 
 def test_rows_depend_on_id_and_seed_only():
     ids = _random_ids(3000, seed=1)
-    one = DynamicTable(5, seed=7, initializer=uniform(-1, 1))
+    one = LocalTable(5, seed=7, initializer=uniform(-1, 1))
     expected = one.lookup(ids)
     shuffled = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(2))]
-    other = DynamicTable(5, seed=7, initializer=uniform(-1, 1))
+    other = LocalTable(5, seed=7, initializer=uniform(-1, 1))
     for batch in shuffled.split(333):
         other.lookup(batch)
     assert torch.equal(other.lookup(ids), expected)
-    shards = [DynamicTable(5, seed=7, initializer=uniform(-1, 1)) for _ in range(3)]
+    shards = [LocalTable(5, seed=7, initializer=uniform(-1, 1)) for _ in range(3)]
     owner = shard_of(ids, 3)
     rows = torch.cat([shards[j].lookup(ids[owner == j]) for j in range(3)])
     assert torch.equal(rows, torch.cat([expected[owner == j] for j in range(3)]))
-    assert not torch.equal(DynamicTable(5, seed=8, initializer=uniform(-1, 1)).lookup(ids), expected)
+    assert not torch.equal(LocalTable(5, seed=8, initializer=uniform(-1, 1)).lookup(ids), expected)
 
 
 @pytest.mark.parametrize("make", [lambda: uniform(-2.0, 3.0), lambda: normal(0.5, 2.0)])
@@ -196,7 +196,7 @@ def test_initializers_round_trip_through_config_and_reject_bad_arguments():
 
 
 def test_lookup_without_create_gives_initial_rows_and_stores_nothing():
-    table = DynamicTable(4, seed=3)
+    table = LocalTable(4, seed=3)
     stored = table.lookup(_ids([10, 20]))
     table.apply_gradients(_ids([10]), torch.ones(1, 4), RowSGD(lr=1.0))
     peek = table.lookup(_ids([[10, 30], [20, 30]]), create=False)
@@ -211,7 +211,7 @@ def test_lookup_without_create_gives_initial_rows_and_stores_nothing():
 def test_lookup_keeps_the_shape_of_ids(shape):
     g = torch.Generator().manual_seed(0)
     ids = torch.tensor(EXTREMES)[torch.randint(0, len(EXTREMES), shape, generator=g)]
-    table = DynamicTable(3)
+    table = LocalTable(3)
     rows = table.lookup(ids)
     assert rows.shape == (*shape, 3)
     assert torch.equal(rows, table.lookup(ids.reshape(-1)).reshape(*shape, 3))
@@ -219,7 +219,7 @@ def test_lookup_keeps_the_shape_of_ids(shape):
 
 
 def test_extreme_and_repeated_ids_get_their_own_stable_rows():
-    table = DynamicTable(6, dtype=torch.float64)
+    table = LocalTable(6, dtype=torch.float64)
     ids = _ids(EXTREMES + EXTREMES[::-1])
     rows = table.lookup(ids)
     assert torch.equal(rows[: len(EXTREMES)], rows[len(EXTREMES):].flip(0))
@@ -230,7 +230,7 @@ def test_extreme_and_repeated_ids_get_their_own_stable_rows():
 
 def test_many_rows_grow_the_table_and_stay_consistent():
     ids = _random_ids(20_000, seed=4)
-    table = DynamicTable(4, initializer=uniform(-1, 1))
+    table = LocalTable(4, initializer=uniform(-1, 1))
     for batch in ids[torch.randperm(ids.numel())].split(1500):
         table.lookup(torch.cat([batch, batch[:100]]))
     assert table.num_rows == ids.numel()
@@ -240,7 +240,7 @@ def test_many_rows_grow_the_table_and_stay_consistent():
 
 
 def test_lookup_rejects_bad_ids_and_accepts_narrow_integers():
-    table = DynamicTable(2)
+    table = LocalTable(2)
     assert torch.equal(table.lookup(torch.tensor([1, 2], dtype=torch.int32)), table.lookup(_ids([1, 2])))
     with pytest.raises(TypeError, match="ids.long"):
         table.lookup(torch.tensor([1.0]))
@@ -257,7 +257,7 @@ def test_lookup_rejects_bad_ids_and_accepts_narrow_integers():
 ])
 def test_constructor_names_the_bad_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
-        DynamicTable(**kwargs)
+        LocalTable(**kwargs)
 
 
 # ---- optimizers --------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def _batches(num_ids: int, steps: int = 6, size: int = 40, dim: int = 5) -> list
 ])
 def test_row_optimizer_matches_torch_on_a_sparse_embedding(row_opt, torch_opt, state):
     universe = _random_ids(13, seed=6)  # the extremes and 13 more, distinct
-    table = DynamicTable(5)
+    table = LocalTable(5)
     embedding = torch.nn.Embedding(universe.numel(), 5, sparse=True)
     embedding.weight.data.copy_(table.lookup(universe))
     optimizer = torch_opt(embedding.parameters())
@@ -296,7 +296,7 @@ def test_row_optimizer_matches_torch_on_a_sparse_embedding(row_opt, torch_opt, s
 def test_rowwise_adagrad_matches_the_fbgemm_formula():
     lr, eps, start = 0.3, 1e-10, 0.1
     universe = _random_ids(17, seed=7)
-    table = DynamicTable(5)
+    table = LocalTable(5)
     weight = table.lookup(universe).double()
     accumulator = torch.full((universe.numel(),), start, dtype=torch.float64)
     for positions, grads in _batches(universe.numel()):
@@ -313,14 +313,14 @@ def test_rowwise_adagrad_matches_the_fbgemm_formula():
 
 def test_repeated_ids_in_one_call_are_summed_first():
     grads = torch.randn(3, 4, generator=torch.Generator().manual_seed(8))
-    split, joined = DynamicTable(4), DynamicTable(4)
+    split, joined = LocalTable(4), LocalTable(4)
     split.apply_gradients(_ids([9, I64_MIN, 9]), grads, RowAdagrad(0.1))
     joined.apply_gradients(_ids([9, I64_MIN]), torch.stack([grads[0] + grads[2], grads[1]]), RowAdagrad(0.1))
     assert torch.equal(split.lookup(_ids([9, I64_MIN])), joined.lookup(_ids([9, I64_MIN])))
 
 
 def test_apply_gradients_checks_its_arguments():
-    table = DynamicTable(3)
+    table = LocalTable(3)
     with pytest.raises(ValueError, match=r"grads` must have shape \(2, 3\)"):
         table.apply_gradients(_ids([1, 2]), torch.ones(2, 4), RowSGD(0.1))
     with pytest.raises(ValueError, match="1-D"):
@@ -351,7 +351,7 @@ POLICIES = st.one_of(st.integers(0, 3).map(EvictUnseen), st.integers(1, 4).map(E
 @settings(max_examples=80)
 @given(POLICIES, st.lists(OPS, max_size=30))
 def test_eviction_removes_exactly_the_rows_its_policy_names(policy, ops):
-    table = DynamicTable(2, eviction=policy)
+    table = LocalTable(2, eviction=policy)
     model: dict[int, list[int]] = {}  # id -> [lookup count, last seen step]
     step = 0
     for op, values in ops:
@@ -381,7 +381,7 @@ def test_eviction_removes_exactly_the_rows_its_policy_names(policy, ops):
 
 
 def test_an_evicted_row_returns_fresh_and_its_slot_is_reused():
-    table = DynamicTable(3, eviction=EvictBelowCount(2), initializer=uniform(-1, 1))
+    table = LocalTable(3, eviction=EvictBelowCount(2), initializer=uniform(-1, 1))
     fresh = table.lookup(_ids([1, 2, 3]))
     table.lookup(_ids([3]))
     table.apply_gradients(_ids([1, 2, 3]), torch.ones(3, 3), RowAdagrad(0.5))
@@ -393,7 +393,7 @@ def test_an_evicted_row_returns_fresh_and_its_slot_is_reused():
 
 
 def test_without_a_policy_nothing_is_evicted_and_a_bad_policy_is_named():
-    table = DynamicTable(2)
+    table = LocalTable(2)
     table.lookup(_ids([1]))
     assert table.evict().tolist() == [] and table.num_rows == 1
 
@@ -410,14 +410,14 @@ def test_without_a_policy_nothing_is_evicted_and_a_bad_policy_is_named():
 
 
 def _evict_with(policy: EvictionPolicy) -> torch.Tensor:
-    table = DynamicTable(2, eviction=policy)
+    table = LocalTable(2, eviction=policy)
     table.lookup(_ids([1]))
     return table.evict()
 
 
 # ---- export, import, resharding ----------------------------------------------------------
 
-def _train(tables: list[DynamicTable], ids: torch.Tensor, steps: int = 4) -> None:
+def _train(tables: list[LocalTable], ids: torch.Tensor, steps: int = 4) -> None:
     """The same lookups and updates, each id sent to the table ``shard_of`` names."""
     g = torch.Generator().manual_seed(9)
     for _ in range(steps):
@@ -441,30 +441,30 @@ def _assert_exports_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 def test_two_shards_resplit_into_three_then_merged_into_one_keep_every_bit():
     ids = _random_ids(4000, seed=10)
-    single = DynamicTable(4, seed=2, initializer=uniform(-1, 1))
-    two = [DynamicTable(4, seed=2, initializer=uniform(-1, 1)) for _ in range(2)]
+    single = LocalTable(4, seed=2, initializer=uniform(-1, 1))
+    two = [LocalTable(4, seed=2, initializer=uniform(-1, 1)) for _ in range(2)]
     _train([single], ids)
     _train(two, ids)
     exports = [table.export() for table in two]
-    three = [DynamicTable(4, seed=2, initializer=uniform(-1, 1)) for _ in range(3)]
+    three = [LocalTable(4, seed=2, initializer=uniform(-1, 1)) for _ in range(3)]
     for j, table in enumerate(three):
         for export in exports:
             table.import_(export, shard=j, num_shards=3)
         assert (shard_of(table.export()["ids"], 3) == j).all()
     assert sum(table.num_rows for table in three) == single.num_rows
-    merged = DynamicTable.from_export(three[0].export())
+    merged = LocalTable.from_export(three[0].export())
     for table in three[1:]:
         merged.import_(table.export())
     _assert_exports_equal(merged.export(), single.export())
 
 
 def test_a_restored_table_goes_on_exactly_as_the_original():
-    table = DynamicTable(3, dtype=torch.float64, seed=4, initializer=normal(0, 0.1), eviction=EvictUnseen(1))
+    table = LocalTable(3, dtype=torch.float64, seed=4, initializer=normal(0, 0.1), eviction=EvictUnseen(1))
     used = _random_ids(50, seed=11)
     table.lookup(used)
     table.apply_gradients(used, torch.ones(used.numel(), 3), RowWiseAdagrad(0.1))
     table.step()
-    restored = DynamicTable.from_export(table.export(), eviction=EvictUnseen(1))
+    restored = LocalTable.from_export(table.export(), eviction=EvictUnseen(1))
     for t in (table, restored):
         t.apply_gradients(_ids([I64_MAX, 77]), torch.full((2, 3), 0.5), RowWiseAdagrad(0.1))
         t.step()
@@ -474,15 +474,15 @@ def test_a_restored_table_goes_on_exactly_as_the_original():
 
 
 def test_import_refuses_what_does_not_fit():
-    export = DynamicTable(3, seed=1).export()
+    export = LocalTable(3, seed=1).export()
     with pytest.raises(ValueError, match="embedding_dim=3"):
-        DynamicTable(4, seed=1).import_(export)
+        LocalTable(4, seed=1).import_(export)
     with pytest.raises(ValueError, match="seed=1"):
-        DynamicTable(3, seed=2).import_(export)
+        LocalTable(3, seed=2).import_(export)
     with pytest.raises(ValueError, match="both `shard` and `num_shards`"):
-        DynamicTable(3, seed=1).import_(export, shard=0)
+        LocalTable(3, seed=1).import_(export, shard=0)
     with pytest.raises(ValueError, match="needs keys"):
-        DynamicTable(3).import_({"ids": torch.zeros(0, dtype=torch.int64)})
+        LocalTable(3).import_({"ids": torch.zeros(0, dtype=torch.int64)})
 
     class Constant(Initializer):
         def __call__(self, ids: torch.Tensor, embedding_dim: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -491,7 +491,7 @@ def test_import_refuses_what_does_not_fit():
         def config(self) -> dict[str, Any]:
             return {"kind": "constant"}
 
-    custom = DynamicTable(2, initializer=Constant()).export()
+    custom = LocalTable(2, initializer=Constant()).export()
     with pytest.raises(ValueError, match="not a built-in"):
-        DynamicTable.from_export(custom)
-    assert DynamicTable.from_export(custom, initializer=Constant()).lookup(_ids([5])).eq(2.0).all()
+        LocalTable.from_export(custom)
+    assert LocalTable.from_export(custom, initializer=Constant()).lookup(_ids([5])).eq(2.0).all()

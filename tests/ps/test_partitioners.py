@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from unison.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, shard_rows
+from unison.ps.remote_variables.shard_partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, shard_rows
 
 
 @pytest.mark.parametrize("partitioner, shape, expected", [

@@ -9,7 +9,7 @@ from torch import nn
 
 import unison
 from unison.errors import UsageError
-from unison.ps.worker_runtime import RUNTIME
+from unison.ps.worker.runtime import RUNTIME
 
 from tests.ps._cluster import ps_cluster
 

@@ -6,7 +6,7 @@ import threading
 import torch
 
 from unison.coordinator.channel import Channel
-from unison.ps.transport import TensorLink
+from unison.ps.wire.links import TensorLink
 
 
 def _pair():

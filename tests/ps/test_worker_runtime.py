@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import unison
-from unison.ps.client import PSClient
-from unison.ps.specs import Placement, VariableSpec
-from unison.ps.worker_runtime import LAZY_BYTES, WorkerRuntime, WorkerShardedParameter
+from unison.ps.wire.client import PSClient
+from unison.ps.remote_variables.variable_specs import Placement, VariableSpec
+from unison.ps.worker.runtime import LAZY_BYTES, WorkerRuntime, WorkerShardedParameter
 
 
 def _client(shared):
@@ -122,7 +122,7 @@ def test_same_host_worker_moves_dense_values_through_shared_memory(shared_client
 @pytest.mark.timeout(30)
 def test_worker_falls_back_to_sockets_when_the_ps_cannot_map_its_memory(shared_client, monkeypatch):
     client = shared_client
-    from unison.ps.shared_arena import MappedSegments
+    from unison.ps.wire.shared_arena import MappedSegments
 
     monkeypatch.setattr(MappedSegments, "attach", lambda self, infos: False)  # as a ps on another host
     runtime, local = _train_dense(client)
@@ -131,7 +131,7 @@ def test_worker_falls_back_to_sockets_when_the_ps_cannot_map_its_memory(shared_c
 
 
 def test_mapping_checks_the_segment_token():
-    from unison.ps.shared_arena import MappedSegments, SharedArena
+    from unison.ps.wire.shared_arena import MappedSegments, SharedArena
 
     arena = SharedArena()
     t = arena.tensor((4,), torch.float32)

@@ -2,8 +2,8 @@
 
 
 from .channel import generate_authkey, read_authkey
-from .coordinator import CoordinatorMode, run_distribute_coordinator
-from .server import StandardServer, run_standard_server, stop_standard_servers
+from .distribute_coordinator import CoordinatorMode, run_distribute_coordinator
+from .standard_server import StandardServer, run_standard_server, stop_standard_servers
 from .worker_context import WorkerContext, get_current_worker_context
 
 __all__ = [

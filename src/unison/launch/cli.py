@@ -107,7 +107,7 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from unison.coordinator.server import run_standard_server
+    from unison.coordinator.standard_server import run_standard_server
 
     try:
         server = run_standard_server(bind_address=args.bind, handshake_timeout=args.handshake_timeout)

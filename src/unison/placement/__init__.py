@@ -13,7 +13,7 @@ Give a strategy its cluster with ``PlacementConfig.from_strategy(strategy)``::
                 subnetworks[i] = build_subnetwork(i)
 
 The name hash and the hook that put a subnetwork's parameters on its ps tasks are the
-parameter servers' own (``unison.ps.placement``), re-exported here.
+parameter servers' own (``unison.ps.remote_variables.name_placement``), re-exported here.
 
 AdaNet equivalent: ``adanet.distributed.placement``.
 """
@@ -21,7 +21,7 @@ AdaNet equivalent: ``adanet.distributed.placement``.
 from unison.placement.config import PlacementConfig
 from unison.placement.parameter_servers import array_split, subnetwork_ps_group
 from unison.placement.strategies import PlacementStrategy, ReplicationStrategy, RoundRobinStrategy
-from unison.ps.placement import OpNameHashStrategy, ParameterPlacementHook, PsGroupAssigner
+from unison.ps.remote_variables.name_placement import OpNameHashStrategy, ParameterPlacementHook, PsGroupAssigner
 
 __all__ = [
     "PlacementStrategy",

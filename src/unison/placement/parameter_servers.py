@@ -9,7 +9,7 @@ tasks, subnetworks share the one-task groups modulo the ps count.
 
 Inside a group a parameter goes to the task its name hashes to, and the strategy's
 variable policy places it there: both are the parameter servers' own
-(:mod:`unison.ps.placement`: ``PsGroupAssigner``, ``OpNameHashStrategy``,
+(:mod:`unison.ps.remote_variables.name_placement`: ``PsGroupAssigner``, ``OpNameHashStrategy``,
 ``ParameterPlacementHook``), re-exported from ``unison.placement``. The group rule stays
 here, above ``unison.ps``, because it is a rule on subnetworks and checks them with
 :mod:`unison.placement.round_robin`.

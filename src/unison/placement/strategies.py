@@ -25,7 +25,7 @@ from unison.errors import PlacementError
 from unison.placement import round_robin
 from unison.placement.config import PlacementConfig
 from unison.placement.parameter_servers import subnetwork_ps_group
-from unison.ps.placement import ParameterPlacementHook, PsGroupAssigner
+from unison.ps.remote_variables.name_placement import ParameterPlacementHook, PsGroupAssigner
 
 __all__ = ["PlacementStrategy", "ReplicationStrategy", "RoundRobinStrategy"]
 

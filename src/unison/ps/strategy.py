@@ -1,7 +1,7 @@
 """ParameterServerStrategy: variables on ps tasks, functions scheduled onto workers.
 
 The chief runs the program (the coordinator). Parameters created in ``scope()`` live on
-the ps tasks (see :mod:`unison.ps.policy`); a ``unison.ClusterCoordinator`` sends
+the ps tasks (see :mod:`unison.ps.remote_variables.variable_policy`); a ``unison.ClusterCoordinator`` sends
 functions to whichever worker is free; workers pull parameters and push gradients, and
 the ps tasks apply the optimizer asynchronously, atomically per shard.
 ``strategy.extended.variable_placement(v)`` says where a variable lives.
@@ -21,11 +21,10 @@ from unison.cluster.multi_worker_util import TASK_TYPES
 from unison.cluster.resolved import ResolvedCluster
 from unison.collectives.ops.local import ReductionToOneDevice
 from unison.coordinator.channel import require_authkey
-from unison.ps.optimizer_state import install_optimizer_state_on_ps
-from unison.ps.policy import PSVariablePolicy
-from unison.ps.remote_rows import RemoteRows
-from unison.ps.table_store import TableConfig
-from unison.ps.specs import task_device
+from unison.ps.remote_variables.optimizer_state import install_optimizer_state_on_ps
+from unison.ps.remote_variables.variable_policy import PSVariablePolicy
+from unison.ps.worker.remote_table import RemoteTables
+from unison.ps.remote_variables.variable_specs import task_device
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.replicas import InlineReplicaRunner
@@ -114,16 +113,13 @@ class ParameterServerStrategy(Strategy):
             devices=("cpu:0",), parameter_devices=tuple(task_device(i) for i in range(len(self._ps_info.ps))),
             cross_device_ops=ReductionToOneDevice(), variable_policy=policy,
             runner=InlineReplicaRunner(self, ("cpu:0",)), cluster=coordinator,
+            tables=RemoteTables(len(self._ps_info.ps), lambda: policy.client),
         ))
 
     @property
     def ps_cluster(self) -> "PSClusterInfo":
         """The ps and worker addresses, the timeout and the key the coordinator connects with."""
         return self._ps_info
-
-    def create_table(self, config: TableConfig) -> RemoteRows:
-        """A dynamic embedding table over every ps task (a ``DynamicEmbedding`` made in the scope asks for it)."""
-        return self._policy.create_table(config)
 
     @property
     def cluster_resolver(self) -> Any:

@@ -14,6 +14,7 @@ from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import ReplicatedVariablePolicy
 from unison.strategies.replicas import replica_runner
+from unison.embeddings.tables.table import NoTables
 from unison.values.storage import CENTRAL
 
 __all__ = ["CentralStorageStrategy"]
@@ -60,7 +61,7 @@ class CentralStorageStrategy(Strategy):
             devices=compute, parameter_devices=(parameter,), cross_device_ops=ops,
             variable_policy=ReplicatedVariablePolicy(self, (parameter, *compute[1:]), gradient_sync=sync,
                                                      storage=CENTRAL),
-            gradient_sync=sync, runner=replica_runner(self, compute),
+            gradient_sync=sync, runner=replica_runner(self, compute), tables=NoTables("CentralStorageStrategy"),
         ))
 
     @property

@@ -17,7 +17,10 @@ the tf.distribute semantics (scope, run, reduce, update, ...) once on top of the
 - **cross-device ops** reduce, broadcast and gather values across replicas and workers
   (``unison.collectives``); across workers they run over a **cross-worker transport**
   (packed gloo/NCCL collectives, or shared memory), chosen once;
-- the **resolved cluster** says where this process sits (``unison.cluster``).
+- the **resolved cluster** says where this process sits (``unison.cluster``);
+- a **tables** component gives each ``DynamicEmbedding`` built in scope its table: rows in
+  this process, on the ps tasks, or a refusal naming the strategies that can hold them
+  (``unison.embeddings.tables.table``).
 
 Each contract below is a Protocol: an implementation need not import it, and lower
 layers (``gradient_sync``, ``collectives``) implement them without depending on the
@@ -36,6 +39,7 @@ from torch import nn
 from unison.cluster.resolved import ResolvedCluster
 from unison.collectives.ops.base import CrossDeviceOps
 from unison.collectives.transport.cross_worker import CrossWorkerTransport
+from unison.embeddings.tables.table import NoTables, TableFactory
 from unison.values.aggregation import VariableAggregation, VariableSynchronization
 
 __all__ = [
@@ -44,6 +48,7 @@ __all__ = [
     "GradientSync",
     "CrossWorkerTransport",
     "StrategyComponents",
+    "TableFactory",
 ]
 
 
@@ -128,6 +133,8 @@ class StrategyComponents:
         cluster: this process's place in the cluster (local for in-process strategies).
         between_graph: whether each worker runs its own program (multi-worker strategies).
         is_default: whether this is the default strategy (outside any scope).
+        tables: the table a ``DynamicEmbedding`` built in scope gets (default: refused,
+            as for replicas that cannot share one table's rows).
     """
 
     devices: tuple[str, ...]
@@ -139,6 +146,7 @@ class StrategyComponents:
     cluster: ResolvedCluster = dataclasses.field(default_factory=ResolvedCluster.local)
     between_graph: bool = False
     is_default: bool = False
+    tables: TableFactory = NoTables("this strategy")
 
     @property
     def num_workers(self) -> int:

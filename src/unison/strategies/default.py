@@ -10,6 +10,7 @@ from unison.context import ReplicaContext
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import PlainVariablePolicy
+from unison.embeddings.tables.table import LocalTables
 from unison.strategies.replicas import InlineReplicaRunner
 
 __all__ = ["default_strategy", "default_replica_context"]
@@ -26,7 +27,7 @@ class _DefaultStrategy(Strategy):
         self._runner = InlineReplicaRunner(self, ("cpu:0",))
         super().__init__(StrategyComponents(
             devices=("cpu:0",), parameter_devices=("cpu:0",), cross_device_ops=ReductionToOneDevice(),
-            variable_policy=PlainVariablePolicy("cpu:0"), runner=self._runner, is_default=True,
+            variable_policy=PlainVariablePolicy("cpu:0"), runner=self._runner, is_default=True, tables=LocalTables(),
         ))
 
     @property

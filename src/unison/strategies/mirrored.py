@@ -14,6 +14,7 @@ from unison.gradient_sync.replicas.replica_sync import ReplicaGradientSync
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import ReplicatedVariablePolicy
+from unison.embeddings.tables.table import NoTables
 from unison.strategies.replicas import replica_runner
 
 __all__ = ["MirroredStrategy"]
@@ -57,7 +58,7 @@ class MirroredStrategy(Strategy):
         super().__init__(StrategyComponents(
             devices=names, parameter_devices=names, cross_device_ops=cross_device_ops,
             variable_policy=ReplicatedVariablePolicy(self, names, gradient_sync=sync), gradient_sync=sync,
-            runner=replica_runner(self, names),
+            runner=replica_runner(self, names), tables=NoTables("MirroredStrategy"),
         ))
 
     @property

@@ -22,6 +22,7 @@ from unison.strategies.base import Strategy, StrategyExtended
 from unison.strategies.components import GradientSync, StrategyComponents
 from unison.strategies.policies import ReplicatedVariablePolicy
 from unison.strategies.replicas import replica_runner
+from unison.embeddings.tables.table import NoTables
 from unison.values.variables import DistributedVariable
 
 __all__ = ["MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy", "collective_components", "default_devices"]
@@ -124,7 +125,7 @@ def collective_components(strategy: Strategy, cluster: ResolvedCluster, devices:
         return StrategyComponents(
             devices=devices, parameter_devices=devices, cross_device_ops=ops,
             variable_policy=ReplicatedVariablePolicy(strategy, devices, gradient_sync=local_sync),
-            gradient_sync=local_sync, runner=runner,
+            gradient_sync=local_sync, runner=runner, tables=NoTables(type(strategy).__name__),
             between_graph=True,  # as in TF: each worker runs its own program
         )
     task_type = cluster.task_type
@@ -153,6 +154,7 @@ def collective_components(strategy: Strategy, cluster: ResolvedCluster, devices:
         devices=devices, parameter_devices=devices, cross_device_ops=ops,
         variable_policy=ReplicatedVariablePolicy(strategy, devices, gradient_sync=sync, on_finish=on_finish),
         gradient_sync=sync, runner=runner, cluster=cluster, between_graph=True,
+        tables=NoTables(type(strategy).__name__),
     )
 
 

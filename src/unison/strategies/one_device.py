@@ -11,6 +11,7 @@ from unison.devices import canonicalize
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import PlainVariablePolicy
+from unison.embeddings.tables.table import LocalTables
 from unison.strategies.replicas import InlineReplicaRunner
 
 __all__ = ["OneDeviceStrategy"]
@@ -35,7 +36,7 @@ class OneDeviceStrategy(Strategy):
         name = canonicalize(device)
         super().__init__(StrategyComponents(
             devices=(name,), parameter_devices=(name,), cross_device_ops=ReductionToOneDevice(),
-            variable_policy=PlainVariablePolicy(name), runner=InlineReplicaRunner(self, (name,)),
+            variable_policy=PlainVariablePolicy(name), runner=InlineReplicaRunner(self, (name,)), tables=LocalTables(),
         ))
 
     @property

@@ -8,8 +8,8 @@ variable (a tensor or ``nn.Parameter``), its shape, or its element count, and re
 the device to put it on. Device entries are returned exactly as given (a unison device
 name, a ``torch.device``, a task name such as ``"ps:1"``, or a ps task index): the
 setter only chooses. ``ParameterServerStrategy(variable_placer="least_loaded")`` uses
-it with ps task indices (``unison.ps.policy``), and the chosen ps task then holds the
-variable behind unison's own tensor protocol (``unison.ps.transport``).
+it with ps task indices (``unison.ps.remote_variables.variable_policy``), and the chosen ps task then holds the
+variable behind unison's own tensor protocol (``unison.ps.wire.links``).
 
 It lives here, below ``unison.ps``, although it is placement onto ps tasks: the
 collectives layer needs it too (``unison.collectives`` exports ``LeastLoadedDeviceSetter``

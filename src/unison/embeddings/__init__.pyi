@@ -1,0 +1,7 @@
+from .modules.dynamic_embedding import DynamicEmbedding
+from .modules.fixed_tables import on_ps, tables_on_ps
+from .tables.eviction import EvictBelowCount, EvictionPolicy, EvictUnseen
+from .tables.initializers import Initializer, Normal, Uniform, Zeros
+
+__all__ = ["DynamicEmbedding", "on_ps", "tables_on_ps", "Initializer", "Normal", "Uniform", "Zeros", "EvictionPolicy",
+           "EvictUnseen", "EvictBelowCount"]
