@@ -26,7 +26,9 @@ from unison.errors import ParameterServerError
 from unison.gradient_sync.step_hooks import install_step_hooks
 from unison.ps.wire.client import PSClient
 from unison.ps.task.malloc_settings import release_large_buffers
-from unison.ps.task.parameter_store import ParameterStore, serve_ps_session
+from unison.ps.task.parameter_store import ParameterStore
+from unison.ps.task.sessions import accept_session, serve_ps_session
+from unison.ps.wire import protocol as wire
 from unison.ps.wire.worker_references import loads_on_worker
 from unison.ps.wire.links import TensorLink, set_nodelay
 from unison.ps.worker.runtime import RUNTIME, WorkerRuntime, build_dataset
@@ -138,6 +140,9 @@ class Server:
         if self._store is None:
             channel.close()
             return
+        if not accept_session(channel, message[1] if len(message) > 1 else None):
+            channel.close()
+            return
         self._track(channel)
         try:
             serve_ps_session(self._store, TensorLink(channel, channel.peer))
@@ -160,40 +165,36 @@ class Server:
                     except (EOFError, OSError):
                         return
                     reply = self._handle(runtime, config, request)
-                    if reply is None:
-                        return
                     try:
                         channel.send(reply)
                     except (EOFError, OSError):
                         return
                     except Exception as e:  # the result could not be pickled
-                        channel.send(("error", TypeError(f"the function's result could not be pickled: {e!r}"), "", False))
+                        channel.send(wire.FunctionFailed(TypeError(f"the function's result could not be pickled: {e!r}"), "", False))
             finally:
                 self._untrack()
                 client.close()
                 if RUNTIME.current is runtime:
                     RUNTIME.current = None
 
-    def _handle(self, runtime: WorkerRuntime, config: dict, request: tuple) -> "tuple | None":
-        kind = request[0]
-        if kind == "stop":
-            self.stop()
-            return None
+    def _handle(self, runtime: WorkerRuntime, config: dict, request: Any) -> "wire.FunctionResult | wire.FunctionFailed":
         try:
-            if kind == "dataset":
-                runtime.datasets[request[1]] = build_dataset(request[2], config["worker_index"], config["num_workers"])
-                return ("result", None)
-            if kind == "run":
+            if isinstance(request, wire.BuildDataset):
+                runtime.datasets[request.dataset_id] = build_dataset(request.dataset_fn, config["worker_index"],
+                                                                     config["num_workers"])
+                return wire.FunctionResult(None)
+            if isinstance(request, wire.RunFunction):
                 runtime.begin()
-                fn, args, kwargs = loads_on_worker(request[1], runtime.resolve)
+                fn, args, kwargs = loads_on_worker(request.payload, runtime.resolve)
                 runtime.pull_touched()
                 try:
                     result = fn(*args, **kwargs)
                     runtime.client.settle()  # its row pushes are applied before it counts as done
                     runtime.push_changes()  # only a function that returned changes the ps variables
-                    return ("result", result)
+                    return wire.FunctionResult(result)
                 finally:
                     runtime.end()
-            raise ValueError(f"unknown worker request {kind!r}")
+            raise wire.ProtocolError(f"malformed worker request {type(request).__name__!r}: expected RunFunction or "
+                                     f"BuildDataset of unison.ps.wire.protocol; is the chief another unison version?")
         except Exception as e:  # the coordinator raises it (original type, this traceback)
-            return ("error", e, traceback.format_exc(), isinstance(e, ParameterServerError))
+            return wire.FunctionFailed(e, traceback.format_exc(), isinstance(e, ParameterServerError))

@@ -27,6 +27,7 @@ from unison.errors import ClusterError, ParameterServerError
 from unison.ps.wire.client import PSClient
 from unison.ps.chief.closure_queue import Closure, ClosureQueue
 from unison.ps.chief.per_worker_datasets import PerWorkerDataset
+from unison.ps.wire import protocol as wire
 from unison.ps.wire.worker_references import dumps_for_workers
 from unison.ps.wire.links import set_nodelay
 from unison.ps.chief.remote_values import RemoteValue
@@ -44,7 +45,7 @@ def _send_stop(address: str, authkey: bytes) -> None:
     except Exception:
         return  # already gone
     try:
-        channel.send(("stop",))
+        channel.send(("stop",))  # the standard server's own request (unison.coordinator.standard_server)
         channel.recv()
     except Exception:
         pass
@@ -83,7 +84,7 @@ class _WorkerThread:
         self._channel = None
         self.connected.clear()
 
-    def _call(self, request: tuple) -> tuple:
+    def _call(self, request: wire.WorkerRequest) -> "wire.FunctionResult | wire.FunctionFailed":
         assert self._channel is not None
         self._channel.send(request)
         return self._channel.recv()
@@ -99,14 +100,14 @@ class _WorkerThread:
                 continue
             try:
                 self._send_datasets()  # new datasets, or a worker that came back
-                reply = self._call(("run", closure.payload))
+                reply = self._call(wire.RunFunction(closure.payload))
             except (EOFError, OSError, ClusterError):
                 c._queue.put_back(closure)  # at-least-once: the worker died mid-function
                 self._lost()
                 continue
-            if reply[0] == "result":
-                c._queue.finished(closure, reply[1])
-            elif reply[3]:  # the worker lost a ps task: nothing can run any more
+            if isinstance(reply, wire.FunctionResult):
+                c._queue.finished(closure, reply.value)
+            elif reply.lost_ps:  # the worker lost a ps task: nothing can run any more
                 error = self._error_of(reply)
                 c._queue.fail_all(error)
                 c._queue.failed(closure, error)
@@ -117,16 +118,16 @@ class _WorkerThread:
         c = self._coordinator
         while self._datasets_sent < len(c._datasets):
             dataset_id, fn = c._datasets[self._datasets_sent]
-            reply = self._call(("dataset", dataset_id, fn))
-            if reply[0] == "error":
+            reply = self._call(wire.BuildDataset(dataset_id, fn))
+            if isinstance(reply, wire.FunctionFailed):
                 c._report(self._error_of(reply))
             self._datasets_sent += 1
 
-    def _error_of(self, reply: tuple) -> BaseException:
-        error = reply[1]
-        if reply[2]:
+    def _error_of(self, reply: wire.FunctionFailed) -> BaseException:
+        error = reply.error
+        if reply.traceback:
             try:
-                error.add_note(f"traceback on worker:{self.index}:\n{reply[2]}")
+                error.add_note(f"traceback on worker:{self.index}:\n{reply.traceback}")
             except AttributeError:
                 pass
         return error

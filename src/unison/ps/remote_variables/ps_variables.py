@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from unison._state import STATE
+from unison.ps.wire import protocol as wire
 from unison.ps.wire.worker_references import WorkerReference, off_worker
 from unison.ps.remote_variables.variable_specs import VariableSpec, is_metadata_function, task_device
 
@@ -175,7 +176,7 @@ class PSVariable(_RemoteParameter):
     def _write_remote(self, value: torch.Tensor) -> None:
         part = self._ps_spec.parts[0]
         value = value.to(self._ps_spec.dtype).expand(self._ps_spec.shape).contiguous()
-        self._ps_owner.client.write("assign", [(part.task, part.key)], [value])
+        self._ps_owner.client.write(wire.Assign, [(part.task, part.key)], [value])
 
     def _placement_text(self) -> str:
         return self.device_name
@@ -231,7 +232,7 @@ class ShardedVariable(_RemoteParameter):
     def _write_remote(self, value: torch.Tensor) -> None:
         value = value.to(self._ps_spec.dtype).expand(self._ps_spec.shape).contiguous()
         pieces = list(torch.split(value, [p.rows for p in self._ps_spec.parts], dim=0))
-        self._ps_owner.client.write("assign", [(p.task, p.key) for p in self._ps_spec.parts], pieces)
+        self._ps_owner.client.write(wire.Assign, [(p.task, p.key) for p in self._ps_spec.parts], pieces)
 
     def _placement_text(self) -> str:
         return ", ".join(self.device_names)

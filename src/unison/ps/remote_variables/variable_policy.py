@@ -25,6 +25,7 @@ from torch import nn
 
 from unison.collectives import LeastLoadedDeviceSetter
 from unison.interpose.module_hooks import observed_registrations
+from unison.ps.wire import protocol as wire
 from unison.ps.wire.client import PSClient
 from unison.ps.remote_variables.shard_partitioners import shard_rows
 from unison.ps.remote_variables.variable_specs import Placement, VariableSpec
@@ -151,7 +152,7 @@ class PSVariablePolicy:
                 for part, piece in zip(variable._ps_spec.parts, pieces):
                     placed.append((part.task, part.key))
                     values.append(piece.contiguous())
-        self.client.write("create", placed, values)
+        self.client.write(wire.Create, placed, values)
         for variable in pending:
             if isinstance(variable, ShardedVariable):
                 for shard in variable.variables:

@@ -17,17 +17,14 @@ from __future__ import annotations
 import copy
 import inspect
 import threading
-import traceback
 from typing import Any
 
 import torch
 
 from unison.embeddings.optim.from_torch import plain_sgd
-from unison.ps.wire.shared_arena import MappedSegments
-from unison.ps.task.table_shards import TableShards, serve_table_request
-from unison.ps.wire.links import TensorLink, pickled, unpickled
+from unison.ps.task.table_shards import TableShards
 
-__all__ = ["ParameterStore", "serve_ps_session"]
+__all__ = ["ParameterStore"]
 
 
 class _Slot:
@@ -173,90 +170,3 @@ class ParameterStore:
             device = slot.tensor.device
             optimizer.state[slot.tensor] = {name: value.to(device, copy=True) if isinstance(value, torch.Tensor)
                                             else copy.deepcopy(value) for name, value in state.items()}
-
-
-def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
-    """Answers one peer's requests (a worker's or the coordinator's) until it disconnects.
-
-    Requests (header, tensors):
-        ("create", keys) + values -> ("ok",)
-        ("pull", keys) -> ("ok",) + values
-        ("pull_rows", keys) + ids per key -> ("ok",) + rows per key
-        ("push", [(key, has_ids)], [(cls, hyper)], [place or None]) + per entry [ids] [grad] -> ("ok",)
-            (a dense gradient with a place is read from the worker's shared memory, not sent)
-        ("attach", [segment info]) -> ("ok",) + a bool tensor: whether the worker's shared
-            segments could be mapped (same host); see :mod:`unison.ps.wire.shared_arena`
-        ("pull_shared", keys, places) -> ("ok",), each value copied into the worker's place
-        ("assign", keys) + values -> ("ok",)
-        ("add", keys) + deltas -> ("ok",)
-        ("optimizer_states", keys) -> ("ok",) + one uint8 tensor: the pickled ``optimizer_states`` per key
-        ("load_optimizer_states", keys, [(cls, hyper)]) + one uint8 tensor (the pickled states) -> ("ok",)
-        ("ping",) -> ("ok",)
-        ("table_...", ...): dynamic embedding tables, see :func:`~unison.ps.task.table_shards.serve_table_request`
-    Errors come back as ("error", exception, traceback text).
-    """
-    replies: dict[int, torch.Tensor] = {}  # pull buffers, reused: each is sent before the next request
-    shared = MappedSegments()
-    try:
-        _serve(store, link, replies, shared)
-    finally:
-        shared.close()
-
-
-def _serve(store: ParameterStore, link: TensorLink, replies: dict[int, torch.Tensor], shared: MappedSegments) -> None:
-    while True:
-        try:
-            header, tensors = link.recv(reuse=True)  # every request is done with them before the next
-        except (EOFError, OSError):
-            return
-        try:
-            reply: list[torch.Tensor] = []
-            kind = header[0]
-            if kind == "pull":
-                reply = [store.read_into(k, replies.get(i)) for i, k in enumerate(header[1])]
-                replies.update(enumerate(reply))
-            elif kind == "pull_shared":
-                for key, place in zip(header[1], header[2]):
-                    store.read_to(key, shared.tensor(place))
-            elif kind == "attach":
-                reply = [torch.tensor([shared.attach(header[1])])]
-            elif kind == "pull_rows":
-                reply = [store.read_rows(k, ids) for k, ids in zip(header[1], tensors)]
-            elif kind == "push":
-                position = 0
-                places = header[3] if len(header) > 3 else [None] * len(header[1])
-                for (key, has_ids), (cls, hyper), place in zip(header[1], header[2], places):
-                    ids = tensors[position] if has_ids else None
-                    position += 1 if has_ids else 0
-                    if place is not None:
-                        store.apply(key, shared.tensor(place), ids, cls, hyper)
-                        continue
-                    store.apply(key, tensors[position], ids, cls, hyper)
-                    position += 1
-            elif kind == "create":
-                for key, value in zip(header[1], tensors):
-                    store.create(key, value)
-            elif kind == "assign":
-                for key, value in zip(header[1], tensors):
-                    store.assign(key, value)
-            elif kind == "add":
-                for key, delta in zip(header[1], tensors):
-                    store.add(key, delta)
-            elif kind == "optimizer_states":
-                reply = [pickled([store.optimizer_states(key) for key in header[1]])]
-            elif kind == "load_optimizer_states":
-                for key, (cls, hyper), state in zip(header[1], header[2], unpickled(tensors[0])):
-                    store.load_optimizer_state(key, cls, hyper, state)
-            elif kind.startswith("table_"):
-                reply = serve_table_request(store.tables, kind, header, tensors)
-            elif kind != "ping":
-                raise ValueError(f"unknown ps request {kind!r}")
-            message: Any = ("ok",)
-        except Exception as e:  # sent back to the requester, which raises it
-            message, reply = ("error", e, traceback.format_exc()), []
-        try:
-            link.send(message, reply)
-        except (EOFError, OSError):
-            return
-        except Exception as e:  # the error itself could not be pickled
-            link.send(("error", RuntimeError(repr(e)), ""), [])

@@ -22,25 +22,8 @@ import torch
 
 from unison.embeddings.tables.table import TableConfig
 from unison.embeddings.optim.row_optimizers import RowOptimizer
-from unison.ps.wire.links import pickled, unpickled
 
-__all__ = ["TableShards", "export_tensors", "export_from_tensors"]
-
-
-def export_tensors(export: dict[str, Any]) -> list[torch.Tensor]:
-    """A table export as tensors for a link: meta and state names pickled first, then the columns."""
-    names = sorted(export["state"])
-    head = pickled((export["meta"], names))
-    return [head, export["ids"], export["rows"], export["counts"], export["last_seen"],
-            *(export["state"][name] for name in names)]
-
-
-def export_from_tensors(tensors: list[torch.Tensor]) -> dict[str, Any]:
-    """The export ``export_tensors`` sent."""
-    meta, names = unpickled(tensors[0])
-    ids, rows, counts, last_seen = tensors[1:5]
-    return {"ids": ids, "rows": rows, "counts": counts, "last_seen": last_seen, "meta": meta,
-            "state": dict(zip(names, tensors[5:]))}
+__all__ = ["TableShards"]
 
 
 class _Entry:
@@ -147,42 +130,3 @@ class TableShards:
             with entry.lock:
                 out[key] = (entry.table.num_rows, entry.table.bytes)
         return out
-
-
-def serve_table_request(tables: TableShards, kind: str, header: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Answers one table request of a ps session (see ``serve_ps_session``); returns the reply's tensors.
-
-    Requests (header, tensors):
-        ("table_create", key, config) -> ("ok",)
-        ("table_rows", [(key, create)]) + distinct ids and their occurrences per key -> rows per key
-        ("table_push", [(key, row optimizer)]) + ids, grads per key -> ("ok",)
-        ("table_pool", [(key, create, num_bags)]) + ids, bag of each id, weights -> a partial row per bag
-        ("table_push_bags", [(key, row optimizer)]) + ids, bag of each id, weights, bag grads -> ("ok",)
-        ("table_export", key) -> the export's tensors (see ``export_tensors``)
-        ("table_load", key, shard, num_shards) + an export's tensors -> ("ok",)
-        ("table_stats",) -> one uint8 tensor: the pickled ``TableShards.stats()``
-    """
-    if kind == "table_rows":
-        return [tables.rows(key, tensors[2 * i], tensors[2 * i + 1], create) for i, (key, create) in enumerate(header[1])]
-    if kind == "table_push":
-        for position, (key, optimizer) in enumerate(header[1]):
-            tables.push(key, tensors[2 * position], tensors[2 * position + 1], optimizer)
-        return []
-    if kind == "table_pool":
-        (key, create, num_bags), = header[1]
-        return [tables.pool(key, tensors[0], tensors[1], tensors[2], num_bags, create)]
-    if kind == "table_push_bags":
-        (key, optimizer), = header[1]
-        tables.push_bags(key, tensors[0], tensors[1], tensors[2], tensors[3], optimizer)
-        return []
-    if kind == "table_create":
-        tables.create(header[1], header[2])
-        return []
-    if kind == "table_export":
-        return export_tensors(tables.export(header[1]))
-    if kind == "table_load":
-        tables.load(header[1], export_from_tensors(tensors), header[2], header[3])
-        return []
-    if kind == "table_stats":
-        return [pickled(tables.stats())]
-    raise ValueError(f"unknown ps request {kind!r}")

@@ -19,7 +19,8 @@ import torch
 
 from unison.errors import ParameterServerError
 from unison.ps.wire.shared_arena import Place, SharedArena
-from unison.ps.wire.links import TensorLink, open_link, pickled, unpickled
+from unison.ps.wire import protocol as wire
+from unison.ps.wire.links import TensorLink, open_link
 
 __all__ = ["PSClient", "Request"]
 
@@ -68,7 +69,7 @@ class PSClient:
             return False
         infos = [info for info in self.arena.segments() if info[0] not in attached]
         if infos:
-            ok = bool(self.exchange({index: (("attach", infos), (), None)})[index][0])
+            ok = bool(self.exchange({index: (wire.Attach(tuple(infos)), (), None)})[index][0])
             if not ok:
                 self._attached[index] = None
                 return False
@@ -139,10 +140,10 @@ class PSClient:
                 except (EOFError, OSError, TimeoutError) as e:
                     self._drop(i)
                     raise self._lost(i, e) from e
-                if header[0] == "error" and error is None:
-                    error = header[1]
-                    if header[2]:
-                        error.add_note(f"traceback on ps:{i}:\n{header[2]}")
+                if isinstance(header, wire.Failed) and error is None:
+                    error = header.error
+                    if header.traceback:
+                        error.add_note(f"traceback on ps:{i}:\n{header.traceback}")
                 replies[i] = tensors
             if error is not None:
                 raise error
@@ -161,10 +162,10 @@ class PSClient:
         except (EOFError, OSError, TimeoutError) as e:
             self._drop(index)
             raise self._lost(index, e) from e
-        if header[0] == "error":
-            error = header[1]
+        if isinstance(header, wire.Failed):
+            error = header.error
             error.add_note(f"raised on ps:{index} by an earlier request sent without waiting (a row push)"
-                           + (f"; traceback there:\n{header[2]}" if header[2] else ""))
+                           + (f"; traceback there:\n{header.traceback}" if header.traceback else ""))
             raise error
 
     def settle(self) -> None:
@@ -191,7 +192,7 @@ class PSClient:
         by_ps: dict[int, list[int]] = {}
         for position, (index, _) in enumerate(placed):
             by_ps.setdefault(index, []).append(position)
-        replies = self.exchange({i: (("pull", [placed[p][1] for p in ps]), (), None) for i, ps in by_ps.items()})
+        replies = self.exchange({i: (wire.Pull(tuple(placed[p][1] for p in ps)), (), None) for i, ps in by_ps.items()})
         out: list[Any] = [None] * len(placed)
         for i, positions in by_ps.items():
             for p, t in zip(positions, replies[i]):
@@ -206,23 +207,24 @@ class PSClient:
         for i, items in by_ps.items():
             places = [self.arena.place(d) for _, d in items] if self.arena is not None else []
             if places and all(p is not None for p in places) and self._shares(i):
-                requests[i] = (("pull_shared", [k for k, _ in items], places), (), None)
+                requests[i] = (wire.PullShared(tuple(k for k, _ in items), tuple(places)), (), None)
             else:
-                requests[i] = (("pull", [k for k, _ in items]), (), [d for _, d in items])
+                requests[i] = (wire.Pull(tuple(k for k, _ in items)), (), [d for _, d in items])
         self.exchange(requests)
 
-    def write(self, kind: str, placed: Sequence[tuple[int, str]], values: Sequence[torch.Tensor]) -> None:
-        """``create``, ``assign`` or ``add`` values at ``(ps index, key)`` pairs, one request per ps task."""
+    def write(self, kind: "type[wire.Create | wire.Assign | wire.Add]", placed: Sequence[tuple[int, str]],
+              values: Sequence[torch.Tensor]) -> None:
+        """``wire.Create``, ``wire.Assign`` or ``wire.Add`` values at ``(ps index, key)`` pairs, one request per ps task."""
         by_ps: dict[int, tuple[list[str], list[torch.Tensor]]] = {}
         for (index, key), value in zip(placed, values):
             keys, tensors = by_ps.setdefault(index, ([], []))
             keys.append(key)
             tensors.append(value)
-        self.exchange({i: ((kind, keys), tensors, None) for i, (keys, tensors) in by_ps.items()})
+        self.exchange({i: (kind(tuple(keys)), tensors, None) for i, (keys, tensors) in by_ps.items()})
 
     def pull_rows(self, by_ps: "dict[int, list[tuple[str, torch.Tensor]]]") -> dict[int, list[torch.Tensor]]:
         """Rows (local ids) of shards, per ps task."""
-        return self.exchange({i: (("pull_rows", [k for k, _ in items]), [ids for _, ids in items], None)
+        return self.exchange({i: (wire.PullRows(tuple(k for k, _ in items)), [ids for _, ids in items], None)
                               for i, items in by_ps.items()})
 
     def push(self, by_ps: "dict[int, list[tuple[str, torch.Tensor | None, torch.Tensor, type, dict]]]") -> None:
@@ -241,8 +243,8 @@ class PSClient:
                     tensors.append(ids)
                 if place is None:
                     tensors.append(grad)
-            header = ("push", [(k, ids is not None) for k, ids, _, _, _ in items], [(c, h) for _, _, _, c, h in items],
-                      places)
+            header = wire.Push(tuple(wire.PushEntry(k, ids is not None, c, h, place)
+                                     for (k, ids, _, c, h), place in zip(items, places, strict=True)))
             requests[i] = (header, list(tensors), None)
         self.exchange(requests)
 
@@ -251,11 +253,11 @@ class PSClient:
         by_ps: dict[int, list[int]] = {}
         for position, (index, _) in enumerate(placed):
             by_ps.setdefault(index, []).append(position)
-        replies = self.exchange({i: (("optimizer_states", [placed[p][1] for p in ps]), (), None)
+        replies = self.exchange({i: (wire.OptimizerStates(tuple(placed[p][1] for p in ps)), (), None)
                                  for i, ps in by_ps.items()})
         out: list[Any] = [None] * len(placed)
         for i, positions in by_ps.items():
-            for p, state in zip(positions, unpickled(replies[i][0])):
+            for p, state in zip(positions, wire.unpickled(replies[i][0])):
                 out[p] = state
         return out
 
@@ -264,12 +266,12 @@ class PSClient:
         by_ps: dict[int, list[tuple[str, type, dict, dict[str, Any]]]] = {}
         for index, key, cls, hyper, state in entries:
             by_ps.setdefault(index, []).append((key, cls, hyper, state))
-        self.exchange({i: (("load_optimizer_states", [k for k, _, _, _ in items], [(c, h) for _, c, h, _ in items]),
-                           [pickled([s for _, _, _, s in items])], None) for i, items in by_ps.items()})
+        self.exchange({i: (wire.LoadOptimizerStates(tuple(k for k, _, _, _ in items), tuple((c, h) for _, c, h, _ in items)),
+                           [wire.pickled([s for _, _, _, s in items])], None) for i, items in by_ps.items()})
 
     def ping(self, index: int) -> None:
         """Raises ParameterServerError unless ps task ``index`` answers."""
-        self.exchange({index: (("ping",), (), None)})
+        self.exchange({index: (wire.Ping(), (), None)})
 
     def close(self) -> None:
         """Closes every connection."""

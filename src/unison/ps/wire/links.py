@@ -25,18 +25,10 @@ import cloudpickle
 import torch
 
 from unison.coordinator.channel import Channel, connect
+from unison.errors import ParameterServerError
+from unison.ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, pickled, unpickled
 
 __all__ = ["TensorLink", "open_link", "set_nodelay", "pickled", "unpickled"]
-
-
-def pickled(value: Any) -> torch.Tensor:
-    """``value`` pickled into a uint8 tensor, for what travels best as bytes (optimizer states)."""
-    return torch.frombuffer(bytearray(cloudpickle.dumps(value)), dtype=torch.uint8)
-
-
-def unpickled(data: torch.Tensor) -> Any:
-    """The value ``pickled`` made."""
-    return pickle.loads(data.numpy().tobytes())
 
 
 def set_nodelay(channel: Channel) -> None:
@@ -136,7 +128,23 @@ class TensorLink:
 
 
 def open_link(address: str, authkey: bytes, session: str, peer: str, timeout: float = 60.0) -> TensorLink:
-    """Connects to the standard server at ``address`` and opens a ``session`` ("ps") on it."""
+    """Connects to the standard server at ``address`` and opens a ``session`` ("ps") on it.
+
+    The session opens with the protocol's :class:`~unison.ps.wire.protocol.Hello`; the peer
+    accepts it or refuses another version.
+
+    Raises:
+        ParameterServerError: if the peer refuses (another unison version), or does not answer
+            the handshake within ``timeout``.
+    """
     channel = connect(address, authkey, timeout)
-    channel.send((session,))
+    channel.send((session, Hello(PROTOCOL_VERSION)))
+    if not channel.connection.poll(timeout):
+        channel.close()
+        raise ParameterServerError(f"{peer} at {address} did not answer the ps handshake within {timeout:g} s")
+    answer = channel.recv()
+    if not isinstance(answer, Accepted):
+        channel.close()
+        reason = answer.reason if isinstance(answer, Refused) else f"an unexpected answer {answer!r:.80}"
+        raise ParameterServerError(f"{peer} at {address} refused the ps session: {reason}")
     return TensorLink(channel, peer)

@@ -27,8 +27,7 @@ from unison.ps.wire.client import PSClient
 from unison.embeddings.tables.id_hashing import shard_of
 from unison.embeddings.optim.row_optimizers import RowOptimizer
 from unison.embeddings.tables.table import TableConfig
-from unison.ps.task.table_shards import export_from_tensors, export_tensors
-from unison.ps.wire.links import unpickled
+from unison.ps.wire import protocol as wire
 from unison.ps.wire.worker_references import WORKER_CLIENT
 
 __all__ = ["RemoteTable", "RemoteTables"]
@@ -79,7 +78,7 @@ class RemoteTable:
 
     def create(self) -> None:
         """Makes the (empty) shards, or checks that existing ones were made with the same config."""
-        self._client().exchange({k: (("table_create", self.key, self.config), (), None)
+        self._client().exchange({k: (wire.TableCreate(self.key, self.config), (), None)
                                  for k in range(self.num_shards)})
 
     def prefers_pooling(self, num_bags: int, num_distinct: int) -> bool:
@@ -105,7 +104,7 @@ class RemoteTable:
         self.traffic["rows"] += 1
         positions = self._split(unique)
         asked = {k: where for k, where in enumerate(positions) if where.numel()}
-        replies = self._client().exchange({k: (("table_rows", [(self.key, create)]), [unique[where], occurrences[where]],
+        replies = self._client().exchange({k: (wire.TableRows(self.key, create), [unique[where], occurrences[where]],
                                                None) for k, where in asked.items()})
         rows = torch.empty(unique.numel(), self.config.embedding_dim, dtype=self.config.dtype)
         for k, where in asked.items():
@@ -120,7 +119,7 @@ class RemoteTable:
             if where.numel():
                 touched, local = torch.unique(layout.bags[where], return_inverse=True)
                 touched_bags[k] = touched
-                requests[k] = (("table_pool", [(self.key, create, touched.numel())]),
+                requests[k] = (wire.TablePool(self.key, create, touched.numel()),
                                [layout.ids[where], local, layout.weights[where]], None)
         self.traffic["pooled"] += 1
         replies = self._client().exchange(requests)
@@ -137,7 +136,7 @@ class RemoteTable:
         requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
         for k, where in enumerate(self._split(layout.ids)):
             touched, local = torch.unique(layout.bags[where], return_inverse=True)
-            requests[k] = (("table_push_bags", [(self.key, optimizer)]),
+            requests[k] = (wire.TablePushBags(self.key, optimizer),
                            [layout.ids[where], local, layout.weights[where], grads.index_select(0, touched)], None)
         self._client().exchange(requests, wait=False)
 
@@ -152,13 +151,13 @@ class RemoteTable:
         if self._grad_scale is not None:
             grads = grads * self._grad_scale()
         positions = self._split(ids)
-        self._client().exchange({k: (("table_push", [(self.key, optimizer)]), [ids[where], grads[where]], None)
+        self._client().exchange({k: (wire.TablePush(self.key, optimizer), [ids[where], grads[where]], None)
                                  for k, where in enumerate(positions)}, wait=False)
 
     def export(self) -> dict[str, Any]:
         """Every shard's rows merged, sorted by id: the export of the whole table."""
-        replies = self._client().exchange({k: (("table_export", self.key), (), None) for k in range(self.num_shards)})
-        parts = [export_from_tensors(replies[k]) for k in range(self.num_shards)]
+        replies = self._client().exchange({k: (wire.TableExport(self.key), (), None) for k in range(self.num_shards)})
+        parts = [wire.export_from_tensors(replies[k]) for k in range(self.num_shards)]
         ids = torch.cat([p["ids"] for p in parts])
         ids, order = ids.sort()
         merged: dict[str, Any] = {name: torch.cat([p[name] for p in parts]).index_select(0, order)
@@ -177,16 +176,16 @@ class RemoteTable:
     def load(self, export: dict[str, Any]) -> None:
         """Replaces every shard's rows by an export's (from any number of shards, or one device)."""
         if self._writer is None or self._writer():
-            tensors = export_tensors(export)
-            self._client().exchange({k: (("table_load", self.key, k, self.num_shards), tensors, None)
+            tensors = wire.export_tensors(export)
+            self._client().exchange({k: (wire.TableLoad(self.key, k, self.num_shards), tensors, None)
                                      for k in range(self.num_shards)})
         if self._after_load is not None:
             self._after_load()
 
     def stats(self) -> list[tuple[int, int]]:
         """Per ps task, in order: (rows of this table, bytes they take)."""
-        replies = self._client().exchange({k: (("table_stats",), (), None) for k in range(self.num_shards)})
-        return [unpickled(replies[k][0]).get(self.key, (0, 0)) for k in range(self.num_shards)]
+        replies = self._client().exchange({k: (wire.TableStats(), (), None) for k in range(self.num_shards)})
+        return [wire.unpickled(replies[k][0]).get(self.key, (0, 0)) for k in range(self.num_shards)]
 
     @property
     def num_rows(self) -> int:

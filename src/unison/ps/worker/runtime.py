@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map
 from unison.input.context import InputContext
 from unison.ps.wire.client import PSClient
 from unison.ps.remote_variables.variable_specs import VariableSpec, is_metadata_function
+from unison.ps.wire import protocol as wire
 from unison.ps.wire.worker_references import WorkerReference
 from unison.gradient_sync.step_hooks import attach, install_step_hooks
 
@@ -242,7 +243,7 @@ class WorkerRuntime:
             placed, values = assigns if now.dtype == torch.bool else adds
             placed.append((part.task, part.key))
             values.append(now.clone() if now.dtype == torch.bool else now - before)
-        for kind, (placed, values) in (("add", adds), ("assign", assigns)):
+        for kind, (placed, values) in ((wire.Add, adds), (wire.Assign, assigns)):
             if placed:
                 self.client.write(kind, placed, values)
 

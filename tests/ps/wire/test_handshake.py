@@ -1,0 +1,69 @@
+"""The ps session's handshake with a real ps server: the same protocol version is served, another is
+refused at once with both versions named, and a malformed request gets an error naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unison
+from unison.coordinator.channel import connect, generate_authkey
+from unison.errors import ParameterServerError
+from unison.ps.wire import protocol as wire
+from unison.ps.wire.client import PSClient
+from unison.ps.wire.links import TensorLink, open_link
+
+
+@pytest.fixture()
+def ps_server():
+    key = generate_authkey()
+    server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=key, bind_address="127.0.0.1:0")
+    try:
+        yield server.address, key
+    finally:
+        server.stop()
+
+
+def test_a_peer_of_the_same_version_is_served(ps_server):
+    address, key = ps_server
+    client = PSClient([address], key, timeout=10, reply_timeout=10)
+    try:
+        client.write(wire.Create, [(0, "w")], [torch.arange(4.0)])
+        assert torch.equal(client.read([(0, "w")])[0], torch.arange(4.0))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("opening", [("ps",), ("ps", wire.Hello(wire.PROTOCOL_VERSION + 1)), ("ps", "hello")])
+def test_another_version_is_refused_at_the_handshake(ps_server, opening):
+    address, key = ps_server
+    channel = connect(address, key, 10)
+    try:
+        channel.send(opening)
+        answer = channel.recv()
+        assert isinstance(answer, wire.Refused), answer
+        assert f"ps protocol version {wire.PROTOCOL_VERSION}" in answer.reason
+        with pytest.raises(EOFError):  # and the session is closed: no request gets further
+            channel.recv()
+    finally:
+        channel.close()
+
+
+def test_open_link_names_a_refusal(ps_server, monkeypatch):
+    address, key = ps_server
+    monkeypatch.setattr("unison.ps.wire.links.PROTOCOL_VERSION", wire.PROTOCOL_VERSION + 1)
+    with pytest.raises(ParameterServerError, match=rf"ps:0 at {address} refused the ps session: .*version "
+                                                   rf"{wire.PROTOCOL_VERSION}, the peer {wire.PROTOCOL_VERSION + 1}"):
+        open_link(address, key, "ps", "ps:0", 10)
+
+
+def test_a_malformed_request_gets_an_error_naming_it(ps_server):
+    address, key = ps_server
+    link = open_link(address, key, "ps", "ps:0", 10)
+    try:
+        header, _ = link.request(("pull", ["w"]))
+        assert isinstance(header, wire.Failed)
+        assert isinstance(header.error, wire.ProtocolError) and "malformed ps request 'pull'" in str(header.error)
+        assert isinstance(link.request(wire.Ping())[0], wire.Ok)  # the session goes on
+    finally:
+        link.close()
