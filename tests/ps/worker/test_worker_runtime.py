@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import unison
+from unison.ps.wire import protocol as wire
 from unison.ps.wire.client import PSClient
 from unison.ps.remote_variables.variable_specs import Placement, VariableSpec
 from unison.ps.worker.runtime import LAZY_BYTES, WorkerRuntime, WorkerShardedParameter
@@ -44,7 +45,7 @@ def test_large_whole_variable_moves_only_looked_up_rows(client):
     rows = LAZY_BYTES // (64 * 4)  # exactly LAZY_BYTES: pulled lazily, by rows
     table = torch.randn(rows, 64)
     spec = _spec("table", (rows, 64), [Placement(1, "t", rows)])
-    client.write("create", [(1, "t")], [table])
+    client.write(wire.Create, [(1, "t")], [table])
     runtime = WorkerRuntime(client, 0)
     runtime.begin()
     weight = runtime.variable(spec)
@@ -68,7 +69,7 @@ def test_large_whole_variable_moves_only_looked_up_rows(client):
 @pytest.mark.timeout(30)
 def test_dense_pull_into_parameters_and_momentum_state_on_ps(client):
     w0 = torch.randn(3, 2)
-    client.write("create", [(0, "w")], [w0])
+    client.write(wire.Create, [(0, "w")], [w0])
     runtime = WorkerRuntime(client, 0)
     spec = _spec("w", (3, 2), [Placement(0, "w", 3)])
     local = w0.clone().requires_grad_(True)
@@ -91,7 +92,7 @@ def test_dense_pull_into_parameters_and_momentum_state_on_ps(client):
 def _train_dense(client, steps=3):
     """Three SGD-momentum steps of a worker on ``w`` (ps:0); returns the local reference result."""
     w0 = torch.randn(3, 2)
-    client.write("create", [(0, "w")], [w0])
+    client.write(wire.Create, [(0, "w")], [w0])
     runtime = WorkerRuntime(client, 0)
     spec = _spec("w", (3, 2), [Placement(0, "w", 3)])
     local = w0.clone().requires_grad_(True)
@@ -156,7 +157,7 @@ def test_changes_to_non_trainable_variables_reach_the_ps_as_added_differences(cl
     # Two workers pull the same BatchNorm-like statistics and a batch counter, each changes
     # them in place; both changes add up on the ps. A bool is assigned; unchanged ones move nothing.
     mean0, count0 = torch.tensor([1.0, 2.0]), torch.tensor(5)
-    client.write("create", [(0, "mean"), (1, "count"), (0, "flag"), (1, "same")],
+    client.write(wire.Create, [(0, "mean"), (1, "count"), (0, "flag"), (1, "same")],
                  [mean0, count0, torch.tensor([False, False]), torch.ones(3)])
     specs = [VariableSpec("mean", (2,), torch.float32, False, (Placement(0, "mean", 2),), False),
              VariableSpec("count", (), torch.int64, False, (Placement(1, "count", 1),), False),
@@ -185,4 +186,4 @@ def test_changes_to_non_trainable_variables_reach_the_ps_as_added_differences(cl
     assert count.item() == 7 and count.dtype == torch.int64
     assert flag.tolist() == [True, False]
     torch.testing.assert_close(same, torch.ones(3))
-    assert writes == [("add", [(0, "mean"), (1, "count")]), ("assign", [(0, "flag")])] * 2
+    assert writes == [(wire.Add, [(0, "mean"), (1, "count")]), (wire.Assign, [(0, "flag")])] * 2
