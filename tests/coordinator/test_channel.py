@@ -191,7 +191,7 @@ def test_run_standard_server_without_a_task_names_the_value_and_the_fix(monkeypa
     """Unreachable through parse_tf_config(require_task=True), but a clear message if it ever is."""
     from unison.cluster.spec import ClusterSpec
     from unison.cluster.tf_config import TFConfig
-    from unison.coordinator import server as server_module
+    from unison.coordinator import standard_server as server_module
 
     monkeypatch.setattr(server_module, "read_tf_config", lambda environ, require_task: TFConfig(ClusterSpec({"worker": ["127.0.0.1:1"]})))
     with pytest.raises(ValueError, match=r"no task \(task type None, index None; cluster \{'worker': \['127.0.0.1:1'\]\}\).*add \"task\": \{\"type\": \"worker\", \"index\": 0\}"):

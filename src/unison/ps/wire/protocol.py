@@ -42,10 +42,11 @@ header                        tensors sent                               tensors
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import pickle
-from typing import Any, ClassVar
+from typing import Any
 
 import cloudpickle
 import torch
@@ -94,11 +95,15 @@ class RequestKind(enum.Enum):
 _frozen = dataclasses.dataclass(frozen=True, slots=True)
 
 
-class Request:
-    """Base of every request header; ``KIND`` names it."""
+class Request(abc.ABC):
+    """Base of every request header; ``KIND`` names it (a class attribute of each header)."""
 
     __slots__ = ()
-    KIND: ClassVar[RequestKind]
+
+    @property
+    @abc.abstractmethod
+    def KIND(self) -> RequestKind:  # noqa: N802 - a constant of each header class
+        """Which request this header is."""
 
 
 # -- the session ------------------------------------------------------------------------------
