@@ -2,7 +2,7 @@
 
 Recommendation models look up 64-bit feature hashes (user ids, item ids, crossed
 features), not a dense range known in advance; a fixed ``nn.Embedding`` forces them into
-``id % n`` and collisions. This module holds a :class:`~unison.embeddings.tables.local_table.LocalTable`:
+``id % n`` and collisions. This module trains a :class:`~unison.embeddings.tables.table.Table`:
 a forward pass creates the rows of ids it has not seen (each from the table's
 initializer and the id alone, so the order rows are made in never changes their values),
 and the optimizer that holds the module's ``weight`` handle updates exactly the rows the
@@ -13,7 +13,7 @@ and go). The module registers one empty parameter, ``weight``, as a handle; back
 records each batch's row gradients (summed per id, across backward passes until the
 step, as gradients accumulate), and the ``step()`` of an optimizer whose param groups
 hold the handle applies them with that group's hyper-parameters (a process-wide
-optimizer step pre-hook, installed with the first module). ``SGD`` (plain: no momentum,
+optimizer step pre-hook, installed with the first module: ``row_updates.py``). ``SGD`` (plain: no momentum,
 weight decay, or maximize) and ``Adagrad`` (no ``lr_decay``/weight decay) map to the
 row updates ``RowSGD`` and ``RowAdagrad``, which equal theirs on a sparse gradient;
 others are refused with the fix. Other parameters of the same optimizer step as usual.
@@ -21,9 +21,10 @@ others are refused with the fix. Other parameters of the same optimizer step as 
 Checkpoints: ``state_dict()`` holds the rows that exist (ids, rows, their optimizer
 state, touch counts) and no capacity; ``load_state_dict`` restores them.
 
-Where the rows live: on one device (no strategy, ``OneDeviceStrategy``) in this
-process; made in a ``ParameterServerStrategy``'s or ``HybridParameterServerStrategy``'s
-scope, on the cluster's ps tasks (:class:`~unison.ps.worker.remote_table.RemoteRows`: row ``id``
+Where the rows live is the strategy's choice (its ``tables`` component; the module tests
+no types): on one device (no strategy, ``OneDeviceStrategy``) in this
+process (:class:`~unison.embeddings.tables.local_table.LocalTable`); made in a ``ParameterServerStrategy``'s or ``HybridParameterServerStrategy``'s
+scope, on the cluster's ps tasks (:class:`~unison.ps.worker.remote_table.RemoteTable`: row ``id``
 on ps task ``shard_of(id, M)``), so a worker holds only the rows of its batch and the
 same model code runs in all three. With a bag ``mode``, where it saves bytes, each ps
 task pools its rows of a bag and a bag's gradient is pushed whole. Other strategies

@@ -3,9 +3,9 @@
 A recommendation model's categorical features are 64-bit hashes, not a dense range, and
 new ones keep arriving: a fixed ``nn.Embedding`` would need ``2**64`` rows or a lossy
 ``id % n``. A :class:`LocalTable` stores only the rows it has been asked for, each
-created from its id alone (``id_initializers``), updated in place by a sparse row
+created from its id alone (``initializers``), updated in place by a sparse row
 optimizer whose state sits beside it (``row_optimizers``), dropped by an eviction policy
-(``row_eviction``), and exported or imported so a checkpoint can be re-split over any
+(``eviction``), and exported or imported so a checkpoint can be re-split over any
 number of shards (``shard_of``). Both the one-device module and each ps task's store
 hold one per table shard.
 
