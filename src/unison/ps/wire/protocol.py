@@ -92,9 +92,6 @@ class RequestKind(enum.Enum):
     TABLE_STATS = "table_stats"
 
 
-_frozen = dataclasses.dataclass(frozen=True, slots=True)
-
-
 class Request(abc.ABC):
     """Base of every request header; ``KIND`` names it (a class attribute of each header)."""
 
@@ -107,21 +104,21 @@ class Request(abc.ABC):
 
 
 # -- the session ------------------------------------------------------------------------------
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Hello:
     """Opens a ps session: the requester's protocol version."""
 
     version: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Accepted:
     """The ps task speaks the requester's version."""
 
     version: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Refused:
     """The ps task does not: why, with both versions."""
 
@@ -129,12 +126,12 @@ class Refused:
 
 
 # -- replies ----------------------------------------------------------------------------------
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Ok:
     """The request was applied; its tensors follow."""
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Failed:
     """The request raised on the ps task: the exception (re-raised by the requester) and its traceback."""
 
@@ -143,19 +140,19 @@ class Failed:
 
 
 # -- variables --------------------------------------------------------------------------------
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Create(Request):
     KIND = RequestKind.CREATE
     keys: tuple[str, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Pull(Request):
     KIND = RequestKind.PULL
     keys: tuple[str, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class PullShared(Request):
     """Each value copied by the ps task into the worker's shared memory at ``places``."""
 
@@ -164,7 +161,7 @@ class PullShared(Request):
     places: tuple[Any, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Attach(Request):
     """Map the worker's shared-memory segments (same host only; see ``shared_arena``)."""
 
@@ -172,13 +169,13 @@ class Attach(Request):
     segments: tuple[Any, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class PullRows(Request):
     KIND = RequestKind.PULL_ROWS
     keys: tuple[str, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class PushEntry:
     """One gradient of a :class:`Push`: its variable, the optimizer to apply, and where it is.
 
@@ -193,31 +190,31 @@ class PushEntry:
     place: Any = None
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Push(Request):
     KIND = RequestKind.PUSH
     entries: tuple[PushEntry, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Assign(Request):
     KIND = RequestKind.ASSIGN
     keys: tuple[str, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Add(Request):
     KIND = RequestKind.ADD
     keys: tuple[str, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class OptimizerStates(Request):
     KIND = RequestKind.OPTIMIZER_STATES
     keys: tuple[str, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class LoadOptimizerStates(Request):
     """Per key, the optimizer class and hyper-parameters whose state the pickled tensor holds."""
 
@@ -226,13 +223,13 @@ class LoadOptimizerStates(Request):
     optimizers: tuple[tuple[type, dict], ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Ping(Request):
     KIND = RequestKind.PING
 
 
 # -- dynamic tables ---------------------------------------------------------------------------
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class TableCreate(Request):
     """Make the table's shard, or check an existing one was made from the same config."""
 
@@ -241,21 +238,21 @@ class TableCreate(Request):
     config: Any
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class TableRows(Request):
     KIND = RequestKind.TABLE_ROWS
     key: str
     create: bool
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class TablePush(Request):
     KIND = RequestKind.TABLE_PUSH
     key: str
     optimizer: Any
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class TablePool(Request):
     KIND = RequestKind.TABLE_POOL
     key: str
@@ -263,20 +260,20 @@ class TablePool(Request):
     num_bags: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class TablePushBags(Request):
     KIND = RequestKind.TABLE_PUSH_BAGS
     key: str
     optimizer: Any
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class TableExport(Request):
     KIND = RequestKind.TABLE_EXPORT
     key: str
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class TableLoad(Request):
     """Replace the shard by the rows of an export that belong to shard ``shard`` of ``num_shards``."""
 
@@ -286,20 +283,20 @@ class TableLoad(Request):
     num_shards: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class TableStats(Request):
     KIND = RequestKind.TABLE_STATS
 
 
 # -- the chief and a worker (a ClusterCoordinator's session with a worker task) ---------------
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class RunFunction:
     """Run a scheduled function: ``(fn, args, kwargs)`` pickled by ``dumps_for_workers``."""
 
     payload: bytes
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class BuildDataset:
     """Build per-worker dataset ``dataset_id`` by calling ``dataset_fn`` on the worker."""
 
@@ -307,14 +304,14 @@ class BuildDataset:
     dataset_fn: Any
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class FunctionResult:
     """What the function (or dataset build) returned."""
 
     value: Any
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class FunctionFailed:
     """What it raised, its traceback on the worker, and whether the worker lost a ps task
     (then nothing can run any more)."""

@@ -96,9 +96,10 @@ class RemoteTable:
         self._last_split = (ids, positions)
         return positions
 
-    def lookup(self, unique: torch.Tensor, create: bool, occurrences: "torch.Tensor | None" = None) -> torch.Tensor:
-        """Rows of distinct ``unique`` ids, ``[n, dim]``; missing rows are made when ``create``, and
+    def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: "torch.Tensor | None" = None) -> torch.Tensor:
+        """Rows of distinct ``ids``, ``[n, dim]``; missing rows are made when ``create``, and
         each id counted by its ``occurrences`` (default once)."""
+        unique = ids
         if occurrences is None:
             occurrences = torch.ones_like(unique)
         self.traffic["rows"] += 1
