@@ -92,6 +92,16 @@ class ProcessState:
         return stack[-1] if stack else None
 
     @property
+    def reference_resolver(self) -> Any:
+        """The resolver of the worker-side unpickling in progress on this thread, or None
+        (``unison.ps.wire.worker_references.loads_on_worker`` sets it for one call)."""
+        return getattr(self._local, "reference_resolver", None)
+
+    @reference_resolver.setter
+    def reference_resolver(self, resolve: Any) -> None:
+        self._local.reference_resolver = resolve
+
+    @property
     def worker_context(self) -> Any:
         """The distribute coordinator's WorkerContext of this thread, or None."""
         return getattr(self._local, "worker_context", None)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import typing
 import weakref
-import time
 from typing import Any, Callable
+
+import cloudpickle
 
 from torch.utils._pytree import tree_map
 
@@ -28,7 +30,6 @@ from unison.ps.wire.client import PSClient
 from unison.ps.chief.closure_queue import Closure, ClosureQueue
 from unison.ps.chief.per_worker_datasets import PerWorkerDataset
 from unison.ps.wire import protocol as wire
-from unison.ps.wire.worker_references import dumps_for_workers
 from unison.ps.wire.links import set_nodelay
 from unison.ps.chief.remote_values import RemoteValue
 from unison.ps.strategy import ParameterServerStrategy
@@ -230,7 +231,7 @@ class ClusterCoordinator:
         """
         self._strategy.extended.finish_variable_creation()
         try:
-            payload = dumps_for_workers((fn, tuple(args or ()), dict(kwargs or {})))
+            payload = cloudpickle.dumps((fn, tuple(args or ()), dict(kwargs or {})))
         except Exception as e:
             raise TypeError(f"schedule: {getattr(fn, '__name__', fn)!r} or its arguments cannot be pickled ({e!r})") from e
         closure = Closure(payload, getattr(fn, "__name__", repr(fn)))

@@ -12,7 +12,7 @@ import itertools
 from typing import Any, Callable
 
 from unison.ps.chief.remote_values import PerWorkerValues
-from unison.ps.wire.worker_references import WorkerReference, off_worker
+from unison.ps.wire.worker_references import WorkerReference, reference
 
 __all__ = ["PerWorkerDataset", "PerWorkerIterator"]
 
@@ -23,11 +23,8 @@ class _IteratorRef:
     def __init__(self, dataset_id: int, iterator_id: int):
         self.dataset_id, self.iterator_id = dataset_id, iterator_id
 
-    def __worker_reference__(self) -> tuple[WorkerReference, tuple[int, int]]:
-        return WorkerReference.ITERATOR, (self.dataset_id, self.iterator_id)
-
     def __reduce__(self) -> tuple:
-        return off_worker, ("a per-worker iterator",)
+        return reference(WorkerReference.ITERATOR, (self.dataset_id, self.iterator_id))
 
 
 @typing.final
@@ -45,9 +42,6 @@ class PerWorkerIterator:
     def values(self) -> tuple[Any, ...]:
         """The iterators' references, by worker index."""
         return self._per_worker.values
-
-    def __worker_reference__(self) -> tuple[WorkerReference, tuple[Any, ...]]:
-        return self._per_worker.__worker_reference__()
 
     def __reduce__(self) -> tuple:
         return self._per_worker.__reduce__()

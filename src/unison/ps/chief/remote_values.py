@@ -11,7 +11,7 @@ import typing
 import threading
 from typing import Any, Sequence
 
-from unison.ps.wire.worker_references import WorkerReference, off_worker
+from unison.ps.wire.worker_references import WorkerReference, reference
 
 __all__ = ["RemoteValue", "PerWorkerValues"]
 
@@ -78,12 +78,9 @@ class PerWorkerValues:
         """The components, by worker index."""
         return self._values
 
-    def __worker_reference__(self) -> tuple[WorkerReference, tuple[Any, ...]]:
-        """In a scheduled function: the worker's component (:mod:`unison.ps.wire.worker_references`)."""
-        return WorkerReference.PER_WORKER, self._values
-
     def __reduce__(self) -> tuple:
-        return off_worker, ("PerWorkerValues",)
+        """In a scheduled function: the worker's component (:mod:`unison.ps.wire.worker_references`)."""
+        return reference(WorkerReference.PER_WORKER, self._values)
 
     def __repr__(self) -> str:
         return f"PerWorkerValues({list(self._values)!r})"

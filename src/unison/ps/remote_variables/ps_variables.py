@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 
 from unison._state import STATE
 from unison.ps.wire import protocol as wire
-from unison.ps.wire.worker_references import WorkerReference, off_worker
+from unison.ps.wire.worker_references import WorkerReference, reference
 from unison.ps.remote_variables.variable_specs import VariableSpec, is_metadata_function, task_device
 
 __all__ = ["PSVariable", "ShardedVariable"]
@@ -125,14 +125,10 @@ class _RemoteParameter(nn.Parameter):
                 f"(its values are not on the ps tasks yet); schedule functions after `with strategy.scope():`"
             )
 
-    def __worker_reference__(self) -> tuple[WorkerReference, VariableSpec]:
+    def __reduce_ex__(self, protocol: Any) -> tuple:
         """In a scheduled function: the worker's cached parameter (:mod:`unison.ps.wire.worker_references`)."""
         self._check_sendable()
-        return WorkerReference.VARIABLE, self._ps_spec
-
-    def __reduce_ex__(self, protocol: Any) -> tuple:
-        self._check_sendable()
-        return off_worker, (f"ps variable {self._ps_spec.name!r} (read it on the coordinator with `.read_value()`)",)
+        return reference(WorkerReference.VARIABLE, self._ps_spec)
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         # In the strategy's scope (a module that clones its layers there, like

@@ -26,7 +26,7 @@ import torch
 
 from unison.coordinator.channel import Channel, connect
 from unison.errors import ParameterServerError
-from unison.ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, pickled, unpickled
+from unison.ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, decode, encode, pickled, unpickled
 
 __all__ = ["TensorLink", "open_link", "set_nodelay", "pickled", "unpickled"]
 
@@ -73,7 +73,7 @@ class TensorLink:
         """Sends ``header`` and ``tensors`` (made contiguous, CPU)."""
         tensors = [t.detach().contiguous().cpu() for t in tensors]
         meta = [(tuple(t.shape), t.dtype) for t in tensors]
-        self._connection.send_bytes(cloudpickle.dumps((header, meta)))
+        self._connection.send_bytes(cloudpickle.dumps((encode(header), meta)))
         for t in tensors:
             if t.numel():
                 self._socket.sendall(_bytes_view(t))
@@ -93,6 +93,7 @@ class TensorLink:
         if timeout is not None and not self._connection.poll(timeout):
             raise TimeoutError(f"{self.peer} did not answer within {timeout:g} s")
         header, meta = pickle.loads(self._connection.recv_bytes())
+        header = decode(header)
         tensors = []
         for i, (shape, dtype) in enumerate(meta):
             target = into[i] if into is not None and i < len(into) and into[i] is not None else None

@@ -1,7 +1,7 @@
 """A worker's side of the ps variables: its cache of parameters, pulls and pushes.
 
 A scheduled function arrives pickled; each ps variable in it is rebuilt from its spec
-as this worker's cached copy (see :func:`rebuild_variable`), and noted as touched.
+as this worker's cached copy (:meth:`WorkerRuntime.resolve`), and noted as touched.
 Before the function runs, every touched whole variable is pulled in one request per ps
 task, straight into the cached parameters, so the forward pass runs on plain
 ``nn.Parameter`` tensors at plain PyTorch speed. A sharded variable (or a whole one of
@@ -36,10 +36,10 @@ from unison.input.context import InputContext
 from unison.ps.wire.client import PSClient
 from unison.ps.remote_variables.variable_specs import VariableSpec, is_metadata_function
 from unison.ps.wire import protocol as wire
-from unison.ps.wire.worker_references import WorkerReference
+from unison.ps.wire.worker_references import WorkerReference, reference
 from unison.gradient_sync.step_hooks import attach, install_step_hooks
 
-__all__ = ["build_dataset", "WorkerRuntime", "WorkerShardedParameter", "rebuild_variable", "RUNTIME"]
+__all__ = ["build_dataset", "WorkerRuntime", "WorkerShardedParameter", "RUNTIME"]
 
 _EMBEDDING = inspect.signature(F.embedding)
 
@@ -67,28 +67,17 @@ def build_dataset(dataset_fn: Callable[..., Any], worker_index: int, num_workers
 
 
 class _RuntimeHolder:
-    """The process's worker runtime (None outside a worker serving a coordinator)."""
+    """The runtime of the coordinator session this worker process serves (None outside one).
+
+    Set and cleared by the task server; read by nothing in unison (a scheduled function's
+    references are resolved by the unpickler it is handed, :mod:`unison.ps.wire.worker_references`).
+    For introspection, e.g. a test's scheduled function asking which worker it runs on."""
 
     def __init__(self) -> None:
         self.current: "WorkerRuntime | None" = None
 
 
 RUNTIME = _RuntimeHolder()
-
-
-def rebuild_variable(spec: VariableSpec) -> nn.Parameter:
-    """Unpickles a ps variable as this worker's cached parameter.
-
-    Raises:
-        ValueError: outside a worker of a parameter-server cluster.
-    """
-    runtime = RUNTIME.current
-    if runtime is None:
-        raise ValueError(
-            f"ps variable {spec.name!r} can only be unpickled on a worker serving a ClusterCoordinator; "
-            f"read it on the coordinator with `.read_value()` instead of pickling it"
-        )
-    return runtime.variable(spec)
 
 
 class _GradientSync:
@@ -144,11 +133,8 @@ class WorkerShardedParameter(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return F.embedding(inverse, rows, **arguments)
 
-    def __worker_reference__(self) -> tuple[WorkerReference, VariableSpec]:
-        return WorkerReference.VARIABLE, self._ps_spec
-
     def __reduce_ex__(self, protocol: Any) -> tuple:
-        return rebuild_variable, (self._ps_spec,)
+        return reference(WorkerReference.VARIABLE, self._ps_spec)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"WorkerShardedParameter({self._ps_spec.name!r}, shape={tuple(self.shape)})"
