@@ -21,12 +21,11 @@ import socket
 import threading
 from typing import Any, Sequence
 
-import cloudpickle
 import torch
 
 from unison.coordinator.channel import Channel, connect
 from unison.errors import ParameterServerError
-from unison.ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, decode, encode, pickled, unpickled
+from unison.ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, decode, dumps_header, pickled, unpickled
 
 __all__ = ["TensorLink", "open_link", "set_nodelay", "pickled", "unpickled"]
 
@@ -73,7 +72,7 @@ class TensorLink:
         """Sends ``header`` and ``tensors`` (made contiguous, CPU)."""
         tensors = [t.detach().contiguous().cpu() for t in tensors]
         meta = [(tuple(t.shape), t.dtype) for t in tensors]
-        self._connection.send_bytes(cloudpickle.dumps((encode(header), meta)))
+        self._connection.send_bytes(dumps_header(header, meta))
         for t in tensors:
             if t.numel():
                 self._socket.sendall(_bytes_view(t))

@@ -56,7 +56,7 @@ __all__ = [
     "PROTOCOL_VERSION", "RequestKind", "Request", "Hello", "Accepted", "Refused", "Ok", "Failed", "PushEntry",
     "Create", "Pull", "PullShared", "Attach", "PullRows", "Push", "Assign", "Add", "OptimizerStates",
     "LoadOptimizerStates", "Ping", "TableCreate", "TableRows", "TablePush", "TablePool", "TablePushBags",
-    "TableExport", "TableLoad", "TableStats", "ProtocolError", "check_request", "encode", "decode", "export_tensors",
+    "TableExport", "TableLoad", "TableStats", "ProtocolError", "check_request", "encode", "decode", "dumps_header", "export_tensors",
     "export_from_tensors", "pickled", "unpickled", "RunFunction", "BuildDataset", "FunctionResult",
     "FunctionFailed", "WorkerRequest",
 ]
@@ -124,6 +124,18 @@ def encode(message: Any) -> Any:
     if code == _PUSH_CODE:
         return _TAG, code, tuple([(e.key, e.has_ids, e.optimizer, e.hyper, e.place) for e in message.entries])
     return _TAG, code, tuple([getattr(message, name) for name in message.__slots__])
+
+
+def dumps_header(header: Any, meta: Any) -> bytes:
+    """``(header, meta)`` as bytes for a link: a message whose fields are unison's or builtins
+    by the C pickler; anything that may hold a user's class (a dense push's optimizer class,
+    a table's initializer, an exception, a non-protocol header) by cloudpickle, which can
+    send a class defined in ``__main__``. The C pickler is 2-3x faster per message, and
+    the lookups, pushes and their replies of a recommendation model are hundreds a step."""
+    encoded = encode(header)
+    if type(header) in _PLAIN:
+        return pickle.dumps((encoded, meta), protocol=pickle.HIGHEST_PROTOCOL)
+    return cloudpickle.dumps((encoded, meta))
 
 
 def decode(value: Any) -> Any:
@@ -371,6 +383,14 @@ WorkerRequest = RunFunction | BuildDataset
 
 
 _PUSH_CODE = _CODES[Push]
+
+_PLAIN = frozenset({Hello, Accepted, Refused, Ok, Create, Pull, PullShared, Attach, PullRows, Assign, Add,
+                    OptimizerStates, Ping, TableRows, TablePush, TablePool, TablePushBags, TableExport, TableLoad,
+                    TableStats})
+"""Messages whose fields are builtins, tensors' metadata or unison's own objects (a table's row
+optimizer): the C pickler takes them. ``Push``, ``LoadOptimizerStates`` (optimizer classes),
+``TableCreate`` (an initializer), ``Failed`` (an exception) and the chief's messages may hold a
+user's class: cloudpickle."""
 
 
 def check_request(header: Any) -> Request:
