@@ -104,7 +104,7 @@ def interleaved_rounds(steps: dict, batches: list, cfg: dict[str, Any]) -> tuple
     return samples, taken
 
 
-def mse_sgd_step(model: "torch.nn.Module", opt: "torch.optim.Optimizer") -> Callable[..., None]:
+def mse_sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[..., None]:
     """The benchmarks' plain training step: ``zero_grad(); mse_loss(model(x), y).backward(); step()``."""
     def train(x: torch.Tensor, y: torch.Tensor) -> None:
         opt.zero_grad()
@@ -125,7 +125,7 @@ def rotating_rounds(variants: Sequence[str], time_block: Callable[[str], float],
     return samples
 
 
-def max_weight_diffs(make_step: Callable[[str], tuple[Callable, "torch.nn.Module"]], variants: Sequence[str],
+def max_weight_diffs(make_step: Callable[[str], tuple[Callable, torch.nn.Module]], variants: Sequence[str],
                      batches: list, steps: int = 5, reference: str = "plain") -> dict[str, float]:
     """Largest |weight - reference's weight| of each variant after ``steps`` steps on ``batches``;
     ``make_step(variant)`` gives a step function and its model, all from the same weights."""

@@ -15,17 +15,18 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved_rounds  # noqa: E402
-from multi_worker import _make_batches, _make_model, _make_step  # noqa: E402  (the same workloads)
 
 import unison  # noqa: E402
+from multi_worker import _make_batches, _make_model, _make_step  # noqa: E402  (the same workloads)
 
 VARIANTS = ("ddp", "hierarchical", "ring", "no_sync")
 """``no_sync``: a reference, each worker training its own model alone (no communication): the ceiling."""

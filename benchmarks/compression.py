@@ -46,6 +46,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import describe, interleaved_rounds, machine_info  # noqa: E402
+
 from multi_worker import GLOBAL_BATCH, _make_batches, _make_model, _make_step  # noqa: E402
 
 VARIANTS = ("ddp", "ddp_fp16", "unison_ring", "unison_bf16", "unison_fp16", "unison_powersgd")

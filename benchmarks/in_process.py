@@ -41,8 +41,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from _common import machine_info, max_weight_diffs, mse_sgd_step, rotating_rounds
@@ -93,8 +94,8 @@ class ThreadsFloor:
     def __init__(self, spec: dict[str, Any], dtype: torch.dtype):
         self._models = [_model(spec, dtype) for _ in range(2)]
         self._opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in self._models]
-        self._requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._done: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
         own = torch.get_num_threads()
         self._share = max(1, own // 2)
         ready = threading.Event()

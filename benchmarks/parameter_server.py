@@ -215,7 +215,7 @@ def run_mwms(steps: int, warmup: int) -> dict[str, Any]:
 
 
 # -- TensorFlow's ParameterServerStrategy --------------------------------------------------------
-def run_tensorflow(workload: str, ps: int, steps: int, warmup: int, tf_path: "str | None") -> "dict[str, Any] | None":
+def run_tensorflow(workload: str, ps: int, steps: int, warmup: int, tf_path: str | None) -> dict[str, Any] | None:
     script = Path(__file__).resolve().parent / "_tf_parameter_server.py"
     env = dict(os.environ)
     if tf_path:
@@ -247,7 +247,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60,
                         help=f"timed steps per variant (default 60; x{EMBEDDING_STEPS_FACTOR} for the embedding workload)")

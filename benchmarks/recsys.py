@@ -48,7 +48,7 @@ def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _run_json(command: list[str], env: "dict[str, str] | None" = None, timeout: int = 1200,
+def _run_json(command: list[str], env: dict[str, str] | None = None, timeout: int = 1200,
               json_file: bool = True) -> dict[str, Any]:
     """Runs a variant; its result is the JSON it writes (``--json``) or its last stdout line."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,7 +62,7 @@ def _run_json(command: list[str], env: "dict[str, str] | None" = None, timeout: 
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _peer_env(path: "str | None") -> dict[str, str]:
+def _peer_env(path: str | None) -> dict[str, str]:
     env = dict(os.environ)
     if path:
         env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")

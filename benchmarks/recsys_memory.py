@@ -32,7 +32,7 @@ DIM = 64
 ROW_AND_STATE_BYTES = DIM * 4 * 2
 
 
-def _status_kb(pid: "int | str", field: str) -> int:
+def _status_kb(pid: int | str, field: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):

@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import unison  # noqa: E402
 from ctr_data import CtrData, auc, bayes_auc, make_ctr_data  # noqa: E402
 from dlrm import DLRM, dynamic_table  # noqa: E402
 
+import unison  # noqa: E402
 
-def _parse(argv: "list[str] | None") -> argparse.Namespace:
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=("hybrid", "ps", "one_device"), default="hybrid")
     parser.add_argument("--train", type=int, default=200_000, help="training samples over all workers (one pass)")
@@ -65,7 +66,7 @@ def _evaluate(model: DLRM, test: CtrData) -> float:
 
 
 def _report(args: argparse.Namespace, strategy: str, samples: int, seconds: float, test: CtrData, score: float,
-            extra: "dict | None" = None) -> None:
+            extra: dict | None = None) -> None:
     result = {"strategy": strategy, "samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
               "auc": score, "bayes_auc": bayes_auc(test), **(extra or {})}
     print(f"[{strategy}] trained on {samples} samples in {seconds:.1f} s ({samples / seconds:.0f} samples/s); "
@@ -164,7 +165,7 @@ def parameter_server(args: argparse.Namespace) -> None:
     coordinator.shutdown()
 
 
-def main(argv: "list[str] | None" = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     {"hybrid": hybrid, "ps": parameter_server, "one_device": one_device}[args.strategy](args)
 

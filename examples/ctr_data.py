@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

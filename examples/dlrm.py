@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from ctr_data import NUM_DENSE, NUM_SPARSE, CtrData, auc, bayes_auc, make_ctr_data
 from torch import nn
 
 import unison
-from ctr_data import NUM_DENSE, NUM_SPARSE, CtrData, auc, bayes_auc, make_ctr_data
 from unison.embeddings import Uniform
 
 __all__ = ["DLRM", "dynamic_embeddings", "dynamic_table", "fixed_embeddings", "train_one_device", "evaluate"]

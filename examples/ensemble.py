@@ -53,7 +53,7 @@ def load_digits() -> tuple[torch.utils.data.TensorDataset, torch.utils.data.Tens
             torch.utils.data.TensorDataset(images[test], labels[test]))
 
 
-def make_placement(kind: str) -> "RoundRobinStrategy | ReplicationStrategy":
+def make_placement(kind: str) -> RoundRobinStrategy | ReplicationStrategy:
     return RoundRobinStrategy() if kind == "round_robin" else ReplicationStrategy()
 
 

@@ -97,7 +97,7 @@ class _MultiHostCount:
         elif report.failed and report.nodeid not in self._outcomes:
             self._outcomes[report.nodeid] = "error"  # setup failed: it never ran
 
-    def pytest_terminal_summary(self, terminalreporter: "pytest.TerminalReporter") -> None:
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self._outcomes:
             return
         counts = {kind: list(self._outcomes.values()).count(kind) for kind in ("ran", "skipped", "error")}
@@ -168,7 +168,7 @@ _SESSION_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 @pytest.fixture
-def session_cuda_visible_devices() -> "str | None":
+def session_cuda_visible_devices() -> str | None:
     """``CUDA_VISIBLE_DEVICES`` as the test session found it (None: unset)."""
     return _SESSION_CUDA_VISIBLE_DEVICES
 

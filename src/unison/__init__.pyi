@@ -12,20 +12,19 @@ from .checkpoint import (
 )
 from .cluster import (
     ClusterResolver,
+    ClusterSpec,
     KubernetesClusterResolver,
     SageMakerClusterResolver,
-    UnionResolver,
-    ThreadsDefaultWarning,
-    ClusterSpec,
     SimpleClusterResolver,
     SlurmClusterResolver,
     TFConfigClusterResolver,
+    ThreadsDefaultWarning,
     TorchrunClusterResolver,
+    UnionResolver,
     detect_cluster_resolver,
 )
 from .collectives.ops.base import CrossDeviceOps
 from .collectives.ops.collective import CollectiveAllReduce
-from .collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
 from .collectives.ops.local import (
     AllReduceCrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -33,6 +32,7 @@ from .collectives.ops.local import (
     ReductionToOneDevice,
     select_cross_device_ops,
 )
+from .collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
 from .context import ReplicaContext
 from .coordinator import (
     CoordinatorMode,
@@ -41,6 +41,7 @@ from .coordinator import (
     run_distribute_coordinator,
     run_standard_server,
 )
+from .embeddings.modules.dynamic_embedding import DynamicEmbedding
 from .input import (
     AutoShardPolicy,
     DistributedDataset,
@@ -52,19 +53,20 @@ from .input import (
     OptionalValue,
     ValueContext,
 )
-
 from .ps.chief.cluster_coordinator import ClusterCoordinator
-from .ps.task_server import Server
 from .ps.chief.remote_values import PerWorkerValues, RemoteValue
+from .ps.hybrid_strategy import HybridParameterServerStrategy
 from .ps.remote_variables.ps_variables import ShardedVariable
+from .ps.strategy import ParameterServerStrategy
+from .ps.task_server import Server
 from .reduce import ReduceOp
 from .strategies.base import Strategy, StrategyExtended
 from .strategies.central_storage import CentralStorageStrategy
 from .strategies.creation import Variable
 from .strategies.current import (
+    experimental_set_strategy,
     get_cross_replica_context,
     get_replica_context,
-    experimental_set_strategy,
     get_strategy,
     has_strategy,
     in_cross_replica_context,
@@ -72,9 +74,6 @@ from .strategies.current import (
 from .strategies.mirrored import MirroredStrategy
 from .strategies.multi_worker import CollectiveAllReduceStrategy, MultiWorkerMirroredStrategy
 from .strategies.one_device import OneDeviceStrategy
-from .embeddings.modules.dynamic_embedding import DynamicEmbedding
-from .ps.hybrid_strategy import HybridParameterServerStrategy
-from .ps.strategy import ParameterServerStrategy
 from .values.aggregation import VariableAggregation, VariableSynchronization
 from .values.values import DistributedValues, Mirrored, PerReplica
 from .values.variables import MirroredVariable, SyncOnReadVariable

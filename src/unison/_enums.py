@@ -22,7 +22,7 @@ class NamedEnum(enum.Enum):
         return cls.__name__
 
     @classmethod
-    def from_any(cls: type[E], value: "E | str") -> E:
+    def from_any(cls: type[E], value: E | str) -> E:
         """Returns the member for an enum member or a case-insensitive name.
 
         Raises:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import Any, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["ContextEntry", "OwnComponentWrites", "ProcessState", "STATE"]
 
@@ -74,7 +75,7 @@ class ProcessState:
     def __init__(self) -> None:
         self._local = threading.local()
         self.own_component_writes = OwnComponentWrites()
-        self.busy_replica_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+        self.busy_replica_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
     def stack(self) -> list[ContextEntry]:
         """This thread's stack itself, for the hot path of ``strategy.run`` (append, then pop)."""

@@ -9,7 +9,8 @@ answer with the default strategy.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from torch.utils import _pytree as pytree
 
@@ -32,7 +33,7 @@ class ReplicaContext:
     sequence of these calls.
     """
 
-    def __init__(self, strategy: "Strategy", local_replica_id: int, replica_id_in_sync_group: int,
+    def __init__(self, strategy: Strategy, local_replica_id: int, replica_id_in_sync_group: int,
                  merge: Callable[..., Any]):
         self._strategy = strategy
         self._local_replica_id = local_replica_id
@@ -40,7 +41,7 @@ class ReplicaContext:
         self._merge = merge
 
     @property
-    def strategy(self) -> "Strategy":
+    def strategy(self) -> Strategy:
         """The strategy that runs this replica."""
         return self._strategy
 
@@ -79,11 +80,11 @@ class ReplicaContext:
         """
         return self._merge(self._local_replica_id, merge_fn, tuple(args), dict(kwargs or {}))
 
-    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any) -> Any:
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """All-reduces ``value`` (a tensor or a nested structure of tensors) across replicas."""
         reduce_op = ReduceOp.from_any(reduce_op)
 
-        def merge_fn(strategy: "Strategy", per_replica: Any) -> Any:
+        def merge_fn(strategy: Strategy, per_replica: Any) -> Any:
             leaves, spec = pytree.tree_flatten(per_replica, is_leaf=is_distributed)
             pairs = [(leaf, leaf) for leaf in leaves]
             reduced = strategy.extended.batch_reduce_to(reduce_op, pairs) if pairs else []
@@ -94,7 +95,7 @@ class ReplicaContext:
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's ``value`` along ``axis``; each replica gets the whole."""
 
-        def merge_fn(strategy: "Strategy", per_replica: Any) -> Any:
+        def merge_fn(strategy: Strategy, per_replica: Any) -> Any:
             def gather(leaf: Any) -> Any:
                 return strategy.extended.gather_to(leaf, axis=axis, destinations=leaf)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ _TF_FORM = re.compile(
 _KINDS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
 
 
-def canonicalize(device: "str | torch.device") -> str:
+def canonicalize(device: str | torch.device) -> str:
     """Returns the canonical ``"cpu:K"`` / ``"cuda:K"`` name of ``device``.
 
     Accepts ``torch.device`` objects and strings in either spelling: ``"GPU:0"``,
@@ -37,7 +37,7 @@ def canonicalize(device: "str | torch.device") -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _canonicalize(device: "str | torch.device") -> str:
+def _canonicalize(device: str | torch.device) -> str:
     """``canonicalize`` proper, cached: every reduce of a batch names its destinations."""
     kind: str | None
     index: int | None
@@ -58,7 +58,7 @@ def _canonicalize(device: "str | torch.device") -> str:
     return f"{kind}:{index or 0}"
 
 
-def canonicalize_all(devices: "Iterable[str | torch.device]", *, field: str = "devices") -> tuple[str, ...]:
+def canonicalize_all(devices: Iterable[str | torch.device], *, field: str = "devices") -> tuple[str, ...]:
     """Canonicalises a device list and rejects an empty list or duplicates."""
     if isinstance(devices, (str, torch.device)):
         devices = [devices]

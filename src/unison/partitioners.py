@@ -4,6 +4,11 @@ The partitioners live with the parameter servers (``unison.ps.remote_variables.s
 module re-exports the public ones under the name TensorFlow users write.
 """
 
-from unison.ps.remote_variables.shard_partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, Partitioner
+from unison.ps.remote_variables.shard_partitioners import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    Partitioner,
+)
 
 __all__ = ["Partitioner", "FixedShardsPartitioner", "MinSizePartitioner", "MaxSizePartitioner"]

@@ -94,10 +94,11 @@ def test_the_same_version_is_accepted():
 
 def _example(cls: type):
     """One instance of each message class, with fields of the kinds that travel."""
+    import torch
+
     from unison.embeddings.optim.row_optimizers import RowSGD
     from unison.embeddings.tables.initializers import normal
     from unison.embeddings.tables.table import TableConfig
-    import torch
 
     values = {
         "keys": ("a", "b"), "places": (None,), "segments": (("seg", 16),), "entries":

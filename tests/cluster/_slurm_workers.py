@@ -12,10 +12,9 @@ import os
 import time
 
 import unison
+from tests.multi_worker._workers import global_batches, mlp_and_step
 from unison.collectives.group.store_connect import OWNER_KEY
 from unison.errors import ClusterError
-
-from tests.multi_worker._workers import global_batches, mlp_and_step
 
 
 def srun_environment(job_id: int, procid: int, ntasks: int = 2, step_id: int = 0) -> dict[str, str]:
@@ -28,7 +27,7 @@ def srun_environment(job_id: int, procid: int, ntasks: int = 2, step_id: int = 0
     }
 
 
-def slurm_task(rank: int, world: int, jobs: list, timeout_seconds: float, procids: "list | None" = None):
+def slurm_task(rank: int, world: int, jobs: list, timeout_seconds: float, procids: list | None = None):
     """Trains a small MLP as task ``rank % 2`` of job ``jobs[rank // 2]`` = (job id, extra variables).
 
     Returns ``("trained", job_id, weights, loss, owner)``, ``owner`` the run token that the

@@ -2,7 +2,8 @@
 
 import pytest
 
-from unison.cluster import ClusterSpec, multi_worker_util as mwu
+from unison.cluster import ClusterSpec
+from unison.cluster import multi_worker_util as mwu
 
 WITH_CHIEF = {"chief": ["c:1"], "worker": ["w0:1", "w1:1", "w2:1"], "ps": ["p0:1", "p1:1"], "evaluator": ["e:1"]}
 NO_CHIEF = {"worker": ["w0:1", "w1:1"], "ps": ["p0:1"]}

@@ -11,8 +11,8 @@ from unison.cluster import multi_worker_util, tf_config
 from unison.cluster.resolved import RendezvousKind, ResolvedCluster
 from unison.cluster.scheduler import LAUNCH
 from unison.cluster.slurm import SLURM
-from unison.cluster.torchrun import TORCHRUN
 from unison.cluster.spec import ClusterSpec
+from unison.cluster.torchrun import TORCHRUN
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:2000", "127.0.0.1:2001"]}, "task": {"type": "worker", "index": 1}}
 

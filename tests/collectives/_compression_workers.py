@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 import unison
-
 from tests.multi_worker._workers import global_batches, make_mlp
 
 
@@ -45,7 +44,7 @@ def train(rank: int, world: int, compression: str, scale: float = 1.0):
             "shared_buckets": sum(sync.buckets_in_shared_memory)}
 
 
-def powersgd_with_grad_scaler(rank: int, world: int, overflow_step: "int | None", drop_step: "int | None" = None):
+def powersgd_with_grad_scaler(rank: int, world: int, overflow_step: int | None, drop_step: int | None = None):
     """PowerSGD with ``torch.amp.GradScaler``; the batch of ``overflow_step`` (if any) holds
     an inf in worker 1's half, the batch of ``drop_step`` (if any) is left out and the
     scale halved in its place, as an overflow would. Returns the weights and the steps

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 import unison
-from unison.collectives.transport.cross_worker import HierarchicalTransport
-
 from tests.multi_worker._workers import global_batches, mlp_and_step
+from unison.collectives.transport.cross_worker import HierarchicalTransport
 
 HOSTS = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.2:3", "127.0.0.2:4"]  # never bound: run_workers provides the store
 
@@ -88,7 +87,7 @@ class _PauseInBackward(torch.autograd.Function):
 
 
 class _Pause(nn.Module):
-    def __init__(self, wait: "Callable[[], None] | None" = None):
+    def __init__(self, wait: Callable[[], None] | None = None):
         super().__init__()
         self.wait = wait if wait is not None else (lambda: None)
 
@@ -119,7 +118,7 @@ class FileBarrier:
         self._round += 1
 
 
-def make_paused_mlp(out_of_order: bool = False, pause: "Callable[[], None] | None" = None) -> nn.Module:
+def make_paused_mlp(out_of_order: bool = False, pause: Callable[[], None] | None = None) -> nn.Module:
     """An MLP with a pause in backward after its last three layers, its layers made in
     forward order (so its first buckets are backward's first gradients), or, with
     ``out_of_order``, the hidden layers first (as ``make_mlp`` does), so that reverse

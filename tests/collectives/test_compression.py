@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import unison
-from unison._testing import run_workers
-
 from tests.collectives import _compression_workers as c
+from unison._testing import run_workers
 
 
 @pytest.mark.parametrize("value, member", [("bf16", unison.Compression.BF16), ("FP16", unison.Compression.FP16),

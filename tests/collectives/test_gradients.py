@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
 from unison.collectives.compat.placement import LeastLoadedDeviceSetter
 from unison.collectives.compat.tensorpack import (
     OverrideCachingDevice,
@@ -16,6 +15,7 @@ from unison.collectives.compat.tensorpack import (
     merge_grad_list,
     split_grad_list,
 )
+from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
 
 FAST = settings(max_examples=40)
 CPUS = [f"cpu:{i}" for i in range(8)]

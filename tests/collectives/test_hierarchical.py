@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unison._testing import run_workers
-
 from tests.collectives import _hierarchical_workers as h
 from tests.multi_worker import _workers as w
+from unison._testing import run_workers
 
 
 @pytest.mark.timeout(120)

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from unison.collectives.compat.tensorpack import GradientPacker
 from unison.collectives.transport.packing import (
     TensorPacker,
     flatten_tensors,
@@ -15,8 +16,6 @@ from unison.collectives.transport.packing import (
     split_sizes,
     unflatten_tensors,
 )
-
-from unison.collectives.compat.tensorpack import GradientPacker
 
 FAST = settings(max_examples=60)
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.int32, torch.int64]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unison._testing import run_workers
 from tests.collectives import _shared_memory_workers as w
 from tests.multi_worker._workers import check_worker_1_named, single_device_weights
+from unison._testing import run_workers
 
 
 @pytest.mark.timeout(120)

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch.distributed as dist
 
-from unison.cluster.spec import ClusterSpec
-from unison.collectives.options import CommunicationOptions
 from unison.cluster.env import UNISON_RENDEZVOUS as RENDEZVOUS_ENV
 from unison.cluster.resolved import ResolvedCluster
+from unison.cluster.spec import ClusterSpec
 from unison.collectives.group.process_group import form_worker_group
+from unison.collectives.options import CommunicationOptions
 from unison.errors import ClusterError
 
 TIMEOUT = 3.0

@@ -36,7 +36,7 @@ class Server:
     """A `unison server` child process, its address, and its descriptor and thread counts."""
 
     def __init__(
-        self, tmp_path: Path, handshake_timeout: float, nofile: "int | None" = None, count_descriptors: bool = True
+        self, tmp_path: Path, handshake_timeout: float, nofile: int | None = None, count_descriptors: bool = True
     ):
         self.log = tmp_path / "server.log"
         environ = dict(
@@ -193,7 +193,7 @@ def test_idle_and_dripping_connections_are_bounded_cut_and_do_not_stop_keyed_cli
         server.stop()
 
 
-def _timed_ping(server: Server, timeout: float) -> "tuple[object, float]":
+def _timed_ping(server: Server, timeout: float) -> tuple[object, float]:
     """The keyed client's reply (or the error it got) and how long it took."""
     started = time.monotonic()
     try:

@@ -9,13 +9,18 @@ import sys
 import time
 from pathlib import Path
 
+import _coordinator_fakes
 import cloudpickle
 import pytest
 from _coordinator_fakes import FakeStrategy
 from _coordinator_procs import Processes, alive
 
-import _coordinator_fakes
-from unison.coordinator import generate_authkey, get_current_worker_context, run_distribute_coordinator, stop_standard_servers
+from unison.coordinator import (
+    generate_authkey,
+    get_current_worker_context,
+    run_distribute_coordinator,
+    stop_standard_servers,
+)
 from unison.errors import AuthenticationError, ClusterError
 from unison.launch.procs import reserve_ports
 

@@ -47,11 +47,11 @@ class Block:
     line: int  # 1-based line of the opening fence
 
     @property
-    def parsed(self) -> "re.Match[str] | None":
+    def parsed(self) -> re.Match[str] | None:
         return _MARKER.match(self.marker)
 
     @property
-    def mode(self) -> "str | None":
+    def mode(self) -> str | None:
         m = self.parsed
         return None if m is None else ("tf" if m["tf"] else m["mode"])
 
@@ -64,7 +64,7 @@ class Block:
         return (self.parsed["rest"] or "").split()  # type: ignore[index]
 
     @property
-    def after(self) -> "str | None":
+    def after(self) -> str | None:
         found = [a.removeprefix("after=") for a in self.args if a.startswith("after=")]
         return found[0] if found else None
 

@@ -8,14 +8,15 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from unison.embeddings.tables.local_table import LocalTable, shard_of
+from unison.embeddings.optim.row_optimizers import RowAdagrad, RowSGD, RowWiseAdagrad
+from unison.embeddings.tables.eviction import EvictBelowCount, EvictionPolicy, EvictUnseen
 from unison.embeddings.tables.id_hashing import splitmix64
 from unison.embeddings.tables.id_index import IdIndex
 from unison.embeddings.tables.initializers import Initializer, initializer_from_config, normal, uniform, zeros
-from unison.embeddings.tables.eviction import EvictBelowCount, EvictionPolicy, EvictUnseen
-from unison.embeddings.optim.row_optimizers import RowAdagrad, RowSGD, RowWiseAdagrad
+from unison.embeddings.tables.local_table import LocalTable, shard_of
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,7 +7,6 @@ import contextlib
 import torch
 
 import unison
-
 from tests.multi_worker._workers import global_batches, mlp_and_step
 
 

@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 import unison
-from unison._testing import run_workers
-
 from tests.gpu import _cuda_workers as w
 from tests.multi_worker._workers import global_batches, make_mlp, mlp_and_step
+from unison._testing import run_workers
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(180)]

@@ -15,7 +15,7 @@ from unison._testing import run_workers
 pytestmark = pytest.mark.timeout(60)
 
 
-def _visible_devices(rank: int, world: int) -> "str | None":
+def _visible_devices(rank: int, world: int) -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 

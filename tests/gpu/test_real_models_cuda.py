@@ -15,10 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unison._testing import run_workers
-
 from tests.gpu import _cuda_workers as w
 from tests.real_models import _harness as h
+from unison._testing import run_workers
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
                                  reason="needs a CUDA device and NCCL"),

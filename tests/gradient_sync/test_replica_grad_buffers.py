@@ -47,7 +47,7 @@ def _scaled_loss(model: nn.Module, batch: torch.Tensor, replica: int) -> torch.T
     return model(batch).pow(2).sum() * (replica + 1)
 
 
-def _plain_reduced(model: nn.Module, x: torch.Tensor, reduce_op: str = "mean") -> list["torch.Tensor | None"]:
+def _plain_reduced(model: nn.Module, x: torch.Tensor, reduce_op: str = "mean") -> list[torch.Tensor | None]:
     """The oracle, in plain PyTorch: each replica's gradients of ``model``'s parameters from a
     copy of it on its half of ``x`` (``_scaled_loss``), summed or averaged; None for a
     parameter no replica computed a gradient for."""

@@ -4,7 +4,7 @@ and as plain autograd on each replica's part of the batch, summed or averaged.""
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -47,7 +47,7 @@ def _two_layer_batch() -> list[torch.Tensor]:
     return list(torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).chunk(2))
 
 
-def _grads_after_backward(strategy, use_in_replica: "callable") -> list[list[torch.Tensor]]:
+def _grads_after_backward(strategy, use_in_replica: callable) -> list[list[torch.Tensor]]:
     """Each replica's gradients of a two-layer model after one backward pass (the second
     layer used only where ``use_in_replica(replica)`` says)."""
     with strategy.scope():

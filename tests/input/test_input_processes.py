@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 
-from unison._testing import run_workers
 from tests.multi_worker import _workers as w
+from unison._testing import run_workers
 
 
 @pytest.mark.timeout(90)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import unison
+from tests.multi_worker import _workers as w
 from unison._testing import run_workers
 from unison.collectives.transport import shm_signals
-from tests.multi_worker import _workers as w
 
 
 @pytest.mark.timeout(120)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import types
 import hashlib
 import pickle
+import types
 
 import pytest
 import torch

@@ -12,7 +12,7 @@ import multiprocessing
 import os
 import secrets
 import signal
-from typing import Iterator
+from collections.abc import Iterator
 
 import unison
 from unison._testing._procs import worker_context

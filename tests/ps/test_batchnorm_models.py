@@ -17,11 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import unison
-from unison.ps.wire.shared_arena import SharedArena
-from unison.ps.remote_variables.ps_variables import _RemoteParameter
-from unison.ps.worker.runtime import RUNTIME
-
 from tests.ps._cluster import ps_cluster
+from unison.ps.remote_variables.ps_variables import _RemoteParameter
+from unison.ps.wire.shared_arena import SharedArena
+from unison.ps.worker.runtime import RUNTIME
 
 
 def _make():

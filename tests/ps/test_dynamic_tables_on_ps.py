@@ -13,12 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import unison
-from unison import DynamicEmbedding
-from unison.errors import ParameterServerError
-from unison.embeddings.tables.id_hashing import shard_of
-from unison.embeddings.tables.eviction import EvictBelowCount, EvictUnseen
-
 from tests.ps._cluster import ps_cluster
+from unison import DynamicEmbedding
+from unison.embeddings.tables.eviction import EvictBelowCount, EvictUnseen
+from unison.embeddings.tables.id_hashing import shard_of
+from unison.errors import ParameterServerError
 
 DIM = 4
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1

@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import unison
-from unison.errors import FunctionCancelledError, ParameterServerError
-
 from tests.ps._cluster import ps_cluster
+from unison.errors import FunctionCancelledError, ParameterServerError
 
 
 def _make(cluster, workers, ps, **kwargs):

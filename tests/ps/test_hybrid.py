@@ -5,10 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import unison
-from unison._testing import run_workers
-
 from tests.ps import _hybrid_workers as hw
 from tests.ps._cluster import ps_cluster
+from unison._testing import run_workers
 
 
 def _ps_addresses(cluster, count):

@@ -6,12 +6,10 @@ a ps task about the bytes of its rows and their optimizer state.
 
 import pytest
 import torch
-from torch import nn
 
 import unison
-from unison import DynamicEmbedding
-
 from tests.ps._cluster import ps_cluster
+from unison import DynamicEmbedding
 
 DIM, NEW_IDS_PER_STEP = 64, 1 << 15  # batch buffers of 8 MB: a worker's peak follows its batch, not the tables
 

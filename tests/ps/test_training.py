@@ -8,10 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import unison
+from tests.ps._cluster import ps_cluster
 from unison.errors import UsageError
 from unison.ps.worker.runtime import RUNTIME
-
-from tests.ps._cluster import ps_cluster
 
 
 def _worker_index():

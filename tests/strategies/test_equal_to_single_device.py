@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import unison
 from tests.strategies._training import (
     GLOBAL_BATCH,
     STEPS,
@@ -13,8 +15,6 @@ from tests.strategies._training import (
     train_plain,
     train_strategy,
 )
-
-import unison
 
 pytestmark = pytest.mark.timeout(60)
 

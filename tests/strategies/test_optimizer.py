@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
+import unison
 from tests.strategies._training import (
     batches,
     loss_fn,
@@ -14,9 +17,6 @@ from tests.strategies._training import (
     train_plain,
     train_strategy,
 )
-from torch import nn
-
-import unison
 
 pytestmark = pytest.mark.timeout(60)
 

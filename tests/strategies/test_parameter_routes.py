@@ -11,7 +11,8 @@ replica threads trained at once (wrong values, or ``free(): corrupted unsorted c
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

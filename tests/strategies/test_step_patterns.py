@@ -16,14 +16,15 @@ Each of these broke under Mirrored or CentralStorage with two CPU replicas:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
-from tests.strategies._training import components
 from torch import nn
 
 import unison
+from tests.strategies._training import components
 from unison.errors import UsageError
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from unison._testing import run_workers
 pytestmark = pytest.mark.timeout(60)
 
 
-def _visible_devices(rank: int, world: int) -> "str | None":
+def _visible_devices(rank: int, world: int) -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
@@ -20,7 +20,7 @@ def test_a_cpu_tests_workers_see_no_gpu():
 
 
 @pytest.fixture(scope="module")
-def workers_started_by_a_module_fixture() -> "list[str | None]":
+def workers_started_by_a_module_fixture() -> list[str | None]:
     return run_workers(_visible_devices, 1, timeout=30)
 
 

@@ -7,10 +7,10 @@ import io
 
 import pytest
 import torch
-from tests.strategies._training import assert_trains_as_on_one_device
 from torch import nn
 
 import unison
+from tests.strategies._training import assert_trains_as_on_one_device
 from unison import (
     MirroredVariable,
     PerReplica,

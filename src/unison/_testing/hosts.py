@@ -35,7 +35,8 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import IO, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
 
 __all__ = ["SimulatedHost", "SimulatedHosts", "unavailable_reason", "remove_orphaned_namespaces", "SUBNET"]
 
@@ -48,7 +49,7 @@ _counter = itertools.count()
 _WITH_PRIVATE_SHM = 'mount -t tmpfs -o "size=$0,mode=1777" tmpfs /dev/shm && exec "$@"'
 
 
-def unavailable_reason() -> "str | None":
+def unavailable_reason() -> str | None:
     """Why simulated hosts cannot be made on this machine, or None when they can."""
     if not os.path.isdir("/proc/self/ns"):
         return "simulated hosts need Linux namespaces (no /proc/self/ns)"
@@ -107,9 +108,9 @@ class SimulatedHosts:
         count: int = 2,
         *,
         shm_size: str = "256m",
-        shm_sizes: "Mapping[int, str] | None" = None,
-        link_delay_ms: "float | None" = None,
-        link_rate: "str | None" = None,
+        shm_sizes: Mapping[int, str] | None = None,
+        link_delay_ms: float | None = None,
+        link_rate: str | None = None,
     ) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 200:
             raise ValueError(f"count={count!r} is not a number of hosts in 1..200; pass e.g. count=2")
@@ -126,7 +127,7 @@ class SimulatedHosts:
         self._made: list[str] = []
         self._closed = False
 
-    def __enter__(self) -> "SimulatedHosts":
+    def __enter__(self) -> SimulatedHosts:
         try:
             self._build()
         except BaseException:
@@ -137,7 +138,7 @@ class SimulatedHosts:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _ip(self, *args: str, namespace: "str | None" = None) -> None:
+    def _ip(self, *args: str, namespace: str | None = None) -> None:
         command = ["ip", *args] if namespace is None else ["ip", "-n", namespace, *args]
         done = subprocess.run(command, capture_output=True, text=True, timeout=10)
         if done.returncode != 0:
@@ -196,12 +197,12 @@ class SimulatedHosts:
         host: int,
         argv: Sequence[str],
         *,
-        env: "Mapping[str, str] | None" = None,
-        stdout: "int | IO[Any] | None" = subprocess.PIPE,
-        stderr: "int | IO[Any] | None" = subprocess.STDOUT,
-        cwd: "str | os.PathLike[str] | None" = None,
+        env: Mapping[str, str] | None = None,
+        stdout: int | IO[Any] | None = subprocess.PIPE,
+        stderr: int | IO[Any] | None = subprocess.STDOUT,
+        cwd: str | os.PathLike[str] | None = None,
         text: bool = True,
-    ) -> "subprocess.Popen[Any]":
+    ) -> subprocess.Popen[Any]:
         """Starts ``argv`` on host ``host`` (see :meth:`command`) in a session of its own.
 
         Output is piped (stdout and stderr together, as text) unless told otherwise.
@@ -215,7 +216,7 @@ class SimulatedHosts:
         self._processes.append(process)
         return process
 
-    def run(self, host: int, argv: Sequence[str], *, timeout: float = 30.0, **kwargs: Any) -> "subprocess.CompletedProcess[str]":
+    def run(self, host: int, argv: Sequence[str], *, timeout: float = 30.0, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         """Runs ``argv`` on host ``host`` to completion; its output is returned as text."""
         process = self.popen(host, argv, **kwargs)
         try:

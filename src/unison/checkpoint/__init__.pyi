@@ -3,9 +3,9 @@
 
 from .backup import BackupAndRestore
 from .files import atomic_save, load_checkpoint, save_checkpoint
+from .paths import remove_temp_dir_with_filepath, remove_temp_dirpath, write_dirpath, write_filepath
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionCheckpointHandler, TerminationConfig
 from .sidecar import SidecarEvaluator, mark_final, save_step_checkpoint
-from .paths import remove_temp_dir_with_filepath, remove_temp_dirpath, write_dirpath, write_filepath
 
 __all__ = [
     "BackupAndRestore",

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import os
 import typing
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -67,8 +68,8 @@ class BackupAndRestore:
         CheckpointError: if the backup found cannot be restored into ``state``.
     """
 
-    def __init__(self, backup_dir: "str | os.PathLike[str]", strategy: Any, state: Mapping[str, Any],
-                 save_freq: "str | int" = "epoch", delete_checkpoint: bool = True):
+    def __init__(self, backup_dir: str | os.PathLike[str], strategy: Any, state: Mapping[str, Any],
+                 save_freq: str | int = "epoch", delete_checkpoint: bool = True):
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}")
         self._state = check_state(state)

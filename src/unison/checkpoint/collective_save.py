@@ -9,8 +9,9 @@ worker's generator file beside it.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -75,7 +76,7 @@ def collective_save(directory: Path, main_name: str, step: int, rank: int, gener
             path.unlink(missing_ok=True)
 
 
-def load_main(directory: Path, main_name: str, state: Mapping[str, Any], workers: int) -> "dict[str, Any] | None":
+def load_main(directory: Path, main_name: str, state: Mapping[str, Any], workers: int) -> dict[str, Any] | None:
     """The main file restored into ``state`` (None when there is none).
 
     Raises:

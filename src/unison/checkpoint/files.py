@@ -29,7 +29,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "atomic_save"]
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
 
 
-def save_checkpoint(state: Any, path: "str | os.PathLike[str]", strategy: Any = None) -> bool:
+def save_checkpoint(state: Any, path: str | os.PathLike[str], strategy: Any = None) -> bool:
     """Saves ``state`` with ``torch.save`` if this process should checkpoint.
 
     Args:
@@ -50,7 +50,7 @@ def save_checkpoint(state: Any, path: "str | os.PathLike[str]", strategy: Any = 
     return True
 
 
-def atomic_save(state: Any, path: "str | os.PathLike[str]") -> None:
+def atomic_save(state: Any, path: str | os.PathLike[str]) -> None:
     """Writes ``state`` to ``path`` atomically (temporary file, fsync, rename, fsync of the directory).
 
     Raises:
@@ -79,7 +79,7 @@ def atomic_save(state: Any, path: "str | os.PathLike[str]") -> None:
         raise
 
 
-def load_checkpoint(path: "str | os.PathLike[str]", map_location: Any = "cpu") -> Any:
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> Any:
     """Loads a checkpoint written by :func:`save_checkpoint` (on every worker).
 
     Raises:

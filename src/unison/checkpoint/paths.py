@@ -43,7 +43,7 @@ def _temp_dir(dirpath: str, strategy: Any) -> str:
     return os.path.join(dirpath, name)
 
 
-def write_dirpath(dirpath: "str | os.PathLike[str]", strategy: Any) -> str:
+def write_dirpath(dirpath: str | os.PathLike[str], strategy: Any) -> str:
     """The directory this worker writes to: ``dirpath`` on the chief, a ``workertemp_<id>`` under it elsewhere.
 
     The temporary directory is created. ``strategy`` None means a single process (chief).
@@ -56,14 +56,14 @@ def write_dirpath(dirpath: "str | os.PathLike[str]", strategy: Any) -> str:
     return temp
 
 
-def write_filepath(filepath: "str | os.PathLike[str]", strategy: Any) -> str:
+def write_filepath(filepath: str | os.PathLike[str], strategy: Any) -> str:
     """The file this worker writes: ``filepath`` on the chief, the same name in its temporary directory elsewhere."""
     filepath = os.fspath(filepath)
     dirpath, base = os.path.split(filepath)
     return os.path.join(write_dirpath(dirpath, strategy), base)
 
 
-def remove_temp_dirpath(dirpath: "str | os.PathLike[str]", strategy: Any) -> None:
+def remove_temp_dirpath(dirpath: str | os.PathLike[str], strategy: Any) -> None:
     """Removes this worker's temporary directory under ``dirpath`` (nothing on the chief).
 
     ``dirpath`` is the original directory or the one :func:`write_dirpath` returned.
@@ -73,7 +73,7 @@ def remove_temp_dirpath(dirpath: "str | os.PathLike[str]", strategy: Any) -> Non
     shutil.rmtree(_temp_dir(os.fspath(dirpath), strategy), ignore_errors=True)
 
 
-def remove_temp_dir_with_filepath(filepath: "str | os.PathLike[str]", strategy: Any) -> None:
+def remove_temp_dir_with_filepath(filepath: str | os.PathLike[str], strategy: Any) -> None:
     """Removes the temporary directory that :func:`write_filepath` gave this worker for ``filepath``.
 
     ``filepath`` is the original path or the one :func:`write_filepath` returned.

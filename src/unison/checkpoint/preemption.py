@@ -33,8 +33,9 @@ import signal
 import sys
 import threading
 import typing
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -46,8 +47,8 @@ from unison.checkpoint.collective_save import (
     load_main,
     restore_generators,
 )
-from unison.collectives.ops.collective import CollectiveAllReduce
 from unison.cluster.env import PREEMPTED_EXIT_CODE, UNISON_PREEMPTION_NOTICES
+from unison.collectives.ops.collective import CollectiveAllReduce
 from unison.errors import PeerLostError
 
 __all__ = ["PreemptionCheckpointHandler", "TerminationConfig", "PREEMPTED_EXIT_CODE"]
@@ -73,8 +74,8 @@ class TerminationConfig:
     """
 
     grace_period: float = 0.0
-    exit_fn: "Callable[[], Any] | None" = None
-    save_fn: "Callable[[], Any] | None" = None
+    exit_fn: Callable[[], Any] | None = None
+    save_fn: Callable[[], Any] | None = None
     signals: tuple[int, ...] = (signal.SIGTERM,)
 
     def __post_init__(self) -> None:
@@ -101,8 +102,8 @@ class PreemptionCheckpointHandler:
         CheckpointError: if the save found cannot be restored into ``state``.
     """
 
-    def __init__(self, strategy: Any, checkpoint_dir: "str | os.PathLike[str]", state: Mapping[str, Any],
-                 termination_config: "TerminationConfig | None" = None):
+    def __init__(self, strategy: Any, checkpoint_dir: str | os.PathLike[str], state: Mapping[str, Any],
+                 termination_config: TerminationConfig | None = None):
         self._state = check_state(state)
         self._strategy = strategy
         self._dir = Path(checkpoint_dir)

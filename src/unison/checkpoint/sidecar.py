@@ -18,8 +18,9 @@ import os
 import re
 import time
 import typing
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +37,7 @@ _FINAL = "FINAL"
 _BACKUP = "backup.pt"
 
 
-def save_step_checkpoint(state: Mapping[str, Any], checkpoint_dir: "str | os.PathLike[str]", step: int,
+def save_step_checkpoint(state: Mapping[str, Any], checkpoint_dir: str | os.PathLike[str], step: int,
                          strategy: Any = None) -> bool:
     """Saves ``state`` (with a ``"model"`` state dict) as ``<dir>/ckpt-<step>.pt`` on the chief, atomically.
 
@@ -50,7 +51,7 @@ def save_step_checkpoint(state: Mapping[str, Any], checkpoint_dir: "str | os.Pat
     return True
 
 
-def mark_final(checkpoint_dir: "str | os.PathLike[str]", step: int, strategy: Any = None) -> bool:
+def mark_final(checkpoint_dir: str | os.PathLike[str], step: int, strategy: Any = None) -> bool:
     """Tells the sidecar evaluator that ``step`` is the last checkpoint (on the chief).
 
     Returns:
@@ -63,7 +64,7 @@ def mark_final(checkpoint_dir: "str | os.PathLike[str]", step: int, strategy: An
     return True
 
 
-def classification_metrics(model: nn.Module, data: Iterable[Any], steps: "int | None" = None) -> dict[str, float]:
+def classification_metrics(model: nn.Module, data: Iterable[Any], steps: int | None = None) -> dict[str, float]:
     """Mean cross-entropy loss and accuracy of ``model`` over ``(inputs, labels)`` batches."""
     loss = correct = count = 0.0
     model.eval()
@@ -98,9 +99,9 @@ class SidecarEvaluator:
         ValueError: for a non-positive ``max_evaluations``/``steps``/``poll_seconds``.
     """
 
-    def __init__(self, model: nn.Module, data: Iterable[Any], checkpoint_dir: "str | os.PathLike[str]",
-                 eval_fn: "Callable[[nn.Module, Iterable[Any]], Mapping[str, float]] | None" = None,
-                 steps: "int | None" = None, max_evaluations: "int | None" = None, poll_seconds: float = 0.2):
+    def __init__(self, model: nn.Module, data: Iterable[Any], checkpoint_dir: str | os.PathLike[str],
+                 eval_fn: Callable[[nn.Module, Iterable[Any]], Mapping[str, float]] | None = None,
+                 steps: int | None = None, max_evaluations: int | None = None, poll_seconds: float = 0.2):
         if not isinstance(model, nn.Module):
             raise TypeError(f"SidecarEvaluator needs an nn.Module to load checkpoints into, got {type(model).__name__}")
         if eval_fn is not None and not callable(eval_fn):
@@ -117,7 +118,7 @@ class SidecarEvaluator:
         self._max = max_evaluations
         self._poll = poll_seconds
         self._seen: set[int] = set()
-        self._backup_stamp: tuple[int, "int | None"] = (-1, None)
+        self._backup_stamp: tuple[int, int | None] = (-1, None)
 
     def start(self) -> dict[int, dict[str, float]]:
         """Evaluates checkpoints as they come until the final one (or ``max_evaluations``); returns metrics by step."""
@@ -150,7 +151,7 @@ class SidecarEvaluator:
                 found.append((step, self._dir / _BACKUP))
         return sorted(found)
 
-    def _backup_step(self) -> "int | None":
+    def _backup_step(self) -> int | None:
         path = self._dir / _BACKUP
         try:
             stamp = path.stat().st_mtime_ns
@@ -160,7 +161,7 @@ class SidecarEvaluator:
             return None  # replaced while we read it: the next poll sees the new one
         return self._backup_stamp[1]
 
-    def _final_step(self) -> "int | None":
+    def _final_step(self) -> int | None:
         try:
             return int(torch.load(self._dir / _FINAL, map_location="cpu", weights_only=False)["step"])
         except (OSError, RuntimeError, EOFError):

@@ -11,7 +11,7 @@ conventions the process follows (``cluster.scheduler``). Strategies take a resol
 from __future__ import annotations
 
 import abc
-from typing import Mapping
+from collections.abc import Mapping
 
 from unison import devices
 from unison.cluster.resolved import ResolvedCluster
@@ -21,7 +21,7 @@ from unison.cluster.spec import ClusterSpec
 __all__ = ["ClusterResolver", "format_master_url", "task_master_url", "local_accelerators"]
 
 
-def format_master_url(address: str, rpc_layer: "str | None" = None) -> str:
+def format_master_url(address: str, rpc_layer: str | None = None) -> str:
     """``"rpc_layer://address"``, or the bare address when there is no RPC layer.
 
     unison's default layer is ``"tcp"``, which makes a master URL a valid
@@ -35,8 +35,8 @@ def local_accelerators() -> dict[str, int]:
     return {"GPU": sum(devices.is_cuda(d) for d in devices.local_devices())}
 
 
-def task_master_url(resolver: "ClusterResolver", task_type: "str | None", task_id: "int | None",
-                    rpc_layer: "str | None") -> str:
+def task_master_url(resolver: ClusterResolver, task_type: str | None, task_id: int | None,
+                    rpc_layer: str | None) -> str:
     """The master URL of a task of ``resolver``'s cluster, by default its own task.
 
     The shared body of the resolvers' ``master()``: "" when no task is known.
@@ -59,8 +59,8 @@ class ClusterResolver(abc.ABC):
     ``"GPU"`` so code written for TensorFlow reads it unchanged.
     """
 
-    def resolve(self, environ: "Mapping[str, str] | None" = None, *,
-                rendezvous: "str | None" = None) -> ResolvedCluster:
+    def resolve(self, environ: Mapping[str, str] | None = None, *,
+                rendezvous: str | None = None) -> ResolvedCluster:
         """This process's place in the cluster, resolved once into a frozen value.
 
         Strategies, group formation and the coordinator take this value instead of
@@ -85,17 +85,17 @@ class ClusterResolver(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def task_type(self) -> "str | None":
+    def task_type(self) -> str | None:
         """This task's job name ("chief", "worker", "ps", "evaluator"), or None."""
 
     @property
     @abc.abstractmethod
-    def task_id(self) -> "int | None":
+    def task_id(self) -> int | None:
         """This task's index within its job, or None."""
 
     @property
     @abc.abstractmethod
-    def rpc_layer(self) -> "str | None":
+    def rpc_layer(self) -> str | None:
         """The protocol prefixed to master URLs (e.g. ``"tcp"``), or None for bare addresses."""
 
     @property
@@ -110,15 +110,15 @@ class ClusterResolver(abc.ABC):
         rendezvous, CPU share, restart advice); ``LAUNCH`` where there are none of its own."""
 
     @abc.abstractmethod
-    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None) -> dict[str, int]:
         """Accelerators available to one task, e.g. ``{"GPU": 2}`` (``{"GPU": 0}`` on CPU)."""
 
     @abc.abstractmethod
     def master(
         self,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
     ) -> str:
         """The URL of a task (by default this one), prefixed by the RPC layer.
 

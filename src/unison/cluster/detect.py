@@ -17,9 +17,8 @@ Kubernetes, TFJob's ``TF_CONFIG`` is the detected path).
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
-from unison.errors import ClusterError
 from unison.cluster.base import ClusterResolver
 from unison.cluster.env import TF_CONFIG
 from unison.cluster.sagemaker import SageMakerClusterResolver
@@ -27,6 +26,7 @@ from unison.cluster.simple import SimpleClusterResolver
 from unison.cluster.slurm import SlurmClusterResolver
 from unison.cluster.tf_config import TFConfigClusterResolver
 from unison.cluster.torchrun import TorchrunClusterResolver
+from unison.errors import ClusterError
 
 __all__ = ["ENVIRONMENTS", "detect_cluster_resolver"]
 
@@ -43,9 +43,9 @@ ENVIRONMENTS: tuple[tuple[str, Callable[..., bool], Callable[..., ClusterResolve
 
 
 def detect_cluster_resolver(
-    resolver: "ClusterResolver | str | None" = None,
+    resolver: ClusterResolver | str | None = None,
     *,
-    environ: "Mapping[str, str] | None" = None,
+    environ: Mapping[str, str] | None = None,
 ) -> ClusterResolver:
     """Returns the resolver for this process.
 

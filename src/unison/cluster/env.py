@@ -12,7 +12,7 @@ read by their own resolver and its scheduler (``torchrun.py``, ``slurm.py``), an
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -75,7 +75,7 @@ PREEMPTED_EXIT_CODE = 75
 MIN_KEY_BYTES = 16
 
 
-def _environ(environ: "Mapping[str, str] | None") -> Mapping[str, str]:
+def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if environ is None else environ
 
 
@@ -89,7 +89,7 @@ def _parse_key(text: str, source: str) -> bytes:
     return key
 
 
-def read_authkey(environ: "Mapping[str, str] | None" = None) -> "bytes | None":
+def read_authkey(environ: Mapping[str, str] | None = None) -> bytes | None:
     """The cluster's key from ``UNISON_AUTHKEY`` or ``UNISON_AUTHKEY_FILE``; None if neither is set.
 
     Raises:
@@ -112,12 +112,12 @@ def read_authkey(environ: "Mapping[str, str] | None" = None) -> "bytes | None":
     return None
 
 
-def rendezvous_address(environ: "Mapping[str, str] | None" = None) -> "str | None":
+def rendezvous_address(environ: Mapping[str, str] | None = None) -> str | None:
     """``UNISON_RENDEZVOUS``: the ``host:port`` of a store opened for the workers, or None."""
     return _environ(environ).get(UNISON_RENDEZVOUS) or None
 
 
-def restart_count(environ: "Mapping[str, str] | None" = None) -> int:
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
     """``UNISON_RESTART_COUNT``: how often ``unison launch`` restarted the cluster (0 when unset).
 
     Raises:
@@ -131,7 +131,7 @@ def restart_count(environ: "Mapping[str, str] | None" = None) -> int:
     return int(text)
 
 
-def coordinator_port(environ: "Mapping[str, str] | None" = None) -> "int | None":
+def coordinator_port(environ: Mapping[str, str] | None = None) -> int | None:
     """``UNISON_COORDINATOR_PORT``, or None when unset.
 
     Raises:
@@ -145,7 +145,7 @@ def coordinator_port(environ: "Mapping[str, str] | None" = None) -> "int | None"
     return int(text)
 
 
-def thread_setting(environ: "Mapping[str, str] | None" = None) -> "str | None":
+def thread_setting(environ: Mapping[str, str] | None = None) -> str | None:
     """``OMP_NUM_THREADS`` when the user (or a launcher) set it, else None.
 
     unison chooses a default intra-op thread count only when this is None.
@@ -154,6 +154,6 @@ def thread_setting(environ: "Mapping[str, str] | None" = None) -> "str | None":
     return text or None
 
 
-def ps_shared_memory(environ: "Mapping[str, str] | None" = None) -> bool:
+def ps_shared_memory(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a worker may exchange ps values through shared memory (``UNISON_PS_SHARED_MEMORY`` is not "0")."""
     return _environ(environ).get(UNISON_PS_SHARED_MEMORY, "1").strip() != "0"

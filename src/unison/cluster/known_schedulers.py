@@ -19,7 +19,7 @@ __all__ = ["SCHEDULERS", "scheduler_named"]
 SCHEDULERS: tuple[Scheduler, ...] = (TORCHRUN, SLURM)
 
 
-def scheduler_named(name: "str | None") -> Scheduler:
+def scheduler_named(name: str | None) -> Scheduler:
     """The scheduler whose ``name`` is ``name``; ``LAUNCH`` for any other name or None.
 
     Example:

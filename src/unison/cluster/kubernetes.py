@@ -10,9 +10,10 @@ sets ``TF_CONFIG`` in each pod, and that is what detection finds.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from unison.cluster.base import ClusterResolver, task_master_url, local_accelerators
+from unison.cluster.base import ClusterResolver, local_accelerators, task_master_url
 from unison.cluster.scheduler import LAUNCH, Scheduler
 from unison.cluster.spec import ClusterSpec
 
@@ -68,9 +69,9 @@ class KubernetesClusterResolver(ClusterResolver):
 
     def __init__(
         self,
-        job_to_label_mapping: "Mapping[str, Sequence[str]] | None" = None,
+        job_to_label_mapping: Mapping[str, Sequence[str]] | None = None,
         tf_server_port: int = 8470,
-        rpc_layer: "str | None" = "grpc",
+        rpc_layer: str | None = "grpc",
         override_client: Any = None,
     ):
         mapping = dict(job_to_label_mapping) if job_to_label_mapping else {"worker": ["job-name=tensorflow"]}
@@ -91,8 +92,8 @@ class KubernetesClusterResolver(ClusterResolver):
         self._mapping = {job: list(selectors) for job, selectors in mapping.items()}
         self._port = tf_server_port
         self._client = override_client
-        self._task_type: "str | None" = None
-        self._task_id: "int | None" = None
+        self._task_type: str | None = None
+        self._task_id: int | None = None
         self._rpc_layer = rpc_layer
 
     def cluster_spec(self) -> ClusterSpec:
@@ -119,27 +120,27 @@ class KubernetesClusterResolver(ClusterResolver):
         return ClusterSpec({job: tasks for job, tasks in cluster.items() if tasks})
 
     @property
-    def task_type(self) -> "str | None":
+    def task_type(self) -> str | None:
         return self._task_type
 
     @task_type.setter
-    def task_type(self, task_type: "str | None") -> None:
+    def task_type(self, task_type: str | None) -> None:
         self._task_type = task_type
 
     @property
-    def task_id(self) -> "int | None":
+    def task_id(self) -> int | None:
         return self._task_id
 
     @task_id.setter
-    def task_id(self, task_id: "int | None") -> None:
+    def task_id(self, task_id: int | None) -> None:
         self._task_id = task_id
 
     @property
-    def rpc_layer(self) -> "str | None":
+    def rpc_layer(self) -> str | None:
         return self._rpc_layer
 
     @rpc_layer.setter
-    def rpc_layer(self, rpc_layer: "str | None") -> None:
+    def rpc_layer(self, rpc_layer: str | None) -> None:
         self._rpc_layer = rpc_layer
 
     @property
@@ -151,14 +152,14 @@ class KubernetesClusterResolver(ClusterResolver):
         """unison launch's conventions: Kubernetes runs one task per pod and sets nothing more."""
         return LAUNCH
 
-    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None) -> dict[str, int]:
         """CUDA devices of this pod: every task is asked on its own pod."""
         return local_accelerators()
 
     def master(
         self,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
     ) -> str:
         return task_master_url(self, task_type, task_id, rpc_layer)

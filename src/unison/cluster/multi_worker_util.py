@@ -10,7 +10,6 @@ tf.distribute equivalent: ``tensorflow/python/distribute/multi_worker_util.py``.
 
 from __future__ import annotations
 
-
 from unison._state import STATE
 from unison.cluster.spec import ClusterLike, ClusterSpec
 
@@ -30,7 +29,7 @@ __all__ = [
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 
 
-def normalize_cluster_spec(cluster_spec: "ClusterLike | None") -> ClusterSpec:
+def normalize_cluster_spec(cluster_spec: ClusterLike | None) -> ClusterSpec:
     """Returns ``cluster_spec`` as a ClusterSpec (``None`` is the empty cluster).
 
     Raises:
@@ -42,16 +41,16 @@ def normalize_cluster_spec(cluster_spec: "ClusterLike | None") -> ClusterSpec:
     return ClusterSpec(cluster_spec)
 
 
-def task_count(cluster_spec: "ClusterLike", task_type: str) -> int:
+def task_count(cluster_spec: ClusterLike, task_type: str) -> int:
     """Number of tasks of ``task_type`` in the cluster (0 when it has no such job)."""
     spec = normalize_cluster_spec(cluster_spec)
     return spec.num_tasks(task_type) if task_type in spec.jobs else 0
 
 
 def validate_cluster_spec(
-    cluster_spec: "ClusterLike | None",
-    task_type: "str | None",
-    task_id: "int | None",
+    cluster_spec: ClusterLike | None,
+    task_type: str | None,
+    task_id: int | None,
     *,
     source: str = "",
     type_field: str = "task_type",
@@ -116,9 +115,9 @@ def validate_cluster_spec(
 
 
 def is_chief(
-    cluster_spec: "ClusterLike | None" = None,
-    task_type: "str | None" = None,
-    task_id: "int | None" = None,
+    cluster_spec: ClusterLike | None = None,
+    task_type: str | None = None,
+    task_id: int | None = None,
 ) -> bool:
     """Whether the task is the chief: it writes checkpoints and summaries.
 
@@ -144,7 +143,7 @@ def is_chief(
     return "chief" not in spec.jobs and task_type == "worker" and task_id == 0
 
 
-def worker_count(cluster_spec: "ClusterLike", task_type: str) -> int:
+def worker_count(cluster_spec: ClusterLike, task_type: str) -> int:
     """Number of workers that train together, the chief included.
 
     For an evaluator this is 1: it evaluates on its own.
@@ -164,7 +163,7 @@ def worker_count(cluster_spec: "ClusterLike", task_type: str) -> int:
     return task_count(spec, "chief") + task_count(spec, "worker")
 
 
-def id_in_cluster(cluster_spec: "ClusterLike", task_type: str, task_id: int) -> int:
+def id_in_cluster(cluster_spec: ClusterLike, task_type: str, task_id: int) -> int:
     """The task's rank among the training workers: chief 0, then workers in order.
 
     An evaluator has id ``task_id`` (0) in its own cluster. This id is the input
@@ -186,7 +185,7 @@ def id_in_cluster(cluster_spec: "ClusterLike", task_type: str, task_id: int) -> 
     )
 
 
-def leader_task(cluster_spec: "ClusterLike") -> tuple[str, int]:
+def leader_task(cluster_spec: ClusterLike) -> tuple[str, int]:
     """The ``(task_type, task_id)`` that leads collectives: the chief, else worker 0.
 
     Raises:
@@ -203,7 +202,7 @@ def leader_task(cluster_spec: "ClusterLike") -> tuple[str, int]:
     )
 
 
-def collective_leader(cluster_spec: "ClusterLike", task_type: "str | None", task_id: "int | None") -> str:
+def collective_leader(cluster_spec: ClusterLike, task_type: str | None, task_id: int | None) -> str:
     """The device name of the task that leads collectives, e.g. ``"/job:chief/replica:0/task:0"``.
 
     Empty for local training and for the evaluator (it takes part in no collective).

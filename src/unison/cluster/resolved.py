@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from unison.cluster import env, multi_worker_util
 from unison.cluster.scheduler import LAUNCH, RendezvousKind, Scheduler
@@ -34,7 +35,7 @@ def task_names(spec: ClusterSpec) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _tasks_on_host(spec: ClusterSpec, task_type: str, task_id: "int | None") -> int:
+def _tasks_on_host(spec: ClusterSpec, task_type: str, task_id: int | None) -> int:
     """How many tasks of the cluster (every job) share this task's host."""
     host = split_address(spec.task_address(task_type, int(task_id or 0)))[0]
     return sum(split_address(address)[0] == host for job in spec.jobs for address in spec.job_tasks(job))
@@ -81,21 +82,21 @@ class ResolvedCluster:
     """
 
     spec: ClusterSpec
-    task_type: "str | None" = None
-    task_id: "int | None" = None
-    rpc_layer: "str | None" = None
+    task_type: str | None = None
+    task_id: int | None = None
+    rpc_layer: str | None = None
     environment: str = ""
-    rank: "int | None" = None
+    rank: int | None = None
     task_names: tuple[str, ...] = ()
     task_hosts: tuple[str, ...] = ()
-    leader_address: "str | None" = None
-    local_rank: "int | None" = None
+    leader_address: str | None = None
+    local_rank: int | None = None
     rendezvous: RendezvousKind = RendezvousKind.NONE
-    rendezvous_address: "str | None" = None
+    rendezvous_address: str | None = None
     is_chief: bool = True
     restart_count: int = 0
     rendezvous_token: str = ""
-    cpu_share: "int | None" = None
+    cpu_share: int | None = None
     scheduler: Scheduler = LAUNCH
 
     @property
@@ -125,7 +126,7 @@ class ResolvedCluster:
         return f"{self.task_type}:{self.task_id}" if self.task_type is not None else "local"
 
     @classmethod
-    def local(cls) -> "ResolvedCluster":
+    def local(cls) -> ResolvedCluster:
         """The resolved cluster of local training."""
         return cls(ClusterSpec({}))
 
@@ -133,15 +134,15 @@ class ResolvedCluster:
     def build(
         cls,
         spec: ClusterSpec,
-        task_type: "str | None",
-        task_id: "int | None",
+        task_type: str | None,
+        task_id: int | None,
         *,
-        rpc_layer: "str | None" = None,
+        rpc_layer: str | None = None,
         environment: str = "",
         scheduler: Scheduler = LAUNCH,
-        environ: "Mapping[str, str] | None" = None,
-        rendezvous: "str | None" = None,
-    ) -> "ResolvedCluster":
+        environ: Mapping[str, str] | None = None,
+        rendezvous: str | None = None,
+    ) -> ResolvedCluster:
         """Derives rank, names, leader and rendezvous from a validated cluster and task.
 
         ``environ`` (default ``os.environ``) is read once, here, for the restart count, an
@@ -182,8 +183,8 @@ class ResolvedCluster:
         )
 
     @classmethod
-    def from_resolver(cls, resolver: "ClusterResolver", environ: "Mapping[str, str] | None" = None, *,
-                      rendezvous: "str | None" = None) -> "ResolvedCluster":
+    def from_resolver(cls, resolver: ClusterResolver, environ: Mapping[str, str] | None = None, *,
+                      rendezvous: str | None = None) -> ResolvedCluster:
         """Reads each of ``resolver``'s answers once and resolves them (``rendezvous`` as in :meth:`build`)."""
         spec = resolver.cluster_spec()
         task_type = resolver.task_type if spec else None

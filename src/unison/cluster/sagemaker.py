@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
-from unison.cluster.base import ClusterResolver, task_master_url, local_accelerators
+from unison.cluster.base import ClusterResolver, local_accelerators, task_master_url
 from unison.cluster.scheduler import LAUNCH, Scheduler
 from unison.cluster.spec import ClusterSpec
 
@@ -52,12 +52,12 @@ class SageMakerClusterResolver(ClusterResolver):
     def __init__(
         self,
         port: int = 2223,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
-        environment: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
+        environment: str | None = None,
         *,
-        environ: "Mapping[str, str] | None" = None,
+        environ: Mapping[str, str] | None = None,
     ):
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise ValueError(f"port {port!r} is not a port in 1..65535; fix `port`")
@@ -69,12 +69,12 @@ class SageMakerClusterResolver(ClusterResolver):
         self._environ = environ
 
     @staticmethod
-    def is_present(environ: "Mapping[str, str] | None" = None) -> bool:
+    def is_present(environ: Mapping[str, str] | None = None) -> bool:
         """Whether ``SM_HOSTS`` and ``SM_CURRENT_HOST`` are set."""
         environ = os.environ if environ is None else environ
         return SM_HOSTS in environ and SM_CURRENT_HOST in environ
 
-    def _hosts(self) -> tuple[list[str], "int | None"]:
+    def _hosts(self) -> tuple[list[str], int | None]:
         """(the sorted hosts, this host's index or None)."""
         environ = os.environ if self._environ is None else self._environ
         missing = [name for name in (SM_HOSTS, SM_CURRENT_HOST) if name not in environ]
@@ -99,29 +99,29 @@ class SageMakerClusterResolver(ClusterResolver):
         return ClusterSpec({"worker": [f"{host}:{self._port}" for host in hosts]})
 
     @property
-    def task_type(self) -> "str | None":
+    def task_type(self) -> str | None:
         if self._task_type is not None:
             return self._task_type
         return "worker" if self._hosts()[1] is not None else None
 
     @task_type.setter
-    def task_type(self, task_type: "str | None") -> None:
+    def task_type(self, task_type: str | None) -> None:
         self._task_type = task_type
 
     @property
-    def task_id(self) -> "int | None":
+    def task_id(self) -> int | None:
         return self._task_id if self._task_id is not None else self._hosts()[1]
 
     @task_id.setter
-    def task_id(self, task_id: "int | None") -> None:
+    def task_id(self, task_id: int | None) -> None:
         self._task_id = task_id
 
     @property
-    def rpc_layer(self) -> "str | None":
+    def rpc_layer(self) -> str | None:
         return self._rpc_layer
 
     @rpc_layer.setter
-    def rpc_layer(self, rpc_layer: "str | None") -> None:
+    def rpc_layer(self, rpc_layer: str | None) -> None:
         self._rpc_layer = rpc_layer
 
     @property
@@ -133,15 +133,15 @@ class SageMakerClusterResolver(ClusterResolver):
         """unison launch's conventions: SageMaker runs one task per host and sets nothing more."""
         return LAUNCH
 
-    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None) -> dict[str, int]:
         """CUDA devices of this host: every SageMaker host runs one task."""
         return local_accelerators()
 
     def master(
         self,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
     ) -> str:
         """A task's URL; "" for a cluster of one host, as in TensorFlow."""
         spec = self.cluster_spec()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import enum
 import typing
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = ["Scheduler", "LaunchScheduler", "RendezvousKind", "LAUNCH"]
 
@@ -59,7 +59,7 @@ class Scheduler(abc.ABC):
         """The environment's name, as the resolver's ``environment`` gives it ("" for unison's own)."""
 
     @abc.abstractmethod
-    def local_rank(self, environ: Mapping[str, str]) -> "int | None":
+    def local_rank(self, environ: Mapping[str, str]) -> int | None:
         """This process's index on its host, where the scheduler sets one; else None."""
 
     @abc.abstractmethod
@@ -76,7 +76,7 @@ class Scheduler(abc.ABC):
         collective leader's address (``LEADER``) or the scheduler's own store."""
 
     @abc.abstractmethod
-    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> "int | None":
+    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> int | None:
         """CPUs one task may use, where the scheduler divides a host between tasks without
         setting threads; None where a launcher sets the threads itself."""
 
@@ -96,7 +96,7 @@ class LaunchScheduler(Scheduler):
     def name(self) -> str:
         return ""
 
-    def local_rank(self, environ: Mapping[str, str]) -> "int | None":
+    def local_rank(self, environ: Mapping[str, str]) -> int | None:
         return None
 
     def rendezvous_token(self, environ: Mapping[str, str]) -> str:
@@ -105,7 +105,7 @@ class LaunchScheduler(Scheduler):
     def rendezvous_kind(self) -> RendezvousKind:
         return RendezvousKind.LEADER
 
-    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> "int | None":
+    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> int | None:
         return None
 
     def restart_advice(self) -> str:

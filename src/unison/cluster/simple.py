@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from unison.cluster import multi_worker_util
 from unison.cluster.base import ClusterResolver, format_master_url
@@ -40,13 +40,13 @@ class SimpleClusterResolver(ClusterResolver):
 
     def __init__(
         self,
-        cluster_spec: "ClusterLike | None" = None,
+        cluster_spec: ClusterLike | None = None,
         master: str = "",
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
         environment: str = "",
-        num_accelerators: "Mapping[str, int] | None" = None,
-        rpc_layer: "str | None" = None,
+        num_accelerators: Mapping[str, int] | None = None,
+        rpc_layer: str | None = None,
     ):
         self._cluster_spec = multi_worker_util.normalize_cluster_spec(cluster_spec)
         self._sparse_jobs = {
@@ -73,27 +73,27 @@ class SimpleClusterResolver(ClusterResolver):
         return {job: dict(tasks) for job, tasks in self._sparse_jobs.items()}
 
     @property
-    def task_type(self) -> "str | None":
+    def task_type(self) -> str | None:
         return self._task_type
 
     @task_type.setter
-    def task_type(self, task_type: "str | None") -> None:
+    def task_type(self, task_type: str | None) -> None:
         self._task_type = task_type
 
     @property
-    def task_id(self) -> "int | None":
+    def task_id(self) -> int | None:
         return self._task_id
 
     @task_id.setter
-    def task_id(self, task_id: "int | None") -> None:
+    def task_id(self, task_id: int | None) -> None:
         self._task_id = task_id
 
     @property
-    def rpc_layer(self) -> "str | None":
+    def rpc_layer(self) -> str | None:
         return self._rpc_layer
 
     @rpc_layer.setter
-    def rpc_layer(self, rpc_layer: "str | None") -> None:
+    def rpc_layer(self, rpc_layer: str | None) -> None:
         self._rpc_layer = rpc_layer
 
     @property
@@ -104,14 +104,14 @@ class SimpleClusterResolver(ClusterResolver):
     def scheduler(self) -> Scheduler:
         return scheduler_named(self._environment)
 
-    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None) -> dict[str, int]:
         return dict(self._num_accelerators)
 
     def master(
         self,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
     ) -> str:
         if task_type is not None and task_id is not None:
             address = self._cluster_spec.task_address(task_type, task_id)

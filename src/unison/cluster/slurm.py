@@ -25,7 +25,7 @@ import itertools
 import os
 import re
 import typing
-from typing import Mapping
+from collections.abc import Mapping
 
 from unison import devices
 from unison.cluster import multi_worker_util, threads
@@ -139,14 +139,14 @@ def rendezvous_port(job_id: int, step_id: int) -> int:
     return PORT_LOW + ((job_id * 16 + step_id) % PORT_SLOTS) * PORT_STRIDE
 
 
-def _first(environ: Mapping[str, str], *names: str) -> "str | None":
+def _first(environ: Mapping[str, str], *names: str) -> str | None:
     for name in names:
         if name in environ:
             return environ[name]
     return None
 
 
-def _step_id(environ: Mapping[str, str]) -> "str | None":
+def _step_id(environ: Mapping[str, str]) -> str | None:
     return _first(environ, "SLURM_STEP_ID", "SLURM_STEPID")
 
 
@@ -177,7 +177,7 @@ class SlurmScheduler(Scheduler):
     def name(self) -> str:
         return "slurm"
 
-    def local_rank(self, environ: Mapping[str, str]) -> "int | None":
+    def local_rank(self, environ: Mapping[str, str]) -> int | None:
         text = environ.get("SLURM_LOCALID", "")
         return int(text) if text.strip().isdigit() else None
 
@@ -190,7 +190,7 @@ class SlurmScheduler(Scheduler):
     def rendezvous_kind(self) -> RendezvousKind:
         return RendezvousKind.LEADER
 
-    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> "int | None":
+    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> int | None:
         """``SLURM_CPUS_PER_TASK`` (``srun -c``) when it is a positive integer, else this
         process's usable CPUs divided by the cluster's tasks on its host."""
         text = environ.get("SLURM_CPUS_PER_TASK", "").strip()
@@ -239,13 +239,13 @@ class SlurmClusterResolver(ClusterResolver):
 
     def __init__(
         self,
-        jobs: "Mapping[str, int] | None" = None,
-        port_base: "int | None" = None,
-        gpus_per_node: "int | None" = None,
-        gpus_per_task: "int | None" = None,
-        rpc_layer: "str | None" = "tcp",
+        jobs: Mapping[str, int] | None = None,
+        port_base: int | None = None,
+        gpus_per_node: int | None = None,
+        gpus_per_task: int | None = None,
+        rpc_layer: str | None = "tcp",
         *,
-        environ: "Mapping[str, str] | None" = None,
+        environ: Mapping[str, str] | None = None,
     ):
         if port_base is not None and (isinstance(port_base, bool) or not isinstance(port_base, int)
                                       or not 1 <= port_base <= 65535):
@@ -262,7 +262,7 @@ class SlurmClusterResolver(ClusterResolver):
         self._environ = environ
 
     @staticmethod
-    def is_present(environ: "Mapping[str, str] | None" = None) -> bool:
+    def is_present(environ: Mapping[str, str] | None = None) -> bool:
         """Whether this process is a SLURM task (``SLURM_PROCID`` and a task count are set)."""
         environ = os.environ if environ is None else environ
         return "SLURM_PROCID" in environ and _first(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") is not None
@@ -376,7 +376,7 @@ class SlurmClusterResolver(ClusterResolver):
         return self._task_of(rank, len(rank_hosts))[1]
 
     @property
-    def rpc_layer(self) -> "str | None":
+    def rpc_layer(self) -> str | None:
         return self._rpc_layer
 
     @property
@@ -387,7 +387,7 @@ class SlurmClusterResolver(ClusterResolver):
     def scheduler(self) -> Scheduler:
         return SLURM
 
-    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None) -> dict[str, int]:
         if self._gpus_per_task is not None:
             return {"GPU": self._gpus_per_task}
         per_node = self._gpus_per_node
@@ -399,8 +399,8 @@ class SlurmClusterResolver(ClusterResolver):
 
     def master(
         self,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
     ) -> str:
         return task_master_url(self, task_type, task_id, rpc_layer)

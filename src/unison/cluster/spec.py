@@ -12,7 +12,8 @@ import functools
 import ipaddress
 import re
 import socket
-from typing import Any, Iterator, Mapping, Sequence, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Union
 
 __all__ = ["ClusterSpec", "split_address", "ClusterLike"]
 
@@ -167,7 +168,7 @@ class ClusterSpec:
 
     __slots__ = ("_jobs",)
 
-    def __init__(self, cluster: "ClusterLike | None" = None):
+    def __init__(self, cluster: ClusterLike | None = None):
         if cluster is None:
             cluster = {}
         if isinstance(cluster, ClusterSpec):
@@ -279,4 +280,4 @@ def _task_name(field: str) -> str:
     return f"{job}:{index.rstrip(']')}"
 
 
-ClusterLike = Union[ClusterSpec, Mapping[str, Union[Sequence[str], Mapping[Any, str]]]]
+ClusterLike = Union[ClusterSpec, Mapping[str, Sequence[str] | Mapping[Any, str]]]

@@ -30,10 +30,11 @@ import json
 import os
 import re
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from unison.cluster import env, multi_worker_util
-from unison.cluster.base import ClusterResolver, task_master_url, local_accelerators
+from unison.cluster.base import ClusterResolver, local_accelerators, task_master_url
 from unison.cluster.known_schedulers import scheduler_named
 from unison.cluster.resolved import ResolvedCluster
 from unison.cluster.scheduler import Scheduler
@@ -90,13 +91,13 @@ class TFConfig:
     """
 
     cluster: ClusterSpec
-    task_type: "str | None" = None
-    task_id: "int | None" = None
-    rpc_layer: "str | None" = None
-    environment: "str | None" = None
+    task_type: str | None = None
+    task_id: int | None = None
+    rpc_layer: str | None = None
+    environment: str | None = None
 
 
-def _optional_str(config: Mapping[str, Any], key: str) -> "str | None":
+def _optional_str(config: Mapping[str, Any], key: str) -> str | None:
     value = config.get(key)
     if value is not None and not isinstance(value, str):
         raise ValueError(f"TF_CONFIG `{key}` is {value!r}, not a string; fix `{key}`, e.g. \"tcp\"")
@@ -180,7 +181,7 @@ def parse_tf_config(text: str, *, require_task: bool = False) -> TFConfig:
     return TFConfig(spec, task_type, task_id, rpc_layer, environment)
 
 
-def read_tf_config(environ: "Mapping[str, str] | None" = None, *, require_task: bool = False) -> "TFConfig | None":
+def read_tf_config(environ: Mapping[str, str] | None = None, *, require_task: bool = False) -> TFConfig | None:
     """Parses ``TF_CONFIG`` from the environment; None when it is unset or blank.
 
     ``"{}"`` parses as the empty cluster of local training.
@@ -221,12 +222,12 @@ class TFConfigClusterResolver(ClusterResolver):
 
     def __init__(
         self,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
-        environment: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
+        environment: str | None = None,
         *,
-        environ: "Mapping[str, str] | None" = None,
+        environ: Mapping[str, str] | None = None,
     ):
         self._task_type = task_type
         self._task_id = task_id
@@ -235,7 +236,7 @@ class TFConfigClusterResolver(ClusterResolver):
         self._environ = environ
 
     @staticmethod
-    def is_present(environ: "Mapping[str, str] | None" = None) -> bool:
+    def is_present(environ: Mapping[str, str] | None = None) -> bool:
         """Whether ``TF_CONFIG`` is set to something other than blanks or ``{}``.
 
         A malformed ``TF_CONFIG`` counts as present, so that its error is reported.
@@ -250,27 +251,27 @@ class TFConfigClusterResolver(ClusterResolver):
         return self._config().cluster
 
     @property
-    def task_type(self) -> "str | None":
+    def task_type(self) -> str | None:
         return self._task_type if self._task_type is not None else self._config().task_type
 
     @task_type.setter
-    def task_type(self, task_type: "str | None") -> None:
+    def task_type(self, task_type: str | None) -> None:
         self._task_type = task_type
 
     @property
-    def task_id(self) -> "int | None":
+    def task_id(self) -> int | None:
         return self._task_id if self._task_id is not None else self._config().task_id
 
     @task_id.setter
-    def task_id(self, task_id: "int | None") -> None:
+    def task_id(self, task_id: int | None) -> None:
         self._task_id = task_id
 
     @property
-    def rpc_layer(self) -> "str | None":
+    def rpc_layer(self) -> str | None:
         return self._rpc_layer if self._rpc_layer is not None else self._config().rpc_layer
 
     @rpc_layer.setter
-    def rpc_layer(self, rpc_layer: "str | None") -> None:
+    def rpc_layer(self, rpc_layer: str | None) -> None:
         self._rpc_layer = rpc_layer
 
     @property
@@ -283,27 +284,27 @@ class TFConfigClusterResolver(ClusterResolver):
         ("torchrun", "slurm": a job script that writes TF_CONFIG itself)."""
         return scheduler_named(self.environment)
 
-    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None) -> dict[str, int]:
         """CUDA devices of this machine: every task of a TF_CONFIG cluster sees its own host."""
         return local_accelerators()
 
     def master(
         self,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
     ) -> str:
         return task_master_url(self, task_type, task_id, rpc_layer)
 
 
 def resolve_task(
-    cluster_spec: "ClusterLike | None",
-    task_type: "str | None",
-    task_id: "int | None",
-    rpc_layer: "str | None",
+    cluster_spec: ClusterLike | None,
+    task_type: str | None,
+    task_id: int | None,
+    rpc_layer: str | None,
     *,
     require_task: bool = False,
-    environ: "Mapping[str, str] | None" = None,
+    environ: Mapping[str, str] | None = None,
 ) -> ResolvedCluster:
     """The distribute coordinator's resolution: explicit arguments, completed from ``TF_CONFIG``.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -36,7 +36,7 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_share(cpus_per_task: "int | None", tasks_on_host: int, affinity: "int | None" = None) -> int:
+def cpu_share(cpus_per_task: int | None, tasks_on_host: int, affinity: int | None = None) -> int:
     """CPUs one task may use: ``cpus_per_task`` if known, else its part of the usable CPUs.
 
     Args:
@@ -64,7 +64,7 @@ class ThreadDefault:
         self._done = False
         self._initial = torch.get_num_threads()
 
-    def apply(self, share: "int | None", task: str, environ: "Mapping[str, str] | None" = None) -> "int | None":
+    def apply(self, share: int | None, task: str, environ: Mapping[str, str] | None = None) -> int | None:
         """Lowers torch's intra-op threads to ``share`` unless the user chose a count.
 
         Args:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import typing
-from typing import Mapping
+from collections.abc import Mapping
 
 from unison import devices
 from unison.cluster.base import ClusterResolver, task_master_url
@@ -25,7 +25,7 @@ __all__ = ["TorchrunClusterResolver", "TorchrunScheduler", "TORCHRUN", "TORCHRUN
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _int_var(environ: Mapping[str, str], name: str, low: int, high: "int | None" = None) -> int:
+def _int_var(environ: Mapping[str, str], name: str, low: int, high: int | None = None) -> int:
     text = environ[name]
     try:
         value = int(text)
@@ -46,7 +46,7 @@ class TorchrunScheduler(Scheduler):
     def name(self) -> str:
         return "torchrun"
 
-    def local_rank(self, environ: Mapping[str, str]) -> "int | None":
+    def local_rank(self, environ: Mapping[str, str]) -> int | None:
         text = environ.get("LOCAL_RANK", "")
         return int(text) if text.strip().isdigit() else None
 
@@ -56,7 +56,7 @@ class TorchrunScheduler(Scheduler):
     def rendezvous_kind(self) -> RendezvousKind:
         return RendezvousKind.TORCHRUN
 
-    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> "int | None":
+    def cpu_share(self, environ: Mapping[str, str], tasks_on_host: int) -> int | None:
         return None
 
     def restart_advice(self) -> str:
@@ -83,12 +83,12 @@ class TorchrunClusterResolver(ClusterResolver):
             ``RANK`` is not below ``WORLD_SIZE``.
     """
 
-    def __init__(self, rpc_layer: "str | None" = "tcp", *, environ: "Mapping[str, str] | None" = None):
+    def __init__(self, rpc_layer: str | None = "tcp", *, environ: Mapping[str, str] | None = None):
         self._rpc_layer = rpc_layer
         self._environ = environ
 
     @staticmethod
-    def is_present(environ: "Mapping[str, str] | None" = None) -> bool:
+    def is_present(environ: Mapping[str, str] | None = None) -> bool:
         """Whether torchrun's ``RANK`` and ``WORLD_SIZE`` are set."""
         environ = os.environ if environ is None else environ
         return "RANK" in environ and "WORLD_SIZE" in environ
@@ -139,7 +139,7 @@ class TorchrunClusterResolver(ClusterResolver):
         return self._read()[2]
 
     @property
-    def rpc_layer(self) -> "str | None":
+    def rpc_layer(self) -> str | None:
         return self._rpc_layer
 
     @property
@@ -150,15 +150,15 @@ class TorchrunClusterResolver(ClusterResolver):
     def scheduler(self) -> Scheduler:
         return TORCHRUN
 
-    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None) -> dict[str, int]:
         """One CUDA device per process (``cuda:LOCAL_RANK``) when the host has CUDA, else 0."""
         has_cuda = any(devices.is_cuda(d) for d in devices.local_devices())
         return {"GPU": 1 if has_cuda else 0}
 
     def master(
         self,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
     ) -> str:
         return task_master_url(self, task_type, task_id, rpc_layer)

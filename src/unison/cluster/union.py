@@ -7,7 +7,8 @@ putting a SimpleClusterResolver first.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from unison.cluster.base import ClusterResolver, format_master_url
 from unison.cluster.scheduler import Scheduler
@@ -86,8 +87,8 @@ class UnionResolver(ClusterResolver):
         TypeError: if an argument is not a ClusterResolver.
     """
 
-    def __init__(self, *resolvers: ClusterResolver, rpc_layer: "str | None" = None,
-                 task_type: "str | None" = None, task_id: "int | None" = None):
+    def __init__(self, *resolvers: ClusterResolver, rpc_layer: str | None = None,
+                 task_type: str | None = None, task_id: int | None = None):
         if not resolvers:
             raise ValueError("UnionResolver needs at least one ClusterResolver; pass the resolvers to merge")
         for i, resolver in enumerate(resolvers):
@@ -109,27 +110,27 @@ class UnionResolver(ClusterResolver):
         return ClusterSpec(merge_clusters([_given_form(r) for r in self._resolvers]))
 
     @property
-    def task_type(self) -> "str | None":
+    def task_type(self) -> str | None:
         return self._task_type if self._task_type is not None else self._resolvers[0].task_type
 
     @task_type.setter
-    def task_type(self, task_type: "str | None") -> None:
+    def task_type(self, task_type: str | None) -> None:
         self._task_type = task_type
 
     @property
-    def task_id(self) -> "int | None":
+    def task_id(self) -> int | None:
         return self._task_id if self._task_id is not None else self._resolvers[0].task_id
 
     @task_id.setter
-    def task_id(self, task_id: "int | None") -> None:
+    def task_id(self, task_id: int | None) -> None:
         self._task_id = task_id
 
     @property
-    def rpc_layer(self) -> "str | None":
+    def rpc_layer(self) -> str | None:
         return self._rpc_layer if self._rpc_layer is not None else self._resolvers[0].rpc_layer
 
     @rpc_layer.setter
-    def rpc_layer(self, rpc_layer: "str | None") -> None:
+    def rpc_layer(self, rpc_layer: str | None) -> None:
         self._rpc_layer = rpc_layer
 
     @property
@@ -140,14 +141,14 @@ class UnionResolver(ClusterResolver):
     def scheduler(self) -> Scheduler:
         return self._resolvers[0].scheduler
 
-    def num_accelerators(self, task_type: "str | None" = None, task_id: "int | None" = None) -> dict[str, int]:
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None) -> dict[str, int]:
         return self._resolvers[0].num_accelerators(task_type, task_id)
 
     def master(
         self,
-        task_type: "str | None" = None,
-        task_id: "int | None" = None,
-        rpc_layer: "str | None" = None,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        rpc_layer: str | None = None,
     ) -> str:
         """A named task's URL in the merged cluster; without one, the first resolver's master."""
         if task_type is not None and task_id is not None:

@@ -12,16 +12,6 @@ per device) of N gradients. Those the CrossDeviceOps are built from live in
 from tensorpack, in ``compat/tensorpack.py``.
 """
 
-from unison.collectives.ops.base import CrossDeviceOps
-from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
-from unison.collectives.ops.local import (
-    AllReduceCrossDeviceOps,
-    HierarchicalCopyAllReduce,
-    NcclAllReduce,
-    ReductionToOneDevice,
-    select_cross_device_ops,
-)
-from unison.collectives.transport.packing import TensorPacker, group_by_size
 from unison.collectives.compat.placement import LeastLoadedDeviceSetter
 from unison.collectives.compat.tensorpack import (
     GradientPacker,
@@ -31,6 +21,16 @@ from unison.collectives.compat.tensorpack import (
     merge_grad_list,
     split_grad_list,
 )
+from unison.collectives.ops.base import CrossDeviceOps
+from unison.collectives.ops.local import (
+    AllReduceCrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+    select_cross_device_ops,
+)
+from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
+from unison.collectives.transport.packing import TensorPacker, group_by_size
 
 __all__ = [
     "CrossDeviceOps",

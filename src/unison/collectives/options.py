@@ -119,7 +119,7 @@ class CommunicationOptions:
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
-    compression: "Compression | PowerSGD" = Compression.NONE
+    compression: Compression | PowerSGD = Compression.NONE
 
     def __post_init__(self) -> None:
         if isinstance(self.bytes_per_pack, bool) or not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -141,7 +141,7 @@ class CommunicationOptions:
         """The timeout in seconds that collectives use."""
         return float(self.timeout_seconds) if self.timeout_seconds is not None else 300.0
 
-    def merge(self, other: "CommunicationOptions | None") -> "CommunicationOptions":
+    def merge(self, other: CommunicationOptions | None) -> CommunicationOptions:
         """Options of ``other`` where it differs from the defaults, else these."""
         if other is None:
             return self

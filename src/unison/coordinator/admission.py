@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 try:
     import resource
@@ -41,7 +41,7 @@ __all__ = ["DESCRIPTORS_PER_HANDSHAKE", "PendingHandshakes", "descriptor_usage",
 DESCRIPTORS_PER_HANDSHAKE = 2
 
 
-def _open_descriptors() -> "int | None":
+def _open_descriptors() -> int | None:
     """How many file descriptors this process holds, or None where that cannot be counted."""
     for directory in ("/proc/self/fd", "/dev/fd"):
         try:
@@ -51,7 +51,7 @@ def _open_descriptors() -> "int | None":
     return None
 
 
-def descriptor_usage() -> "tuple[int, int] | None":
+def descriptor_usage() -> tuple[int, int] | None:
     """``(open, limit)``: the file descriptors this process holds and its ``RLIMIT_NOFILE``.
 
     None where there is no limit or the open ones cannot be counted (no ``/proc``):

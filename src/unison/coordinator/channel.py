@@ -24,9 +24,10 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from multiprocessing import AuthenticationError as _MpAuthenticationError
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import cloudpickle
 
@@ -82,7 +83,7 @@ def generate_authkey() -> bytes:
     return secrets.token_bytes(32)
 
 
-def require_authkey(authkey: "bytes | None" = None, environ: "Mapping[str, str] | None" = None) -> bytes:
+def require_authkey(authkey: bytes | None = None, environ: Mapping[str, str] | None = None) -> bytes:
     """``authkey`` if given, else the environment's key.
 
     Raises:

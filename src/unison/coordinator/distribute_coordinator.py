@@ -20,14 +20,15 @@ from __future__ import annotations
 import datetime
 import enum
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from unison.cluster import multi_worker_util
 from unison.cluster.spec import ClusterLike, ClusterSpec, split_address
 from unison.cluster.tf_config import resolve_task
 from unison.coordinator.channel import connect, require_authkey
-from unison.coordinator.standard_server import RunRequest, StandardServer
 from unison.coordinator.rendezvous_store import StoreCoordination
+from unison.coordinator.standard_server import RunRequest, StandardServer
 from unison.coordinator.worker_context import WorkerContext, run_in_worker_context
 from unison.errors import ClusterError
 
@@ -48,17 +49,17 @@ class CoordinatorMode(str, enum.Enum):
 def run_distribute_coordinator(
     worker_fn: Callable[[Any], Any],
     strategy: Any,
-    eval_fn: "Callable[[Any], Any] | None" = None,
+    eval_fn: Callable[[Any], Any] | None = None,
     eval_strategy: Any = None,
-    mode: "CoordinatorMode | str" = CoordinatorMode.STANDALONE_CLIENT,
-    cluster_spec: "ClusterLike | None" = None,
-    task_type: "str | None" = None,
-    task_id: "int | None" = None,
-    rpc_layer: "str | None" = "tcp",
+    mode: CoordinatorMode | str = CoordinatorMode.STANDALONE_CLIENT,
+    cluster_spec: ClusterLike | None = None,
+    task_type: str | None = None,
+    task_id: int | None = None,
+    rpc_layer: str | None = "tcp",
     *,
-    authkey: "bytes | None" = None,
+    authkey: bytes | None = None,
     timeout_seconds: float = _DEFAULT_TIMEOUT,
-    environ: "Mapping[str, str] | None" = None,
+    environ: Mapping[str, str] | None = None,
 ) -> Any:
     """Runs ``worker_fn(strategy)`` on the workers of a cluster, each in its worker context.
 
@@ -135,9 +136,9 @@ def _run_independent_worker(
     spec: ClusterSpec,
     task_type: str,
     task_id: int,
-    rpc_layer: "str | None",
+    rpc_layer: str | None,
     timeout: float,
-    environ: "Mapping[str, str] | None",
+    environ: Mapping[str, str] | None,
 ) -> Any:
     if task_type == "evaluator":
         return run_in_worker_context(eval_fn, eval_strategy, spec, task_type, task_id, rpc_layer)
@@ -182,7 +183,7 @@ def _run_client(
     eval_fn: Callable[[Any], Any],
     eval_strategy: Any,
     spec: ClusterSpec,
-    rpc_layer: "str | None",
+    rpc_layer: str | None,
     authkey: bytes,
     timeout: float,
 ) -> Any:

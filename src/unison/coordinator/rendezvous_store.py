@@ -23,7 +23,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time only
@@ -39,7 +40,7 @@ _OK = b"ok"
 _FAILED = b"failed:"
 
 
-def coordination_address(cluster_spec: ClusterSpec, environ: "Mapping[str, str] | None" = None) -> tuple[str, int]:
+def coordination_address(cluster_spec: ClusterSpec, environ: Mapping[str, str] | None = None) -> tuple[str, int]:
     """``(host, port)`` of the INDEPENDENT_WORKER coordination store.
 
     Raises:
@@ -90,8 +91,8 @@ class StoreCoordination:
         num_workers: int,
         num_servers: int,
         timeout: float,
-        environ: "Mapping[str, str] | None" = None,
-    ) -> "StoreCoordination":
+        environ: Mapping[str, str] | None = None,
+    ) -> StoreCoordination:
         """Hosts (on the leader) or joins (elsewhere) the cluster's coordination store.
 
         Raises:
@@ -128,7 +129,7 @@ class StoreCoordination:
                 ) from e
         return cls(store, address, is_host=is_host, num_workers=num_workers, num_servers=num_servers, timeout=timeout)
 
-    def _wait(self, key: str, what: str, count_key: "str | None" = None, expected: int = 0, *, forever: bool = False) -> None:
+    def _wait(self, key: str, what: str, count_key: str | None = None, expected: int = 0, *, forever: bool = False) -> None:
         """Waits for ``key`` to be set: "ok" goes on, "failed:<task>" raises.
 
         One blocking wait, no polling: ``abort`` sets every key another task can be

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import traceback
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from unison.cluster import multi_worker_util
 from unison.cluster.base import format_master_url
@@ -39,12 +40,12 @@ class RunRequest:
     cluster: dict[str, list[str]]
     task_type: str
     task_id: int
-    rpc_layer: "str | None"
+    rpc_layer: str | None
     use_barrier: bool
     #: ``host:port`` of the store the client hosts for the workers' process group: the
     #: leader's own cluster address is taken by its standard server. Handed to the
     #: strategy's ``configure`` as an argument (the server's environment is left alone).
-    rendezvous: "str | None" = None
+    rendezvous: str | None = None
 
 
 class _RelayBarrier:
@@ -97,16 +98,16 @@ class StandardServer:
 
     def __init__(
         self,
-        cluster_spec: "ClusterLike",
+        cluster_spec: ClusterLike,
         task_type: str,
         task_id: int,
         *,
-        authkey: "bytes | None" = None,
-        bind_address: "str | None" = None,
-        rpc_layer: "str | None" = "tcp",
-        environ: "Mapping[str, str] | None" = None,
+        authkey: bytes | None = None,
+        bind_address: str | None = None,
+        rpc_layer: str | None = "tcp",
+        environ: Mapping[str, str] | None = None,
         handshake_timeout: float = HANDSHAKE_SECONDS,
-        sessions: "Mapping[str, Callable[[Channel, Any], None]] | None" = None,
+        sessions: Mapping[str, Callable[[Channel, Any], None]] | None = None,
     ):
         if not (isinstance(handshake_timeout, (int, float)) and handshake_timeout > 0):
             raise ValueError(f"handshake_timeout must be a positive number of seconds, got {handshake_timeout!r}")
@@ -119,7 +120,7 @@ class StandardServer:
         self._authkey = require_authkey(authkey, environ)
         self._bind_address = bind_address or self._cluster_spec.task_address(task_type, task_id)
         self._rpc_layer = rpc_layer
-        self._listener: "ChannelListener | None" = None
+        self._listener: ChannelListener | None = None
         self._stopped = threading.Event()
 
     @property
@@ -141,7 +142,7 @@ class StandardServer:
         """How many peers failed the key handshake."""
         return self._listener.refused if self._listener else 0
 
-    def start(self) -> "StandardServer":
+    def start(self) -> StandardServer:
         """Starts listening (in background threads) and returns self.
 
         Raises:
@@ -153,7 +154,7 @@ class StandardServer:
             )
         return self
 
-    def join(self, timeout: "float | None" = None) -> bool:
+    def join(self, timeout: float | None = None) -> bool:
         """Blocks until the server is stopped; returns whether it was."""
         return self._stopped.wait(timeout)
 
@@ -163,7 +164,7 @@ class StandardServer:
             self._listener.close()
         self._stopped.set()
 
-    def __enter__(self) -> "StandardServer":
+    def __enter__(self) -> StandardServer:
         return self.start()
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -228,9 +229,9 @@ class StandardServer:
 
 def run_standard_server(
     *,
-    authkey: "bytes | None" = None,
-    bind_address: "str | None" = None,
-    environ: "Mapping[str, str] | None" = None,
+    authkey: bytes | None = None,
+    bind_address: str | None = None,
+    environ: Mapping[str, str] | None = None,
     handshake_timeout: float = HANDSHAKE_SECONDS,
 ) -> StandardServer:
     """Starts the standard server of the task that ``TF_CONFIG`` describes.
@@ -270,9 +271,9 @@ def run_standard_server(
 
 
 def stop_standard_servers(
-    cluster_spec: "ClusterLike",
+    cluster_spec: ClusterLike,
     *,
-    authkey: "bytes | None" = None,
+    authkey: bytes | None = None,
     timeout: float = 30.0,
 ) -> list[str]:
     """Asks the standard server of every task of the cluster to stop.

@@ -11,7 +11,8 @@ tf.distribute equivalent: ``distribute_coordinator._WorkerContext`` and
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from unison._state import STATE
 from unison.cluster import multi_worker_util
@@ -27,7 +28,7 @@ class Barrier(Protocol):
     def wait(self) -> None: ...
 
 
-def get_current_worker_context() -> "WorkerContext | None":
+def get_current_worker_context() -> WorkerContext | None:
     """The WorkerContext of the ``worker_fn`` running in this thread, or None."""
     return STATE.worker_context
 
@@ -48,11 +49,11 @@ class WorkerContext:
     def __init__(
         self,
         strategy: Any,
-        cluster_spec: "ClusterSpec | None",
-        task_type: "str | None",
-        task_id: "int | None",
-        rpc_layer: "str | None" = "tcp",
-        barrier: "Barrier | None" = None,
+        cluster_spec: ClusterSpec | None,
+        task_type: str | None,
+        task_id: int | None,
+        rpc_layer: str | None = "tcp",
+        barrier: Barrier | None = None,
     ):
         self._strategy = strategy
         self._cluster_spec = multi_worker_util.normalize_cluster_spec(cluster_spec)
@@ -61,7 +62,7 @@ class WorkerContext:
         self._rpc_layer = rpc_layer
         self._barrier = barrier
 
-    def __enter__(self) -> "WorkerContext":
+    def __enter__(self) -> WorkerContext:
         current = STATE.worker_context
         if current is not None:
             raise ValueError(
@@ -83,12 +84,12 @@ class WorkerContext:
         return f"WorkerContext{self._describe()}"
 
     @property
-    def task_type(self) -> "str | None":
+    def task_type(self) -> str | None:
         """The task's type ("chief", "worker", "evaluator"), or None."""
         return self._task_type
 
     @property
-    def task_id(self) -> "int | None":
+    def task_id(self) -> int | None:
         """The task's index within its job, or None."""
         return self._task_id
 
@@ -172,13 +173,13 @@ class WorkerContext:
 def run_in_worker_context(
     fn: Callable[[Any], Any],
     strategy: Any,
-    cluster_spec: "ClusterSpec | None",
-    task_type: "str | None",
-    task_id: "int | None",
-    rpc_layer: "str | None" = "tcp",
-    barrier: "Barrier | None" = None,
+    cluster_spec: ClusterSpec | None,
+    task_type: str | None,
+    task_id: int | None,
+    rpc_layer: str | None = "tcp",
+    barrier: Barrier | None = None,
     *,
-    rendezvous: "str | None" = None,
+    rendezvous: str | None = None,
 ) -> Any:
     """Configures a copy of ``strategy`` for the task and calls ``fn(strategy)`` in its context.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -21,12 +21,12 @@ __all__ = ["grads_of", "set_grads", "clear_grads"]
 _get_grad, _set_grad = GRAD_DESCRIPTOR.__get__, GRAD_DESCRIPTOR.__set__
 
 
-def grads_of(tensors: Iterable[torch.Tensor]) -> list["torch.Tensor | None"]:
+def grads_of(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor | None]:
     """``[t.grad for t in tensors]``."""
     return list(map(_get_grad, tensors))
 
 
-def set_grads(tensors: Iterable[torch.Tensor], grads: Iterable["torch.Tensor | None"]) -> None:
+def set_grads(tensors: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None]) -> None:
     """``t.grad = g`` for each pair (the setter's checks included: a wrong shape raises)."""
     collections.deque(map(_set_grad, tensors, grads), maxlen=0)
 

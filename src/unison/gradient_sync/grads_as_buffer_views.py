@@ -22,7 +22,8 @@ import operator
 import sys
 import typing
 from collections import defaultdict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

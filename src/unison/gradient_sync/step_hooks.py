@@ -28,7 +28,7 @@ __all__ = ["attach", "install_step_hooks", "sync_of"]
 _SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 # optimizer -> (its parameter count when their owners were last checked, its synchroniser this step)
-_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, Any]]" = weakref.WeakKeyDictionary()
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, Any]] = weakref.WeakKeyDictionary()
 
 
 def attach(param: torch.Tensor, gradient_sync: Any) -> None:

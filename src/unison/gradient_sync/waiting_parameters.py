@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import typing
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +23,7 @@ class DormantParameters:
     """Weak references to frozen parameters, in registration order."""
 
     def __init__(self) -> None:
-        self._refs: list["weakref.ref[torch.Tensor]"] = []
+        self._refs: list[weakref.ref[torch.Tensor]] = []
 
     def __bool__(self) -> bool:
         return bool(self._refs)
@@ -45,7 +45,7 @@ class DormantParameters:
     def take_trainable(self) -> list[torch.Tensor]:
         """The parameters that require grad now, in registration order; they leave, as do dropped ones."""
         trainable: list[torch.Tensor] = []
-        frozen: list["weakref.ref[torch.Tensor]"] = []
+        frozen: list[weakref.ref[torch.Tensor]] = []
         for ref in self._refs:
             param = ref()
             if param is not None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import collections.abc
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import abc
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, default_collate

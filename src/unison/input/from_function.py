@@ -7,7 +7,8 @@ calls it once per pipeline and deals the per-replica batches to the local replic
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 

@@ -9,7 +9,8 @@ data, and all stop together the first time one of them has none.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar, cast
 
 from torch.utils import _pytree as pytree
 

@@ -9,7 +9,8 @@ agrees on the end with the other workers and moves the batches to the replicas' 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from unison.input.sharding import shard_rows, split_slices
 from unison.input.structure import BatchChecker, slice_batch

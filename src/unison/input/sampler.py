@@ -8,7 +8,8 @@ batch is split as evenly as possible, so a worker's last batch may be smaller or
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from torch.utils.data import Sampler
 

@@ -18,7 +18,8 @@ new iterable of batches that reads only those files. Worker ``w`` of ``W`` gets 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 

@@ -43,11 +43,11 @@ from unison.values.values import PerReplica
 __all__ = ["install_grad_scaler_replicas", "replica_of_several"]
 
 _STATE_NAME = "_per_optimizer_states"
-_replica_states: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+_replica_states: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 _replica_states_lock = threading.Lock()
 
 
-def replica_of_several() -> "ReplicaContext | None":
+def replica_of_several() -> ReplicaContext | None:
     """The current replica's context, when its strategy runs several replicas in this process."""
     entry = STATE.top()
     context = entry.replica_context if entry is not None else None

@@ -24,7 +24,8 @@ leaves them as they were.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ def _swapped_init_fill(func: Any) -> bool:
     return isinstance(name, str) and name in _INIT_FILL_NAMES and getattr(nn.init, name, None) is func
 
 
-def _draw_on_cpu(target: torch.Tensor, generator: "torch.Generator | None") -> bool:
+def _draw_on_cpu(target: torch.Tensor, generator: torch.Generator | None) -> bool:
     if target.device.type == "cpu":
         return False
     if generator is not None and generator.device.type != "cpu":

@@ -9,7 +9,8 @@ too, and ``place_parameters_in`` sees which modules a block builds.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch import nn
 
@@ -34,7 +35,7 @@ registration_hooks = Interposition(
 
 
 def _replace_deepcopy(copy: Callable[[nn.Parameter, dict], nn.Parameter]) -> None:
-    setattr(nn.Parameter, "__deepcopy__", copy)
+    setattr(nn.Parameter, "__deepcopy__", copy)  # noqa: B010 - a method of torch's class, replaced (mypy refuses the assignment)
 
 
 parameter_copy_hook = Interposition(

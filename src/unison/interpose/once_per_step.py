@@ -22,7 +22,8 @@ outside ``strategy.run`` is untouched.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler

@@ -15,7 +15,8 @@ Each is installed with its owner's handlers, which hold the behaviour:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim import optimizer as torch_optimizer

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import typing
-from typing import Any, Callable, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, ContextManager
 
 __all__ = ["INTERPOSITIONS", "Interposition", "ScopedInterposition"]
 
@@ -104,5 +105,5 @@ class ScopedInterposition:
         return f"ScopedInterposition({self.what!r} on {self.target}, {state})"
 
 
-INTERPOSITIONS: "list[Interposition | ScopedInterposition]" = []
+INTERPOSITIONS: list[Interposition | ScopedInterposition] = []
 """Every interposition defined by an imported unison module, in definition order."""

@@ -125,7 +125,7 @@ class ReplicaParameters(dict):
     def __reduce__(self) -> Any:
         return dict, (dict(self),)  # a pickled module keeps a plain dict (no unison needed to load it)
 
-    def __deepcopy__(self, memo: dict) -> "ReplicaParameters":
+    def __deepcopy__(self, memo: dict) -> ReplicaParameters:
         # a deep-copied module's variables are new variables of the same strategy (their
         # __deepcopy__): its replicas must read their own components too
         copied = ReplicaParameters()

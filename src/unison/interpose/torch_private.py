@@ -15,7 +15,8 @@ split (``strategies/extended.py``).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._utils import _unflatten_dense_tensors

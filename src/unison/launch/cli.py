@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from unison.coordinator.channel import HANDSHAKE_SECONDS, generate_authkey
 from unison.errors import UnisonError
-from unison.launch.multinode_flags import add_multinode_arguments, is_multinode, launch_nodes
 from unison.launch.local_run import run_local_cluster
+from unison.launch.multinode_flags import add_multinode_arguments, is_multinode, launch_nodes
 from unison.launch.procs import plan_tasks
 
 __all__ = ["main", "launch_main", "build_parser"]
@@ -132,7 +132,7 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: "Sequence[str] | None" = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``unison`` console script. Returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -141,7 +141,7 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     return _server(args)
 
 
-def launch_main(argv: "Sequence[str] | None" = None) -> int:
+def launch_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m unison.launch``: the same as ``unison launch``."""
     parser = argparse.ArgumentParser(prog="python -m unison.launch", description="run a script as every task of a local cluster")
     _add_launch_arguments(parser)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable, Mapping
 from types import FrameType
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Union
 
 __all__ = ["Interrupted", "install_signal_handlers", "restore_signal_handlers"]
 
@@ -24,10 +25,10 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-_Handler = Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers, None]
+_Handler = Union[Callable[[int, FrameType | None], Any], int, signal.Handlers, None]
 
 
-def _raise_interrupted(signum: int, frame: "FrameType | None") -> None:
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
 

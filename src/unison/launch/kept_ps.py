@@ -11,7 +11,8 @@ made. A job with a chief (ParameterServerStrategy) restarts whole, as before.
 from __future__ import annotations
 
 import json
-from typing import IO, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO
 
 from unison.cluster import env
 from unison.launch.one_run import run_once

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import IO, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO
 
 from unison.launch.interrupts import install_signal_handlers, restore_signal_handlers
 from unison.launch.kept_ps import keeps_ps_tasks, run_keeping_ps_tasks
@@ -26,9 +27,9 @@ def run_local_cluster(
     authkey: bytes,
     max_restarts: int = 0,
     grace_period: float = 5.0,
-    base_env: "Mapping[str, str] | None" = None,
-    stdout: "IO[str] | None" = None,
-    stderr: "IO[str] | None" = None,
+    base_env: Mapping[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
 ) -> int:
     """Runs ``command`` once per task until the cluster succeeds or runs out of restarts.
 

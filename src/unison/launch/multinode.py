@@ -34,10 +34,12 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, IO, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, TYPE_CHECKING
 
 from unison.cluster import env
 from unison.errors import ClusterError
+from unison.launch.interrupts import Interrupted, install_signal_handlers, restore_signal_handlers
 from unison.launch.node_address import address_toward, interface_of
 from unison.launch.node_rendezvous import (
     Failure,
@@ -45,7 +47,6 @@ from unison.launch.node_rendezvous import (
     NodeTasks,
     format_address,
 )
-from unison.launch.interrupts import Interrupted, install_signal_handlers, restore_signal_handlers
 from unison.launch.outcome import exit_code, signal_name
 from unison.launch.procs import LocalCluster, Task, reserve_ports, shared_environment
 
@@ -165,13 +166,13 @@ class _Monitor:
 
     def __init__(self, rendezvous: NodeRendezvous, generation: int, silence_limit: float) -> None:
         self.rendezvous, self.generation, self.limit = rendezvous, generation, silence_limit
-        self.failure: "Failure | None" = None
+        self.failure: Failure | None = None
 
     def __call__(self) -> bool:
         self.failure = self.check()
         return self.failure is not None
 
-    def check(self) -> "Failure | None":
+    def check(self) -> Failure | None:
         try:
             self.rendezvous.beat(self.generation)
             failure = self.rendezvous.failure(self.generation)
@@ -196,13 +197,13 @@ def run_node(
     *,
     master_addr: str,
     master_port: int = DEFAULT_MASTER_PORT,
-    node_addr: "str | None" = None,
+    node_addr: str | None = None,
     max_restarts: int = 0,
     grace_period: float = 5.0,
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT,
-    base_env: "Mapping[str, str] | None" = None,
-    stdout: "IO[str] | None" = None,
-    stderr: "IO[str] | None" = None,
+    base_env: Mapping[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
 ) -> int:
     """Runs this node's tasks of a multi-node job until the job succeeds or runs out of restarts.
 
@@ -295,7 +296,7 @@ def _run_generations(
                 cluster.stop()
                 raise
             outcome = cluster.wait(stop_when=monitor)
-            failure: "Failure | None"
+            failure: Failure | None
             if outcome.failed is not None:
                 detail = f"exited with code {exit_code(outcome.returncode)}"
                 if outcome.returncode < 0:
@@ -363,7 +364,7 @@ def _acknowledge(rendezvous: NodeRendezvous, plan: NodePlan, generation: int) ->
             pass  # node 0 is gone: nobody waits for us
 
 
-def _wait_for_job(rendezvous: NodeRendezvous, monitor: _Monitor, generation: int) -> "Failure | None":
+def _wait_for_job(rendezvous: NodeRendezvous, monitor: _Monitor, generation: int) -> Failure | None:
     """After this node's tasks succeeded: waits until every node's did, or one failed."""
     while True:
         failure = monitor.check()

@@ -9,7 +9,7 @@ running of a node so that what a user types and what a node does are read separa
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from unison.launch.multinode import DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, plan_node, run_node
 
@@ -22,7 +22,7 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def _positive(kind: type) -> "Callable[[str], float]":
+def _positive(kind: type) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = kind(text)

@@ -41,7 +41,7 @@ def address_toward(host: str, port: int) -> str:
         return str(sock.getsockname()[0])
 
 
-def interface_of(address: str) -> "str | None":
+def interface_of(address: str) -> str | None:
     """The name of the network interface holding IPv4 ``address`` (``"lo"``, ``"eth0"``), or None."""
     try:
         wanted = ipaddress.ip_address(address)

@@ -21,12 +21,13 @@ import datetime
 import json
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from unison.errors import ClusterError
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
+    pass
 
 __all__ = ["NodeTasks", "Failure", "NodeRendezvous", "format_address"]
 
@@ -55,15 +56,15 @@ class NodeTasks:
     rank: int
     address: str
     tasks: tuple[tuple[str, int, int], ...]
-    coordinator_port: "int | None" = None
-    store_port: "int | None" = None
+    coordinator_port: int | None = None
+    store_port: int | None = None
 
     def to_json(self) -> str:
         """The published form."""
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: "str | bytes") -> "NodeTasks":
+    def from_json(cls, text: str | bytes) -> NodeTasks:
         """Reads what :meth:`to_json` wrote."""
         data = json.loads(text)
         tasks = tuple((str(job), int(index), int(port)) for job, index, port in data["tasks"])
@@ -100,7 +101,7 @@ class NodeRendezvous:
     """
 
     def __init__(
-        self, *, nnodes: int, node_rank: int, master_addr: str, master_port: int, timeout: float, config: "dict[str, Any]"
+        self, *, nnodes: int, node_rank: int, master_addr: str, master_port: int, timeout: float, config: dict[str, Any]
     ) -> None:
         self.nnodes, self.node_rank, self.timeout = nnodes, node_rank, timeout
         self.master = format_address(master_addr, master_port)
@@ -129,7 +130,7 @@ class NodeRendezvous:
             ) from e
         self._check_config(config)
 
-    def _check_config(self, config: "dict[str, Any]") -> None:
+    def _check_config(self, config: dict[str, Any]) -> None:
         mine = json.dumps(config, sort_keys=True)
         if self.node_rank == 0:
             self._store.set("config", mine)
@@ -157,7 +158,7 @@ class NodeRendezvous:
                 f"or raise --rendezvous-timeout"
             ) from e
 
-    def join(self, generation: int, mine: NodeTasks) -> "tuple[list[NodeTasks], bytes]":
+    def join(self, generation: int, mine: NodeTasks) -> tuple[list[NodeTasks], bytes]:
         """Publishes this node's tasks for ``generation`` and waits for every node's.
 
         Returns:
@@ -191,7 +192,7 @@ class NodeRendezvous:
         winner = self._store.compare_set(key, "", text)
         return Failure(**json.loads(winner))
 
-    def failure(self, generation: int) -> "Failure | None":
+    def failure(self, generation: int) -> Failure | None:
         """The generation's first failure, if any node reported one."""
         key = f"g{generation}/failed"
         if not self._store.check([key]):
@@ -213,7 +214,7 @@ class NodeRendezvous:
             self._store.add(f"g{generation}/beat/{self.node_rank}", 1)
             self._last_beat = now
 
-    def silent_node(self, generation: int, limit: float) -> "int | None":
+    def silent_node(self, generation: int, limit: float) -> int | None:
         """A node whose heartbeat has not moved for ``limit`` seconds, or None."""
         now = time.monotonic()
         for rank, (count, since) in list(self._beats.items()):

@@ -11,7 +11,7 @@ from unison.launch.procs import LocalCluster
 __all__ = ["run_once"]
 
 
-def run_once(cluster: LocalCluster) -> "Outcome | int":
+def run_once(cluster: LocalCluster) -> Outcome | int:
     """Starts ``cluster`` and waits for its outcome; interrupted (Ctrl-C, SIGTERM), stops every
     task and returns the exit status ``128 + signal``. A failed start stops what started."""
     try:

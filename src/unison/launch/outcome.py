@@ -24,7 +24,7 @@ __all__ = ["Outcome", "exit_code", "signal_name"]
 class Outcome:
     """How one run of the cluster ended: ``failed`` is None on success."""
 
-    failed: "Task | None" = None
+    failed: Task | None = None
     returncode: int = 0
     #: True when ``wait``'s ``stop_when`` asked to stop (e.g. a task on another node failed).
     stopped: bool = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["die_with_launcher"]
 

@@ -23,15 +23,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from typing import IO, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO
 
 from unison.cluster import env
-from unison.launch.interrupts import Interrupted, install_signal_handlers, restore_signal_handlers
-from unison.launch.outcome import Outcome, exit_code, signal_name
+from unison.launch.outcome import Outcome, exit_code
 from unison.launch.parent_death import die_with_launcher
 
 __all__ = ["Task", "plan_tasks", "reserve_ports", "cluster_environments", "shared_environment", "LocalCluster",
@@ -102,7 +101,7 @@ def cluster_environments(
     restart: int,
     base: Mapping[str, str],
     host: str = "127.0.0.1",
-    kept: "Mapping[str, list[str]] | None" = None,
+    kept: Mapping[str, list[str]] | None = None,
 ) -> dict[Task, dict[str, str]]:
     """The environment of every task: TF_CONFIG, key, coordination port, thread settings.
 
@@ -184,7 +183,7 @@ def _group_alive(pgid: int) -> bool:
 @dataclasses.dataclass
 class _Running:
     task: Task
-    process: "subprocess.Popen[bytes]"
+    process: subprocess.Popen[bytes]
     pumps: list[_Pump]
 
 
@@ -219,8 +218,8 @@ class LocalCluster:
         self._stdout, self._stderr = stdout, stderr
         self._locks = {id(stdout): threading.Lock(), id(stderr): threading.Lock()}
         self._running: list[_Running] = []
-        self._exits: "queue.Queue[_Running]" = queue.Queue()
-        self._notices: "str | None" = None  # where signalled tasks name themselves; removed by stop()
+        self._exits: queue.Queue[_Running] = queue.Queue()
+        self._notices: str | None = None  # where signalled tasks name themselves; removed by stop()
 
     def exited(self) -> list[str]:
         """The tasks whose process has ended, by name."""
@@ -262,7 +261,7 @@ class LocalCluster:
         running.process.wait()
         self._exits.put(running)
 
-    def wait(self, stop_when: "Callable[[], bool] | None" = None) -> Outcome:
+    def wait(self, stop_when: Callable[[], bool] | None = None) -> Outcome:
         """Waits until every task succeeded or one failed; stops the rest either way.
 
         ps tasks that still run once every other task succeeded get the grace period
@@ -331,7 +330,7 @@ class LocalCluster:
                 continue  # being written: its task is still in its signal handler
         return tuple(names)
 
-    def _let_settle(self, pending: "dict[int, _Running]") -> None:
+    def _let_settle(self, pending: dict[int, _Running]) -> None:
         deadline = time.monotonic() + self._settle
         while pending and (left := deadline - time.monotonic()) > 0:
             try:

@@ -54,7 +54,7 @@ class PlacementConfig:
     """
 
     num_worker_replicas: int = 1
-    global_id_in_cluster: "int | None" = None
+    global_id_in_cluster: int | None = None
     num_ps_replicas: int = 0
 
     def __post_init__(self) -> None:
@@ -84,8 +84,8 @@ class PlacementConfig:
 
     @classmethod
     def from_cluster_spec(
-        cls, cluster_spec: "ClusterLike | None", task_type: "str | None" = None, task_id: "int | None" = None
-    ) -> "PlacementConfig":
+        cls, cluster_spec: ClusterLike | None, task_type: str | None = None, task_id: int | None = None
+    ) -> PlacementConfig:
         """The config of task ``(task_type, task_id)`` of ``cluster_spec``.
 
         Workers are the chief and the workers (``multi_worker_util.worker_count``); the
@@ -127,7 +127,7 @@ class PlacementConfig:
         )
 
     @classmethod
-    def from_cluster_resolver(cls, resolver: ClusterResolver) -> "PlacementConfig":
+    def from_cluster_resolver(cls, resolver: ClusterResolver) -> PlacementConfig:
         """The config of the resolver's own task (see :meth:`from_cluster_spec`).
 
         Raises:
@@ -143,7 +143,7 @@ class PlacementConfig:
         return cls.from_cluster_spec(resolver.cluster_spec(), resolver.task_type, resolver.task_id)
 
     @classmethod
-    def from_strategy(cls, strategy: Any) -> "PlacementConfig":
+    def from_strategy(cls, strategy: Any) -> PlacementConfig:
         """The config of the cluster ``strategy`` trains on.
 
         Inside a distribute-coordinator ``worker_fn`` the coordinator's worker context is

@@ -18,14 +18,15 @@ import abc
 import contextlib
 import typing
 import warnings
-from typing import ContextManager, Iterator
+from collections.abc import Iterator
+from typing import ContextManager
 
-from unison.strategies import current as _current
 from unison.errors import PlacementError
 from unison.placement import round_robin
 from unison.placement.config import PlacementConfig
 from unison.placement.parameter_servers import subnetwork_ps_group
 from unison.ps.remote_variables.name_placement import ParameterPlacementHook, PsGroupAssigner
+from unison.strategies import current as _current
 
 __all__ = ["PlacementStrategy", "ReplicationStrategy", "RoundRobinStrategy"]
 
@@ -43,7 +44,7 @@ class PlacementStrategy(abc.ABC):
     AdaNet equivalent: ``adanet.distributed.PlacementStrategy``.
     """
 
-    _config: "PlacementConfig | None" = None
+    _config: PlacementConfig | None = None
 
     @property
     def config(self) -> PlacementConfig:

@@ -46,21 +46,21 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from unison.cluster.base import ClusterResolver
 from unison.cluster.detect import detect_cluster_resolver
-from unison.collectives.options import CommunicationOptions
 from unison.collectives.ops.collective import CollectiveAllReduce
+from unison.collectives.options import CommunicationOptions
 from unison.coordinator.channel import require_authkey
 from unison.devices import canonicalize_all
 from unison.ps.wire.client import PSClient
 from unison.ps.worker.remote_table import RemoteTables
-from unison.strategies.base import Strategy
-from unison.strategies.multi_worker import default_devices, collective_components
 from unison.reduce import ReduceOp
+from unison.strategies.base import Strategy
+from unison.strategies.multi_worker import collective_components, default_devices
 
 __all__ = ["HybridParameterServerStrategy"]
 
@@ -91,7 +91,7 @@ class HybridParameterServerStrategy(Strategy):
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
                  communication_options: CommunicationOptions | None = None, *, timeout_seconds: float = 30.0,
-                 authkey: bytes | None = None, devices: "Sequence[str | torch.device] | None" = None):
+                 authkey: bytes | None = None, devices: Sequence[str | torch.device] | None = None):
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise TypeError(f"communication_options must be a CommunicationOptions, "
                             f"got {type(communication_options).__name__}")
@@ -110,7 +110,7 @@ class HybridParameterServerStrategy(Strategy):
         self._ps_addresses = tuple(jobs["ps"])
         self._timeout = float(timeout_seconds)
         self._authkey = authkey
-        self._client: "PSClient | None" = None
+        self._client: PSClient | None = None
         options = communication_options or CommunicationOptions()
         chosen = canonicalize_all(devices) if devices is not None else default_devices(cluster)
         tables = RemoteTables(len(self._ps_addresses), self._ps_client, prefix="hybrid:", grad_scale=self._row_grad_scale,

@@ -23,8 +23,8 @@ from unison.collectives.ops.local import ReductionToOneDevice
 from unison.coordinator.channel import require_authkey
 from unison.ps.remote_variables.optimizer_state import install_optimizer_state_on_ps
 from unison.ps.remote_variables.variable_policy import PSVariablePolicy
-from unison.ps.worker.remote_table import RemoteTables
 from unison.ps.remote_variables.variable_specs import task_device
+from unison.ps.worker.remote_table import RemoteTables
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.replicas import InlineReplicaRunner
@@ -39,14 +39,14 @@ class PSClusterInfo:
     ps: tuple[str, ...]
     workers: tuple[str, ...]
     timeout: float
-    authkey_source: "bytes | None"
+    authkey_source: bytes | None
 
     @property
     def authkey(self) -> bytes:
         return require_authkey(self.authkey_source)
 
 
-def _cluster_info(resolver: Any, timeout: float, authkey: "bytes | None") -> PSClusterInfo:
+def _cluster_info(resolver: Any, timeout: float, authkey: bytes | None) -> PSClusterInfo:
     spec = resolver.cluster_spec()  # read once more below through resolve(), after these checks
     jobs = spec.as_dict()
     if not jobs or not any(jobs.values()):
@@ -90,7 +90,7 @@ class ParameterServerStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None,
-                 timeout_seconds: float = 30.0, variable_placer: Any = None, authkey: "bytes | None" = None):
+                 timeout_seconds: float = 30.0, variable_placer: Any = None, authkey: bytes | None = None):
         if cluster_resolver is None:
             from unison.cluster import TFConfigClusterResolver
 
@@ -117,7 +117,7 @@ class ParameterServerStrategy(Strategy):
         ))
 
     @property
-    def ps_cluster(self) -> "PSClusterInfo":
+    def ps_cluster(self) -> PSClusterInfo:
         """The ps and worker addresses, the timeout and the key the coordinator connects with."""
         return self._ps_info
 

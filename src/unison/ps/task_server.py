@@ -19,24 +19,23 @@ import traceback
 from typing import Any
 
 from unison.cluster.env import ps_shared_memory
-from unison.cluster.spec import ClusterSpec
 from unison.coordinator.channel import Channel, require_authkey
 from unison.coordinator.standard_server import StandardServer
 from unison.errors import ParameterServerError
 from unison.gradient_sync.step_hooks import install_step_hooks
-from unison.ps.wire.client import PSClient
 from unison.ps.task.malloc_settings import release_large_buffers
 from unison.ps.task.parameter_store import ParameterStore
 from unison.ps.task.sessions import accept_session, serve_ps_session
 from unison.ps.wire import protocol as wire
-from unison.ps.wire.worker_references import loads_on_worker
+from unison.ps.wire.client import PSClient
 from unison.ps.wire.links import TensorLink, set_nodelay
+from unison.ps.wire.worker_references import loads_on_worker
 from unison.ps.worker.runtime import RUNTIME, WorkerRuntime, build_dataset
 
 __all__ = ["Server"]
 
 
-def _resolve(cluster: Any, job_name: "str | None", task_index: "int | None") -> tuple[Any, str, int]:
+def _resolve(cluster: Any, job_name: str | None, task_index: int | None) -> tuple[Any, str, int]:
     if hasattr(cluster, "cluster_spec") and callable(cluster.cluster_spec):  # a ClusterResolver
         job_name = job_name if job_name is not None else cluster.task_type
         task_index = task_index if task_index is not None else cluster.task_id
@@ -67,8 +66,8 @@ class Server:
         ValueError: if the task is not in the cluster or no key is set.
     """
 
-    def __init__(self, cluster_resolver_or_spec: Any, job_name: "str | None" = None, task_index: "int | None" = None,
-                 *, start: bool = True, authkey: "bytes | None" = None, bind_address: "str | None" = None):
+    def __init__(self, cluster_resolver_or_spec: Any, job_name: str | None = None, task_index: int | None = None,
+                 *, start: bool = True, authkey: bytes | None = None, bind_address: str | None = None):
         cluster, job_name, task_index = _resolve(cluster_resolver_or_spec, job_name, task_index)
         self._authkey = require_authkey(authkey)
         self._store = ParameterStore() if job_name == "ps" else None
@@ -92,12 +91,12 @@ class Server:
         """This task's URL, e.g. ``"tcp://127.0.0.1:2222"``."""
         return self._server.target
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         """Starts serving in background threads."""
         self._server.start()
         return self
 
-    def join(self, timeout: "float | None" = None) -> bool:
+    def join(self, timeout: float | None = None) -> bool:
         """Blocks until the coordinator shuts the cluster down; returns whether it did.
 
         Open sessions are closed and their threads finish their request before this
@@ -177,7 +176,7 @@ class Server:
                 if RUNTIME.current is runtime:
                     RUNTIME.current = None
 
-    def _handle(self, runtime: WorkerRuntime, config: dict, request: Any) -> "wire.FunctionResult | wire.FunctionFailed":
+    def _handle(self, runtime: WorkerRuntime, config: dict, request: Any) -> wire.FunctionResult | wire.FunctionFailed:
         try:
             if isinstance(request, wire.BuildDataset):
                 runtime.datasets[request.dataset_id] = build_dataset(request.dataset_fn, config["worker_index"],

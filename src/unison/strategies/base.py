@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -48,7 +49,7 @@ class Strategy(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def cluster_resolver(self) -> "ClusterResolver | None":
+    def cluster_resolver(self) -> ClusterResolver | None:
         """The resolver the cluster came from; None for strategies that run in one process."""
 
     def __reduce__(self) -> tuple:
@@ -70,7 +71,7 @@ class Strategy(abc.ABC):
         return self._extended._num_replicas_in_sync
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator["Strategy"]:
+    def scope(self) -> Iterator[Strategy]:
         """Makes this strategy current: variables and modules created inside are distributed.
 
         Raises:
@@ -119,7 +120,7 @@ class Strategy(abc.ABC):
                 return self._extended._call_for_each_replica(fn, args, dict(kwargs) if kwargs else {})
         return self._extended._call_for_each_replica(fn, args, dict(kwargs) if kwargs else {})
 
-    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None = None) -> torch.Tensor:
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Reduces per-replica ``value`` across all replicas to one tensor on the host.
 
         With ``axis``, each component is first reduced along that axis; for MEAN the

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import typing
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from unison.collectives.ops.local import ReductionToOneDevice
 from unison.devices import canonicalize, canonicalize_all, local_devices, torch_device
+from unison.embeddings.tables.table import NoTables
 from unison.gradient_sync.replicas.replica_sync import ReplicaGradientSync
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import ReplicatedVariablePolicy
 from unison.strategies.replicas import replica_runner
-from unison.embeddings.tables.table import NoTables
 from unison.values.storage import CENTRAL
 
 __all__ = ["CentralStorageStrategy"]
@@ -38,8 +38,8 @@ class CentralStorageStrategy(Strategy):
             a copy of every variable refreshed after each step).
     """
 
-    def __init__(self, compute_devices: "Sequence[str | torch.device] | None" = None,
-                 parameter_device: "str | torch.device | None" = None):
+    def __init__(self, compute_devices: Sequence[str | torch.device] | None = None,
+                 parameter_device: str | torch.device | None = None):
         self._init_args = (compute_devices, parameter_device)
         compute = canonicalize_all(compute_devices if compute_devices is not None else local_devices(),
                                    field="compute_devices")

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -66,15 +67,15 @@ class ReplicaRunner(Protocol):
 class VariablePolicy(Protocol):
     """What a strategy makes of the variables created in its scope."""
 
-    def wrap_parameter(self, param: nn.Parameter, name: str) -> "nn.Parameter | None":
+    def wrap_parameter(self, param: nn.Parameter, name: str) -> nn.Parameter | None:
         """The parameter to register instead of ``param`` (None: keep it)."""
         ...
 
-    def wrap_buffer(self, buffer: torch.Tensor, name: str) -> "torch.Tensor | None":
+    def wrap_buffer(self, buffer: torch.Tensor, name: str) -> torch.Tensor | None:
         """The buffer to register instead of ``buffer`` (None: keep it)."""
         ...
 
-    def create(self, value: torch.Tensor, *, trainable: bool, name: "str | None",
+    def create(self, value: torch.Tensor, *, trainable: bool, name: str | None,
                synchronization: VariableSynchronization, aggregation: VariableAggregation) -> torch.Tensor:
         """The variable ``unison.Variable(value, ...)`` returns in this strategy's scope."""
         ...
@@ -83,7 +84,7 @@ class VariablePolicy(Protocol):
         """Makes variables created since the last call equal on every replica and worker."""
         ...
 
-    def placement(self, variable: Any) -> "str | list[str]":
+    def placement(self, variable: Any) -> str | list[str]:
         """Where a variable this policy made lives (``strategy.extended.variable_placement``)."""
         ...
 
@@ -100,12 +101,12 @@ class GradientSync(Protocol):
         """Called when new parameters got their initial values (e.g. rebuilds buckets)."""
         ...
 
-    def no_sync(self) -> "contextlib.AbstractContextManager[None]":
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate without communication."""
         ...
 
     @property
-    def overlap_bucket_bytes(self) -> "int | None":
+    def overlap_bucket_bytes(self) -> int | None:
         """The bucket size at which gradients leave while backward runs, else None."""
         ...
 
@@ -142,7 +143,7 @@ class StrategyComponents:
     cross_device_ops: CrossDeviceOps
     variable_policy: VariablePolicy
     runner: ReplicaRunner
-    gradient_sync: "GradientSync | None" = None
+    gradient_sync: GradientSync | None = None
     cluster: ResolvedCluster = dataclasses.field(default_factory=ResolvedCluster.local)
     between_graph: bool = False
     is_default: bool = False

@@ -17,8 +17,8 @@ def Variable(  # noqa: N802 - named like tf.Variable on purpose
     *,
     trainable: bool | None = None,
     name: str | None = None,
-    synchronization: "VariableSynchronization | str" = VariableSynchronization.AUTO,
-    aggregation: "VariableAggregation | str" = VariableAggregation.NONE,
+    synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
+    aggregation: VariableAggregation | str = VariableAggregation.NONE,
 ) -> torch.Tensor:
     """Creates a variable: a plain tensor outside any strategy, a distributed one inside ``scope()``.
 

@@ -39,7 +39,7 @@ def has_strategy() -> bool:
     return entry is not None and not entry.strategy.extended.components.is_default
 
 
-def get_replica_context() -> "ReplicaContext | None":
+def get_replica_context() -> ReplicaContext | None:
     """This replica's context; None in cross-replica context (inside ``scope()``, outside ``run``)."""
     entry = STATE.top()
     return entry.replica_context if entry is not None else default_replica_context()
@@ -51,7 +51,7 @@ def in_cross_replica_context() -> bool:
     return entry is not None and entry.replica_context is None
 
 
-def get_cross_replica_context() -> "Strategy | None":
+def get_cross_replica_context() -> Strategy | None:
     """The current strategy in cross-replica context, else None."""
     entry = STATE.top()
     if entry is None:
@@ -59,7 +59,7 @@ def get_cross_replica_context() -> "Strategy | None":
     return entry.strategy if entry.replica_context is None else None
 
 
-def experimental_set_strategy(strategy: "Strategy | None") -> None:
+def experimental_set_strategy(strategy: Strategy | None) -> None:
     """Makes ``strategy`` current in this thread without a ``with`` block; None undoes it.
 
     Like entering ``strategy.scope()`` and never leaving it, until the next call. As in

@@ -7,10 +7,10 @@ import typing
 
 from unison.collectives.ops.local import ReductionToOneDevice
 from unison.context import ReplicaContext
+from unison.embeddings.tables.table import LocalTables
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import PlainVariablePolicy
-from unison.embeddings.tables.table import LocalTables
 from unison.strategies.replicas import InlineReplicaRunner
 
 __all__ = ["default_strategy", "default_replica_context"]
@@ -41,7 +41,7 @@ class _DefaultStrategy(Strategy):
         return self._runner.context
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _the_default() -> _DefaultStrategy:
     return _DefaultStrategy()
 

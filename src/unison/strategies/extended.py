@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import typing
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -43,11 +44,11 @@ def _same_storage(component: torch.Tensor, value: torch.Tensor) -> bool:
 class StrategyExtended:
     """Advanced strategy API (``tf.distribute.StrategyExtended``): reduce_to, update, devices."""
 
-    def __init__(self, strategy: "Strategy", components: StrategyComponents):
+    def __init__(self, strategy: Strategy, components: StrategyComponents):
         self._strategy = strategy
         self._c = components
         # keyed by id(): tensors compare elementwise, so they cannot be set members
-        self._created: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self._created: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._pending: list[Any] = []
         self.gradient_reduce_op = ReduceOp.MEAN
 
@@ -102,7 +103,7 @@ class StrategyExtended:
         self._pending.append(variable)
         return variable
 
-    def create_parameter(self, param: nn.Parameter, name: str) -> "nn.Parameter | None":
+    def create_parameter(self, param: nn.Parameter, name: str) -> nn.Parameter | None:
         """What a module parameter registered in this strategy's scope becomes (None: itself).
 
         Called by the module registration hook; records the variable so that it starts
@@ -112,14 +113,14 @@ class StrategyExtended:
         self._track(replacement if replacement is not None else param)
         return replacement
 
-    def create_buffer(self, buffer: torch.Tensor, name: str) -> "torch.Tensor | None":
+    def create_buffer(self, buffer: torch.Tensor, name: str) -> torch.Tensor | None:
         """What a module buffer registered in this strategy's scope becomes (None: itself)."""
         replacement = self._c.variable_policy.wrap_buffer(buffer, name)
         # tracked like parameters: across workers they start from the chief's values too
         self._track(replacement if replacement is not None else buffer)
         return replacement
 
-    def create_variable(self, value: torch.Tensor, *, trainable: bool, name: "str | None",
+    def create_variable(self, value: torch.Tensor, *, trainable: bool, name: str | None,
                         synchronization: VariableSynchronization, aggregation: VariableAggregation) -> torch.Tensor:
         """The variable ``unison.Variable`` creates in this strategy's scope."""
         variable = self._c.variable_policy.create(
@@ -142,7 +143,7 @@ class StrategyExtended:
         moved to the ps tasks): ``finish_variable_creation`` neither places nor broadcasts it."""
         self._pending = [v for v in self._pending if v is not variable]
 
-    def variable_placement(self, variable: Any) -> "str | list[str]":
+    def variable_placement(self, variable: Any) -> str | list[str]:
         """Where ``variable`` lives: its device, its replicas' devices, or its ps task(s).
 
         ``"cpu:0"`` for a plain variable, a list of devices for a distributed one,
@@ -230,7 +231,7 @@ class StrategyExtended:
             return value
         return PerReplica(value.values)
 
-    def reduce_to(self, reduce_op: "ReduceOp | str", value: Any, destinations: Any) -> Any:
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
         """Combines ``value`` across replicas (and workers) onto ``destinations``.
 
         Returns a tensor for one destination device, else a Mirrored value. A value that
@@ -239,7 +240,7 @@ class StrategyExtended:
         """
         return self.batch_reduce_to(reduce_op, [(value, destinations)])[0]
 
-    def batch_reduce_to(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
         """``reduce_to`` for several values at once, packed into fewer transfers."""
         reduce_op = ReduceOp.from_any(reduce_op)
         pairs = list(value_destination_pairs)
@@ -306,7 +307,7 @@ class StrategyExtended:
                 return regroup(results, Mirrored) if group else tuple(results)
             return fn(var, *select_replica(0, args), **select_replica(0, kwargs))
 
-    def no_sync(self) -> "contextlib.AbstractContextManager[None]":
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulates gradients without communication (like DDP's ``no_sync``).
 
         Backward passes inside do not all-reduce; the first backward after the block
@@ -316,7 +317,7 @@ class StrategyExtended:
         sync = self._c.gradient_sync
         return sync.no_sync() if sync is not None else contextlib.nullcontext()
 
-    def compile_backend(self, backend: "str | Callable[..., Any]" = "inductor") -> Any:
+    def compile_backend(self, backend: str | Callable[..., Any] = "inductor") -> Any:
         """A ``torch.compile`` backend under which gradient buckets still leave during backward.
 
         A compiled model's backward is one autograd node, so every gradient hook fires

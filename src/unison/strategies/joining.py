@@ -52,7 +52,7 @@ def _join_sync(param: torch.Tensor, sync: Any) -> None:
     sync.register(param)
 
 
-def join_like(new: torch.Tensor, old: Any, name: str, kind: str) -> "torch.Tensor | None":
+def join_like(new: torch.Tensor, old: Any, name: str, kind: str) -> torch.Tensor | None:
     """What ``new``, replacing ``old`` (a parameter or buffer of a module), becomes: a
     variable of ``old``'s strategy, ``new`` itself given ``old``'s synchroniser, or None
     when ``old`` belongs to no strategy (or this thread runs a replica)."""

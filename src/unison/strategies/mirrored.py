@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import typing
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from unison.collectives.ops.base import CrossDeviceOps
 from unison.collectives.ops.local import select_cross_device_ops
 from unison.devices import canonicalize_all, local_devices
+from unison.embeddings.tables.table import NoTables
 from unison.gradient_sync.replicas.replica_sync import ReplicaGradientSync
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import ReplicatedVariablePolicy
-from unison.embeddings.tables.table import NoTables
 from unison.strategies.replicas import replica_runner
 
 __all__ = ["MirroredStrategy"]
@@ -39,7 +39,7 @@ class MirroredStrategy(Strategy):
             on these devices (``NcclAllReduce`` on CPU).
     """
 
-    def __init__(self, devices: "Sequence[str | torch.device] | None" = None,
+    def __init__(self, devices: Sequence[str | torch.device] | None = None,
                  cross_device_ops: CrossDeviceOps | None = None):
         self._init_args = (devices, cross_device_ops)
         names = canonicalize_all(devices if devices is not None else local_devices())

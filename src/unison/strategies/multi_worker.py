@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -11,18 +12,18 @@ from unison.cluster.base import ClusterResolver
 from unison.cluster.detect import detect_cluster_resolver
 from unison.cluster.resolved import ResolvedCluster
 from unison.cluster.simple import SimpleClusterResolver
+from unison.collectives.group.process_group import LazyWorkerGroup, choose_backend
 from unison.collectives.ops.collective import CollectiveAllReduce
 from unison.collectives.ops.local import select_cross_device_ops
 from unison.collectives.options import CommunicationOptions
-from unison.collectives.group.process_group import LazyWorkerGroup, choose_backend
 from unison.devices import canonicalize_all, local_devices
+from unison.embeddings.tables.table import NoTables
 from unison.gradient_sync.bucketed.buckets import BucketedGradientSync
 from unison.gradient_sync.replicas.replica_sync import ReplicaGradientSync
 from unison.strategies.base import Strategy, StrategyExtended
 from unison.strategies.components import GradientSync, StrategyComponents
 from unison.strategies.policies import ReplicatedVariablePolicy
 from unison.strategies.replicas import replica_runner
-from unison.embeddings.tables.table import NoTables
 from unison.values.variables import DistributedVariable
 
 __all__ = ["MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy", "collective_components", "default_devices"]
@@ -74,7 +75,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
                  communication_options: CommunicationOptions | None = None, *,
-                 devices: "Sequence[str | torch.device] | None" = None):
+                 devices: Sequence[str | torch.device] | None = None):
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise TypeError(
                 f"communication_options must be a CommunicationOptions, got {type(communication_options).__name__}"

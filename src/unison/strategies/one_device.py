@@ -8,10 +8,10 @@ import torch
 
 from unison.collectives.ops.local import ReductionToOneDevice
 from unison.devices import canonicalize
+from unison.embeddings.tables.table import LocalTables
 from unison.strategies.base import Strategy
 from unison.strategies.components import StrategyComponents
 from unison.strategies.policies import PlainVariablePolicy
-from unison.embeddings.tables.table import LocalTables
 from unison.strategies.replicas import InlineReplicaRunner
 
 __all__ = ["OneDeviceStrategy"]
@@ -31,7 +31,7 @@ class OneDeviceStrategy(Strategy):
         2.0
     """
 
-    def __init__(self, device: "str | torch.device"):
+    def __init__(self, device: str | torch.device):
         self._init_args = (device,)
         name = canonicalize(device)
         super().__init__(StrategyComponents(

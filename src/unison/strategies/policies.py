@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import typing
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ class PlainVariablePolicy:
         if self._on_finish is not None:
             self._on_finish(variables)
 
-    def placement(self, variable: Any) -> "str | list[str]":
+    def placement(self, variable: Any) -> str | list[str]:
         """The device of a plain variable."""
         if not isinstance(variable, torch.Tensor):
             raise ValueError(f"variable_placement takes a variable, got {type(variable).__name__}")
@@ -128,7 +129,7 @@ class ReplicatedVariablePolicy:
             if isinstance(variable, DistributedVariable):
                 variable._broadcast_primary()
 
-    def placement(self, variable: Any) -> "str | list[str]":
+    def placement(self, variable: Any) -> str | list[str]:
         """The devices of a distributed variable's components (the device of a plain one)."""
         if isinstance(variable, DistributedVariable):
             return list(variable.devices)

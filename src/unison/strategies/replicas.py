@@ -15,7 +15,8 @@ import queue
 import threading
 import typing
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,12 +35,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["InlineReplicaRunner", "ThreadedReplicaRunner", "replica_runner"]
 
 
-def replica_runner(strategy: "Strategy", devices: Sequence[str]) -> "InlineReplicaRunner | ThreadedReplicaRunner":
+def replica_runner(strategy: Strategy, devices: Sequence[str]) -> InlineReplicaRunner | ThreadedReplicaRunner:
     """The runner for ``devices``: inline for one device, one thread per device otherwise."""
     return InlineReplicaRunner(strategy, devices) if len(devices) == 1 else ThreadedReplicaRunner(strategy, devices)
 
 
-def _first_replica_id(strategy: "Strategy", num_local: int) -> int:
+def _first_replica_id(strategy: Strategy, num_local: int) -> int:
     """The global id of this worker's first replica (read when the strategy is complete)."""
     return strategy.extended.components.worker_index * num_local
 
@@ -56,7 +57,7 @@ def _all_tensors(args: tuple) -> bool:
 class InlineReplicaRunner:
     """Runs the single local replica in the calling thread."""
 
-    def __init__(self, strategy: "Strategy", devices: Sequence[str] = ("cpu:0",)):
+    def __init__(self, strategy: Strategy, devices: Sequence[str] = ("cpu:0",)):
         self._strategy = strategy
         self._context: ReplicaContext | None = None
         self._entry: ContextEntry | None = None
@@ -105,7 +106,7 @@ class _Rendezvous:
     every replica finished, and sorts out failures.
     """
 
-    def __init__(self, num_replicas: int, run_merge: Callable[["_Rendezvous"], BaseException | None] | None):
+    def __init__(self, num_replicas: int, run_merge: Callable[[_Rendezvous], BaseException | None] | None):
         self.cv = threading.Condition()
         self.status = [_RUNNING] * num_replicas
         self.requests: list[Any] = [None] * num_replicas
@@ -160,7 +161,7 @@ class _Rendezvous:
     def settled(self) -> bool:
         return not self.merging and all(s != _RUNNING for s in self.status)
 
-    def decide(self, run_merge: Callable[["_Rendezvous"], BaseException | None] | None) -> bool:
+    def decide(self, run_merge: Callable[[_Rendezvous], BaseException | None] | None) -> bool:
         """With every replica settled (lock held): records the error to raise and unwinds
         replicas waiting in a merge that cannot complete; True once no replica waits.
 
@@ -228,7 +229,7 @@ def replica_thread_is_idle(thread: threading.Thread) -> bool:
     return thread not in STATE.busy_replica_threads
 
 
-def _serve_replica(requests: "queue.SimpleQueue[Any]", threads: int, ready: threading.Event) -> None:
+def _serve_replica(requests: queue.SimpleQueue[Any], threads: int, ready: threading.Event) -> None:
     """A replica thread: runs each step it is handed until it is handed None."""
     me = threading.current_thread()
     torch.get_num_threads()  # torch's lazy per-thread set-up first: it would take the process-wide count
@@ -247,7 +248,7 @@ def _serve_replica(requests: "queue.SimpleQueue[Any]", threads: int, ready: thre
         del item, target, args  # drop the step's references while waiting for the next
 
 
-def _stop_replicas(queues: list["queue.SimpleQueue[Any]"]) -> None:
+def _stop_replicas(queues: list[queue.SimpleQueue[Any]]) -> None:
     for requests in queues:
         requests.put(None)
 
@@ -276,12 +277,12 @@ class ThreadedReplicaRunner:
     (``benchmarks/RESULTS.md``, 'Intra-op threads per replica, replicas at once').
     """
 
-    def __init__(self, strategy: "Strategy", devices: Sequence[str]):
+    def __init__(self, strategy: Strategy, devices: Sequence[str]):
         install_grad_scaler_replicas()  # a step's one GradScaler serves every replica (interpose/grad_scaler.py)
         install_once_per_step()  # and scheduler.step(), ema.update_parameters() run once per step (interpose/once_per_step.py)
         self._strategy = strategy
         self._devices = tuple(devices)
-        self._queues: list["queue.SimpleQueue[Any]"] = []
+        self._queues: list[queue.SimpleQueue[Any]] = []
         self._lock = threading.Lock()
         # Merges run in the last replica to arrive, except on CUDA, where the merge then
         # would run under that replica's current device instead of the caller's.
@@ -294,11 +295,11 @@ class ThreadedReplicaRunner:
     def _share(self) -> int:
         return max(1, torch.get_num_threads() // len(self._devices))
 
-    def _start_threads(self) -> list["queue.SimpleQueue[Any]"]:
+    def _start_threads(self) -> list[queue.SimpleQueue[Any]]:
         with self._lock:
             if not self._queues:
                 first = self._first_threaded
-                queues: list["queue.SimpleQueue[Any]"] = [queue.SimpleQueue() for _ in self._devices[first:]]
+                queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in self._devices[first:]]
                 own, share = torch.get_num_threads(), self._share()
                 started = []
                 for i, requests in enumerate(queues, start=first):

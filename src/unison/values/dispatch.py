@@ -10,7 +10,8 @@ all; sync-on-read: read the aggregate).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import abc
 import typing
-from typing import Any, Callable, Sequence, cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
-from unison.values.aggregation import VariableAggregation
 from unison._state import STATE
+from unison.values.aggregation import VariableAggregation
 from unison.values.dispatch import call_plain, find_variables, is_grad_access, is_plain_read, map_variables, replica_of
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import DistributedValues
@@ -128,19 +129,19 @@ class DistributedVariable(DistributedValues):
                 component.requires_grad_(self.requires_grad)
 
     # -- TF-style writes ----------------------------------------------------------------
-    def assign(self, value: Any) -> "DistributedVariable":
+    def assign(self, value: Any) -> DistributedVariable:
         """Writes ``value`` (``tf.Variable.assign``); in replica context it is aggregated."""
         with torch.no_grad():
             self.copy_(torch.as_tensor(value, dtype=self.dtype))
         return self
 
-    def assign_add(self, delta: Any) -> "DistributedVariable":
+    def assign_add(self, delta: Any) -> DistributedVariable:
         """Adds ``delta`` (``tf.Variable.assign_add``)."""
         with torch.no_grad():
             self.add_(torch.as_tensor(delta, dtype=self.dtype))
         return self
 
-    def assign_sub(self, delta: Any) -> "DistributedVariable":
+    def assign_sub(self, delta: Any) -> DistributedVariable:
         """Subtracts ``delta`` (``tf.Variable.assign_sub``)."""
         with torch.no_grad():
             self.sub_(torch.as_tensor(delta, dtype=self.dtype))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import typing
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -106,7 +107,7 @@ def may_hold_components(structure: Any) -> bool:
 _NOT_PLAIN = object()
 
 
-def _pick_component(replica_id: int, value: "_ValueContainer") -> Any:
+def _pick_component(replica_id: int, value: _ValueContainer) -> Any:
     if replica_id >= len(value.values):
         raise ValueError(
             f"{type(value).__name__} has {len(value.values)} components but replica "

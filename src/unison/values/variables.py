@@ -24,16 +24,23 @@ from __future__ import annotations
 import sys
 import types
 import typing
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from unison.values.aggregation import VariableAggregation
 from unison._state import STATE
 from unison.errors import UsageError
-from unison.values.dispatch import (call_plain, is_grad_access, is_mutation, is_own_attribute_write, map_variables,
-                                    requires_grad_written)
+from unison.values.aggregation import VariableAggregation
+from unison.values.dispatch import (
+    call_plain,
+    is_grad_access,
+    is_mutation,
+    is_own_attribute_write,
+    map_variables,
+    requires_grad_written,
+)
 from unison.values.distributed_variable import DistributedVariable
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import PerReplica
@@ -60,7 +67,7 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
 
     def __new__(cls, data: torch.Tensor, strategy: Any = None, devices: Sequence[str] = ("cpu:0",),
                 aggregation: VariableAggregation = VariableAggregation.NONE, name: str | None = None,
-                requires_grad: bool = True, storage: VariableStorage = MIRRORED) -> "MirroredVariable":
+                requires_grad: bool = True, storage: VariableStorage = MIRRORED) -> MirroredVariable:
         with torch._C.DisableTorchFunctionSubclass():
             data = data.detach()
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
@@ -151,7 +158,7 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             torch.Tensor.requires_grad_(self, flag)
 
-    def _aggregated_write(self, func: Callable, args: tuple, kwargs: dict, context: Any) -> "MirroredVariable":
+    def _aggregated_write(self, func: Callable, args: tuple, kwargs: dict, context: Any) -> MirroredVariable:
         name = getattr(func, "__name__", repr(func))
         if self._aggregation is VariableAggregation.NONE:
             label = f" {self._var_name!r}" if self._var_name else ""
@@ -184,7 +191,7 @@ _PARAMETER_CONSTRUCTOR = nn.Parameter.__new__.__code__
 def _called_by_parameter_constructor() -> bool:
     """Whether ``nn.Parameter(...)`` made the operation being dispatched (a frame or two up:
     the dispatch's own frames come between)."""
-    frame: "types.FrameType | None" = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(3):
         if frame is None:
             return False
@@ -239,7 +246,7 @@ class SyncOnReadVariable(DistributedVariable, torch.Tensor):
     """
 
     def __new__(cls, data: torch.Tensor, strategy: Any = None, devices: Sequence[str] = ("cpu:0",),
-                aggregation: VariableAggregation = VariableAggregation.SUM, name: str | None = None) -> "SyncOnReadVariable":
+                aggregation: VariableAggregation = VariableAggregation.SUM, name: str | None = None) -> SyncOnReadVariable:
         if aggregation is VariableAggregation.NONE:
             raise ValueError(
                 "SyncOnReadVariable needs an aggregation to read it in cross-replica context, got "

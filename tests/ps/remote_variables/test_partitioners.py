@@ -4,9 +4,15 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from unison.ps.remote_variables.shard_partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, shard_rows
+from unison.ps.remote_variables.shard_partitioners import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    shard_rows,
+)
 
 
 @pytest.mark.parametrize("partitioner, shape, expected", [

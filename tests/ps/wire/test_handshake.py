@@ -11,7 +11,7 @@ from unison.coordinator.channel import connect, generate_authkey
 from unison.errors import ParameterServerError
 from unison.ps.wire import protocol as wire
 from unison.ps.wire.client import PSClient
-from unison.ps.wire.links import TensorLink, open_link
+from unison.ps.wire.links import open_link
 
 
 @pytest.fixture()

@@ -1,6 +1,5 @@
 """A worker's pulls and pushes against in-process ps tasks (no coordinator)."""
 
-import os
 import secrets
 
 import pytest
@@ -8,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import unison
+from unison.ps.remote_variables.variable_specs import Placement, VariableSpec
 from unison.ps.wire import protocol as wire
 from unison.ps.wire.client import PSClient
-from unison.ps.remote_variables.variable_specs import Placement, VariableSpec
 from unison.ps.worker.runtime import LAZY_BYTES, WorkerRuntime, WorkerShardedParameter
 
 

@@ -26,7 +26,8 @@ tf_cnn_benchmarks' ``variable_mgr_util``); its ``OverrideCachingDevice`` is in
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import torch
 

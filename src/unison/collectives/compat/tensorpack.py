@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import logging
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from unison.collectives.compat.placement import VariableLike, check_devices, least_loaded, num_elements
 from unison.collectives.transport.in_process import aggregate_grads, check_average, check_grads, split_grad_list, sum_on
 from unison.collectives.transport.packing import check_count, flatten_tensors, split_sizes, unflatten_tensors
-from unison.errors import UsageError
 from unison.devices import canonicalize, canonicalize_all, torch_device
+from unison.errors import UsageError
 
 __all__ = [
     "split_grad_list",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch.distributed as dist
 

@@ -14,7 +14,7 @@ import dataclasses
 import datetime
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ def choose_backend(devices: Sequence[str], options: CommunicationOptions, worker
 class WorkerGroup:
     """The workers' process group and what is needed to explain its failures."""
 
-    group: "dist.ProcessGroup | None"  # None: the default group
+    group: dist.ProcessGroup | None  # None: the default group
     store: dist.Store | None
     rank: int
     world_size: int

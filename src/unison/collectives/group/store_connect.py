@@ -44,7 +44,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -68,8 +69,8 @@ def join_rendezvous(
     is_master: bool,
     rank: int,
     names: Sequence[str],
-    timeout: "datetime.timedelta | float",
-    token: "str | None" = None,
+    timeout: datetime.timedelta | float,
+    token: str | None = None,
 ) -> dist.Store:
     """Connects to (or, as the leader, hosts) the store and waits until every task arrived.
 
@@ -213,7 +214,7 @@ def _await_listener(host: str, port: int, deadline: float) -> bool:
         time.sleep(min(_PROBE_INTERVAL_S, max(0.0, deadline - time.monotonic())))
 
 
-def _socket_fds() -> "set[int] | None":
+def _socket_fds() -> set[int] | None:
     """This process's open socket descriptors, or None where /proc/self/fd is not there."""
     try:
         names = os.listdir("/proc/self/fd")
@@ -229,7 +230,7 @@ def _socket_fds() -> "set[int] | None":
     return fds
 
 
-def _release(helper: threading.Thread, host: str, port: int, before: "set[int] | None", ends_by: float) -> None:
+def _release(helper: threading.Thread, host: str, port: int, before: set[int] | None, ends_by: float) -> None:
     """Ends a helper stuck in TCPStore's constructor past the deadline, or joins it at exit.
 
     Its connection is found among the sockets opened since it started (connected to the
@@ -251,7 +252,7 @@ def _release(helper: threading.Thread, host: str, port: int, before: "set[int] |
             _lingering[helper] = ends_by
 
 
-def _shut_down_if_connected_to(fd: int, peers: "set[tuple[Any, ...]]") -> None:
+def _shut_down_if_connected_to(fd: int, peers: set[tuple[Any, ...]]) -> None:
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:

@@ -18,7 +18,8 @@ import os
 import sys
 import typing
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ class WorkerControl:
         device: the device of the group's tensors (the CPU for gloo, the replica's GPU for NCCL).
     """
 
-    def __init__(self, group: "WorkerGroup | LazyWorkerGroup", device: torch.device):
+    def __init__(self, group: WorkerGroup | LazyWorkerGroup, device: torch.device):
         self._source = group
         self.device = device
         self._sequence = 0  # checked calls made so far by this worker on this group

@@ -8,7 +8,8 @@ process group (``collective.py``). Strategies only talk to this interface.
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -70,11 +71,11 @@ class CrossDeviceOps(abc.ABC):
     algorithm; prefer the strategy's own methods over calling these directly.
     """
 
-    def reduce(self, reduce_op: "ReduceOp | str", per_replica_value: Any, destinations: Any) -> Any:
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any) -> Any:
         """Reduces one PerReplica value onto ``destinations`` (device names or a variable)."""
         return self.batch_reduce(reduce_op, [(per_replica_value, destinations)])[0]
 
-    def batch_reduce(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
         """Reduces several PerReplica values at once; returns one result per pair."""
         reduce_op = ReduceOp.from_any(reduce_op)
         pairs = []

@@ -12,7 +12,8 @@ instead of hanging, producing wrong numbers, or letting gloo abort the process.
 from __future__ import annotations
 
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,9 +58,9 @@ class CollectiveAllReduce(CrossDeviceOps):
             on several hosts, some sharing one, get the hierarchical transport.
     """
 
-    def __init__(self, devices: Sequence[str], worker_group: "WorkerGroup | LazyWorkerGroup | None" = None,
-                 options: CommunicationOptions | None = None, *, backend: "str | None" = None,
-                 hosts: "Sequence[str] | None" = None):
+    def __init__(self, devices: Sequence[str], worker_group: WorkerGroup | LazyWorkerGroup | None = None,
+                 options: CommunicationOptions | None = None, *, backend: str | None = None,
+                 hosts: Sequence[str] | None = None):
         self._devices = canonicalize_all(devices)
         self._options = options or CommunicationOptions()
         if worker_group is None:

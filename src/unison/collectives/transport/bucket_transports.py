@@ -136,7 +136,7 @@ class BucketTransport(abc.ABC):
         """The bucket size used when the user asked for none."""
         return DEFAULT_BUCKET_BYTES
 
-    def plan(self, buckets: list[GradientBucket]) -> "BucketTransport":
+    def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
         """Takes the freshly built buckets; returns the transport that carries them (this one here)."""
         return self
 

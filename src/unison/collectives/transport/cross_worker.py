@@ -31,7 +31,8 @@ from __future__ import annotations
 import abc
 import datetime
 import typing
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -389,7 +390,7 @@ def _subgroup(group: WorkerGroup, handle: Any, ranks: list[int]) -> WorkerGroup:
 
 
 def choose_transport(control: WorkerControl, options: CommunicationOptions, backend: str,
-                     hosts: "Sequence[str] | None" = None, *, replicas_on_cuda: bool = False) -> CrossWorkerTransport:
+                     hosts: Sequence[str] | None = None, *, replicas_on_cuda: bool = False) -> CrossWorkerTransport:
     """The transport for a group, from its backend and (when known) which workers share a host.
 
     With AUTO on gloo: shared memory when every worker is on one host (or the hosts are

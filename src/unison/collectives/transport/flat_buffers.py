@@ -7,7 +7,8 @@ result. These are the pieces they share.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -17,7 +17,8 @@ tensorpack equivalent: ``tensorpack.graph_builder.utils``; TF graph ops and
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -21,7 +21,8 @@ Three things keep it close to one flat all-reduce of the same bytes
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

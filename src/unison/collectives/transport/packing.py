@@ -12,7 +12,8 @@ tensorpack's ``GradientPacker``.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 
@@ -33,7 +34,7 @@ SizeLike = Union[torch.Tensor, int]
 ShapeLike = Union[torch.Tensor, torch.Size, Sequence[int]]
 # A run of tensors packed together: (tensor indices, slice lengths of their flat buffer);
 # lengths None means the single tensor travels unpacked.
-_Segment = tuple[list[int], Union[list[int], None]]
+_Segment = tuple[list[int], list[int] | None]
 
 
 def check_count(name: str, value: object, minimum: int | None = None) -> int:

@@ -21,7 +21,7 @@ A step whose factors are not finite keeps the errors and ``Q`` it started with.
 from __future__ import annotations
 
 import typing
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -27,7 +27,7 @@ import os
 import secrets
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -28,7 +28,7 @@ import os
 import platform
 import time
 import typing
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

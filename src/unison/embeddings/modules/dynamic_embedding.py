@@ -37,7 +37,8 @@ tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addon
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn

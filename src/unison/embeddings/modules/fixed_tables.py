@@ -32,7 +32,7 @@ from unison.embeddings.tables.initializers import normal
 __all__ = ["on_ps", "tables_on_ps"]
 
 
-def _refusal(module: nn.Module) -> "str | None":
+def _refusal(module: nn.Module) -> str | None:
     """Why ``module`` cannot become a dynamic table, or None."""
     if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return f"it is a {type(module).__name__}, not an nn.Embedding or nn.EmbeddingBag"

@@ -26,11 +26,11 @@ __all__ = ["install_row_updates", "register_table_module"]
 _OWNER = WeakIdKeyDictionary()
 """Each module's ``weight`` handle -> a weak reference to the module (a dropped model leaves)."""
 
-_HOLDERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]]" = weakref.WeakKeyDictionary()
+_HOLDERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]] = weakref.WeakKeyDictionary()
 """Per optimizer: (how many param groups it had, its (handle, group) pairs), found once."""
 
 
-def register_table_module(module: "DynamicEmbedding") -> None:
+def register_table_module(module: DynamicEmbedding) -> None:
     """Makes ``module.weight`` a handle: an optimizer holding it trains the module's rows."""
     _OWNER[module.weight] = weakref.ref(module)
 

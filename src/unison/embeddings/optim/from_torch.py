@@ -9,7 +9,8 @@ refused with the fix, so a row never moves by a rule that differs from the optim
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -26,7 +26,7 @@ class BagLayout:
     num_bags: int
 
 
-def bag_layout(ids: torch.Tensor, offsets: "torch.Tensor | None", per_sample_weights: "torch.Tensor | None",
+def bag_layout(ids: torch.Tensor, offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None,
                mode: str, dtype: torch.dtype) -> BagLayout:
     """The layout of ``nn.EmbeddingBag``'s input: a 2-D ``ids`` of equal bags, or 1-D ``ids`` with ``offsets``."""
     if offsets is None:

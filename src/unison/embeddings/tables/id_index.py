@@ -80,7 +80,7 @@ class IdIndex:
         _, slots, end = self._locate(ids)
         return slots, end
 
-    def insert(self, ids: torch.Tensor, slots: torch.Tensor, hint: "torch.Tensor | None" = None) -> None:
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor, hint: torch.Tensor | None = None) -> None:
         """Add distinct ids, none of them present, with their slots (both 1-D int64).
 
         ``hint``: where each id's probe ended in a ``find_with_ends`` since the index last
@@ -120,7 +120,7 @@ class IdIndex:
         self._live = self._tombstones = 0
         self._place(ids, slots)
 
-    def _place(self, ids: torch.Tensor, slots: torch.Tensor, start: "torch.Tensor | None" = None) -> None:
+    def _place(self, ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor | None = None) -> None:
         """Linear-probe insert of a batch: ids that reach the same free entry race for it,
         the one whose key stays written there wins, the others probe on. ``start``: where
         each id's probe begins (default its hash; a probe's end is as good: every entry

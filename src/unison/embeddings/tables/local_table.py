@@ -25,13 +25,13 @@ from typing import Any, final
 
 import torch
 
-from unison.embeddings.tables.id_hashing import shard_of
-from unison.embeddings.tables.id_index import IdIndex
-from unison.embeddings.tables.initializers import Initializer, initializer_from_config, normal
-from unison.embeddings.tables.eviction import EvictionPolicy
 from unison.embeddings.optim.row_optimizers import RowOptimizer, RowState
 from unison.embeddings.tables.bag_layout import BagLayout
 from unison.embeddings.tables.checks import check_table_arguments, checked_ids, checked_meta, dtype_from_name
+from unison.embeddings.tables.eviction import EvictionPolicy
+from unison.embeddings.tables.id_hashing import shard_of
+from unison.embeddings.tables.id_index import IdIndex
+from unison.embeddings.tables.initializers import Initializer, initializer_from_config, normal
 
 __all__ = ["LocalTable", "shard_of"]
 
@@ -239,7 +239,7 @@ class LocalTable:
         pooled = torch.zeros(layout.num_bags, self._dim, dtype=self._dtype)
         return pooled.index_add_(0, layout.bags, rows * layout.weights.to(rows.dtype).unsqueeze(1))
 
-    def push_bags(self, bags: "tuple[BagLayout, torch.Tensor]", optimizer: RowOptimizer) -> None:
+    def push_bags(self, bags: tuple[BagLayout, torch.Tensor], optimizer: RowOptimizer) -> None:
         """:meth:`push` with each id's gradient made from its bag's: ``bag_grads[bags] * weights``."""
         layout, bag_grads = bags
         grads = bag_grads.index_select(0, layout.bags) * layout.weights.to(bag_grads.dtype).unsqueeze(1)

@@ -34,9 +34,9 @@ class TableConfig:
     dtype: torch.dtype
     initializer: Initializer
     seed: int
-    eviction: "EvictionPolicy | None"
+    eviction: EvictionPolicy | None
 
-    def new_table(self) -> "LocalTable":
+    def new_table(self) -> LocalTable:
         """An empty local table (a whole table here, or one shard on a ps task)."""
         from unison.embeddings.tables.local_table import LocalTable
 
@@ -63,7 +63,7 @@ class Table(Protocol):
         """Rows that exist (over every shard)."""
         ...
 
-    def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: "torch.Tensor | None" = None) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of distinct ``ids``; missing rows are made when ``create`` (counted by ``occurrences``)."""
         ...
 
@@ -79,7 +79,7 @@ class Table(Protocol):
         """One optimizer step of the rows: applies ``ids``' gradients, advances the clock, evicts."""
         ...
 
-    def push_bags(self, bags: "tuple[BagLayout, torch.Tensor]", optimizer: RowOptimizer) -> None:
+    def push_bags(self, bags: tuple[BagLayout, torch.Tensor], optimizer: RowOptimizer) -> None:
         """:meth:`push` with one gradient per bag, expanded to its ids by their weights."""
         ...
 

@@ -9,7 +9,7 @@ zero got no gradient on any worker and keeps none.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from unison.gradient_sync.grads_as_buffer_views import GradSlots
 __all__ = ["set_flags", "point_grads_at_slots", "fill_from_slots", "copy_sums_out", "hand_out_views"]
 
 
-def set_flags(used: torch.Tensor, missing: "Sequence[int]") -> None:
+def set_flags(used: torch.Tensor, missing: Sequence[int]) -> None:
     """This worker's flags: 1 for each parameter of the bucket, 0 for those in ``missing``."""
     used.fill_(1)
     if missing:
@@ -70,7 +70,7 @@ def fill_from_slots(bucket: GradientBucket, divisor: int) -> bool:
     return True
 
 
-def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: "set[int]") -> None:
+def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> None:
     """Copies a shared bucket's sums into the parameters' own gradients (one foreach copy).
 
     The shared result cannot become the gradient itself: a worker that zeroes its
@@ -110,7 +110,7 @@ def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: "s
         torch._foreach_copy_(targets, sources)
 
 
-def hand_out_views(bucket: GradientBucket, transport: BucketTransport, sparse: "set[int]") -> None:
+def hand_out_views(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> None:
     """Makes each gradient a view of the bucket's reduced flat (the bucket's own memory)."""
     sums: list[float] | None = None
     for k, (param, view) in enumerate(zip(bucket.params, bucket.views)):

@@ -36,19 +36,29 @@ from __future__ import annotations
 import contextlib
 import typing
 import weakref
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from unison.collectives.group.worker_control import WorkerControl
-from unison.collectives.transport.bucket_transports import DEFAULT_BUCKET_BYTES, BucketTransport, GradientBucket, HandOut
+from unison.collectives.transport.bucket_transports import (
+    DEFAULT_BUCKET_BYTES,
+    BucketTransport,
+    GradientBucket,
+    HandOut,
+)
 from unison.collectives.transport.cross_worker import CrossWorkerTransport
 from unison.collectives.transport.flat_buffers import views_of
 from unison.collectives.transport.packing import group_by_size
 from unison.errors import GradientSyncError
-from unison.gradient_sync.bucketed.bucket_gradients import (copy_sums_out, fill_from_slots, hand_out_views,
-                                                         point_grads_at_slots, set_flags)
+from unison.gradient_sync.bucketed.bucket_gradients import (
+    copy_sums_out,
+    fill_from_slots,
+    hand_out_views,
+    point_grads_at_slots,
+    set_flags,
+)
 from unison.gradient_sync.grad_access import grads_of
 from unison.gradient_sync.grads_as_buffer_views import fits
 from unison.gradient_sync.waiting_parameters import DormantParameters, LateParameters
@@ -93,7 +103,7 @@ class BucketedGradientSync:
         # Registered parameters, held weakly: a model the program dropped must not live on
         # (nor be all-reduced every step) because it was once built in scope. The buckets
         # hold their parameters strongly until finalize() rebuilds them (see _agreed_alive).
-        self._params: list["weakref.ref[torch.Tensor]"] = []
+        self._params: list[weakref.ref[torch.Tensor]] = []
         self._index_of: dict[int, int] = {}  # id(param) -> its place in self._params
         self._dormant = DormantParameters()  # made frozen: registered once trainable
         self._late = LateParameters()  # registered after the buckets were built: bucketed once used
@@ -118,7 +128,7 @@ class BucketedGradientSync:
         self._settled_task = -1  # the autograd graph task whose first gradient was seen (that mode)
 
     @property
-    def overlap_bucket_bytes(self) -> "int | None":
+    def overlap_bucket_bytes(self) -> int | None:
         """The bucket size, where buckets leave while backward runs (gloo, across hosts);
         None where every bucket is reduced when backward ends, or before the buckets exist.
         A compiled backward split at this size lets them leave during it (``compile_backend``)."""

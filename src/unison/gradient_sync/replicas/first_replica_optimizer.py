@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import operator
 import typing
-from collections.abc import MutableMapping
-from typing import Any, Iterator
+from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 import torch
 

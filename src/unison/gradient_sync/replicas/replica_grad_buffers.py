@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import threading
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ class ReplicaGradBuffers:
         self._covered: frozenset[int] = frozenset()  # positions of the variables in the buffers
         self._build_lock = threading.Lock()  # replica threads meet a new layout at the same time
 
-    def _layout(self, variables: Sequence[Any], key: Any) -> "list[GradSlots] | None":
+    def _layout(self, variables: Sequence[Any], key: Any) -> list[GradSlots] | None:
         """The buffers for ``variables``, made when ``key`` is not the current layout's."""
         if key == self._key:
             return self._replicas or None
@@ -109,7 +110,7 @@ class ReplicaGradBuffers:
             r.restore_untouched()
 
     def reduce(self, variables: Sequence[Any], key: Any, mean: bool,
-               reduction: "InPlaceReduction | None" = None) -> "list[Any] | None":
+               reduction: InPlaceReduction | None = None) -> list[Any] | None:
         """Reduces every replica's gradients of the variables in the buffers, out of
         ``variables`` (all the registered ones), and returns the others, for the general
         path. None, when they cannot be: then the gradients are as autograd left them
@@ -128,7 +129,7 @@ class ReplicaGradBuffers:
                 self._restore_untouched()
                 return None
             # a slot no replica's autograd wrote since it was zeroed is a gradient never produced
-            never_written: "set[int] | None" = None
+            never_written: set[int] | None = None
             for r in replicas:
                 unwritten = r.never_written()
                 never_written = unwritten if never_written is None else never_written & unwritten
@@ -164,7 +165,7 @@ class ReplicaGradBuffers:
             r.versions = [a._version for a in r.aliases]
         return True
 
-    def _reduce_flats(self, mean: bool, reduction: "InPlaceReduction | None" = None) -> None:
+    def _reduce_flats(self, mean: bool, reduction: InPlaceReduction | None = None) -> None:
         """Replica 0's buffers become the sum (the mean) of all replicas', copied into the
         others' (here, or as part of ``reduction``)."""
         replicas = self._replicas

@@ -16,7 +16,7 @@ dtype (``replica_grad_buffers.py``); anything else goes through the CrossDeviceO
 from __future__ import annotations
 
 import typing
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -73,7 +73,7 @@ class ReplicaGradientMerge:
         return self._in_place
 
     @property
-    def buffers(self) -> "ReplicaGradBuffers | None":
+    def buffers(self) -> ReplicaGradBuffers | None:
         """The replicas' flat gradient buffers, or None where the reduction is not in place."""
         return self._buffers
 
@@ -86,7 +86,7 @@ class ReplicaGradientMerge:
             self._buffers.install(replica_id, variables, key)
 
     def reduce_registered(self, variables: list, key: object,
-                          woken: Sequence[torch.Tensor] = ()) -> "InPlaceReduction | None":
+                          woken: Sequence[torch.Tensor] = ()) -> InPlaceReduction | None:
         """Reduces the gradients of the live registered ``variables`` (identified by ``key``,
         as for ``install_buffers``) and of ``woken`` (variables trainable since they were
         registered): those in the replicas' flat buffers there, the others through ``reduce``.
@@ -104,7 +104,7 @@ class ReplicaGradientMerge:
         reduction.run()
         return None
 
-    def reduce(self, params: list, reduction: "InPlaceReduction | None" = None) -> None:
+    def reduce(self, params: list, reduction: InPlaceReduction | None = None) -> None:
         """Reduces the variables' gradients across replicas (and workers); those reduced in
         place join ``reduction`` when one is given.
 
@@ -172,7 +172,7 @@ class ReplicaGradientMerge:
                 param.set_component_grad(i, reduced_grads[i])
 
     def _reduce_in_place(self, per_param: list[tuple[torch.Tensor, ...]],
-                         reduction: "InPlaceReduction | None" = None) -> bool:
+                         reduction: InPlaceReduction | None = None) -> bool:
         """Reduces CPU replicas' gradients into the gradients themselves; False if it cannot.
 
         The replicas share the host's memory, so there is nothing to move: replica 0's

@@ -17,7 +17,7 @@ import threading
 import typing
 import weakref
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -43,15 +43,15 @@ class ReplicaOptimizers:
     """
 
     def __init__(self, num_replicas: int, *, storage: VariableStorage = MIRRORED,
-                 replica_of: Callable[[], "int | None"]):
+                 replica_of: Callable[[], int | None]):
         self._num_replicas = num_replicas
         self._storage = storage
         self._replica_of = replica_of
-        self._shadows: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+        self._shadows: weakref.WeakKeyDictionary[torch.optim.Optimizer, list] = weakref.WeakKeyDictionary()
         self._shadows_lock = threading.Lock()
-        self._watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # load_state_dict hooked
+        self._watched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # load_state_dict hooked
         # replica 0 steps the variables' plain components 0 with the user's state (first_replica_optimizer.py)
-        self._primaries: "weakref.WeakKeyDictionary[torch.optim.Optimizer, PrimaryShadow]" = weakref.WeakKeyDictionary()
+        self._primaries: weakref.WeakKeyDictionary[torch.optim.Optimizer, PrimaryShadow] = weakref.WeakKeyDictionary()
 
     def for_replica(self, optimizer: torch.optim.Optimizer, replica_id: int) -> torch.optim.Optimizer:
         """The optimizer that steps replica ``replica_id``'s components now, with the user's

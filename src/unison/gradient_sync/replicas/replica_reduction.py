@@ -16,7 +16,7 @@ reads its whole gradient afterwards. Elementwise, so the result is bit for bit t
 from __future__ import annotations
 
 import typing
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ class InPlaceReduction:
         and every tensor contiguous (a slice is a range of its flat view)."""
         return self._elements >= SPLIT_MIN_ELEMENTS and self._contiguous
 
-    def run(self, replica_id: "int | None" = None) -> None:
+    def run(self, replica_id: int | None = None) -> None:
         """Reduces replica ``replica_id``'s slice of every gradient, or all of them for None."""
         groups = self._groups
         if not groups:

@@ -21,7 +21,8 @@ import contextlib
 import dataclasses
 import typing
 import weakref
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -49,7 +50,7 @@ class ReplicaMeeting(Protocol):
         """The replica's index among this worker's replicas."""
         ...
 
-    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: "dict | None" = None) -> Any:
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Runs ``merge_fn(strategy, *args)`` once, when every replica called it."""
         ...
 
@@ -76,7 +77,7 @@ class _ReplicaGradHook:
 
     __slots__ = ("_sync", "settled_task")
 
-    def __init__(self, sync: "ReplicaGradientSync"):
+    def __init__(self, sync: ReplicaGradientSync):
         self._sync = sync
         self.settled_task = -1  # the graph task whose first gradient decided
 
@@ -120,11 +121,11 @@ class ReplicaGradientSync:
         self._merge = ReplicaGradientMerge(self._devices, cross_device_ops, reduce_op, storage=storage,
                                            across_workers=across_workers)
         self._optimizers = ReplicaOptimizers(self._num_replicas, storage=storage, replica_of=self._replica_id)
-        self._variables: list["weakref.ref[DistributedVariable]"] = []
+        self._variables: list[weakref.ref[DistributedVariable]] = []
         self._dormant = DormantParameters()  # made frozen: registered once trainable
         self._registrations = 0  # with the live count, identifies the variables to the buffers
         self._no_sync_outside_run = 0
-        self._states: "weakref.WeakKeyDictionary[ReplicaMeeting, _ReplicaStepState]" = weakref.WeakKeyDictionary()
+        self._states: weakref.WeakKeyDictionary[ReplicaMeeting, _ReplicaStepState] = weakref.WeakKeyDictionary()
         self._grad_hooks = [_ReplicaGradHook(self) for _ in self._devices]  # one per replica, on its components
         # Autograd runs a GPU's backward on its own device thread, outside the replica's
         # context, where the hooks cannot tell whose backward ends: with any replica on a
@@ -147,11 +148,11 @@ class ReplicaGradientSync:
             state = self._states[context] = _ReplicaStepState()
         return state
 
-    def _current_context(self) -> "ReplicaMeeting | None":
+    def _current_context(self) -> ReplicaMeeting | None:
         entry = STATE.top()
         if entry is None or entry.strategy is not self._owner():
             return None
-        context: "ReplicaMeeting | None" = entry.replica_context  # None in cross-replica context
+        context: ReplicaMeeting | None = entry.replica_context  # None in cross-replica context
         return context
 
     def register(self, param: torch.Tensor) -> None:
@@ -203,7 +204,7 @@ class ReplicaGradientSync:
     def finalize(self) -> None:
         """Nothing to prepare: gradients are reduced through merge_call as they come."""
 
-    def _on_grad(self, hook: "_ReplicaGradHook") -> None:
+    def _on_grad(self, hook: _ReplicaGradHook) -> None:
         context = self._current_context()
         if context is None or self._no_sync_outside_run:
             return
@@ -228,7 +229,7 @@ class ReplicaGradientSync:
             context.merge_call(_every_slice_reduced)
         state.grads_reduced = True
 
-    def _merge_registered(self, _strategy: object, variables: list) -> "InPlaceReduction | None":
+    def _merge_registered(self, _strategy: object, variables: list) -> InPlaceReduction | None:
         """In a merge: reduces every live registered variable's gradients, and those of
         variables made frozen that are trainable now (``_take_woken``)."""
         key = (self._registrations, len(variables))  # before _take_woken registers more
@@ -239,7 +240,7 @@ class ReplicaGradientSync:
         """In a merge: reduces the gradients of ``params`` (an optimizer's) no backward pass reduced."""
         self._merge.reduce(params)
 
-    def _replica_id(self) -> "int | None":
+    def _replica_id(self) -> int | None:
         context = self._current_context()
         return None if context is None else context.local_replica_id
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +29,7 @@ _MARK = "_unison_replica_zero_grad"
 
 
 def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
-                              replica_of: Callable[[], "int | None"]) -> None:
+                              replica_of: Callable[[], int | None]) -> None:
     """Gives ``optimizer`` (once) a ``zero_grad`` taking the fast path inside a replica.
 
     Args:

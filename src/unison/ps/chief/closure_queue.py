@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from unison.errors import FunctionCancelledError
 from unison.ps.chief.remote_values import RemoteValue
@@ -34,10 +35,10 @@ class ClosureQueue:
     """Thread-safe queue of closures, feeding one thread per worker."""
 
     def __init__(self) -> None:
-        self._queue: "collections.deque[Closure]" = collections.deque()
+        self._queue: collections.deque[Closure] = collections.deque()
         self._inflight = 0
-        self._error: "BaseException | None" = None
-        self._fatal: "BaseException | None" = None
+        self._error: BaseException | None = None
+        self._fatal: BaseException | None = None
         self._cond = threading.Condition()
         self._stopped = False
 
@@ -71,7 +72,7 @@ class ClosureQueue:
             return not self._queue and not self._inflight
 
     # -- the workers' side --------------------------------------------------------------
-    def get(self, timeout: float = 0.5) -> "Closure | None":
+    def get(self, timeout: float = 0.5) -> Closure | None:
         """The next closure (now in flight), or None after ``timeout`` or when stopped."""
         with self._cond:
             if not self._queue and not self._stopped:
@@ -119,7 +120,7 @@ class ClosureQueue:
             self._cond.notify_all()
 
     @property
-    def fatal(self) -> "BaseException | None":
+    def fatal(self) -> BaseException | None:
         """The fatal error, if any."""
         return self._fatal
 

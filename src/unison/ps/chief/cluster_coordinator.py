@@ -15,24 +15,23 @@ from __future__ import annotations
 
 import atexit
 import threading
-import time
 import typing
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
-
 from torch.utils._pytree import tree_map
 
 from unison.coordinator.channel import Channel, connect
 from unison.errors import ClusterError, ParameterServerError
-from unison.ps.wire.client import PSClient
 from unison.ps.chief.closure_queue import Closure, ClosureQueue
 from unison.ps.chief.per_worker_datasets import PerWorkerDataset
-from unison.ps.wire import protocol as wire
-from unison.ps.wire.links import set_nodelay
 from unison.ps.chief.remote_values import RemoteValue
 from unison.ps.strategy import ParameterServerStrategy
+from unison.ps.wire import protocol as wire
+from unison.ps.wire.client import PSClient
+from unison.ps.wire.links import set_nodelay
 
 __all__ = ["ClusterCoordinator"]
 
@@ -57,10 +56,10 @@ def _send_stop(address: str, authkey: bytes) -> None:
 class _WorkerThread:
     """Feeds one worker; reconnects when it comes back."""
 
-    def __init__(self, coordinator: "ClusterCoordinator", index: int, address: str):
+    def __init__(self, coordinator: ClusterCoordinator, index: int, address: str):
         self._coordinator = coordinator
         self.index, self.address = index, address
-        self._channel: "Channel | None" = None
+        self._channel: Channel | None = None
         self._datasets_sent = 0
         self.connected = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"unison-ps-worker-{index}", daemon=True)
@@ -85,7 +84,7 @@ class _WorkerThread:
         self._channel = None
         self.connected.clear()
 
-    def _call(self, request: wire.WorkerRequest) -> "wire.FunctionResult | wire.FunctionFailed":
+    def _call(self, request: wire.WorkerRequest) -> wire.FunctionResult | wire.FunctionFailed:
         assert self._channel is not None
         self._channel.send(request)
         return self._channel.recv()
@@ -138,7 +137,7 @@ class _WorkerThread:
 
 
 #: The coordinator of each strategy (one per strategy, as in TensorFlow).
-_COORDINATORS: "weakref.WeakKeyDictionary[Any, ClusterCoordinator]" = weakref.WeakKeyDictionary()
+_COORDINATORS: weakref.WeakKeyDictionary[Any, ClusterCoordinator] = weakref.WeakKeyDictionary()
 
 
 @typing.final
@@ -166,7 +165,7 @@ class ClusterCoordinator:
 
     _initialized: bool = False
 
-    def __new__(cls, strategy: Any) -> "ClusterCoordinator":
+    def __new__(cls, strategy: Any) -> ClusterCoordinator:
         if not isinstance(strategy, ParameterServerStrategy):
             raise ValueError(
                 f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}; "
@@ -221,8 +220,8 @@ class ClusterCoordinator:
             client.close()
 
     # -- the API ------------------------------------------------------------------------
-    def schedule(self, fn: Callable[..., Any], args: "tuple | list | None" = None,
-                 kwargs: "dict | None" = None) -> RemoteValue:
+    def schedule(self, fn: Callable[..., Any], args: tuple | list | None = None,
+                 kwargs: dict | None = None) -> RemoteValue:
         """Queues ``fn(*args, **kwargs)`` to run on some worker; returns its RemoteValue at once.
 
         Raises:

@@ -6,10 +6,9 @@ tf.distribute equivalent: ``ClusterCoordinator.create_per_worker_dataset`` and i
 
 from __future__ import annotations
 
-import typing
-
 import itertools
-from typing import Any, Callable
+import typing
+from typing import Any
 
 from unison.ps.chief.remote_values import PerWorkerValues
 from unison.ps.wire.worker_references import WorkerReference, reference
@@ -35,7 +34,7 @@ class PerWorkerIterator:
     the coordinator ``next()`` is an error.
     """
 
-    def __init__(self, values: "list[Any]"):
+    def __init__(self, values: list[Any]):
         self._per_worker = PerWorkerValues(values)
 
     @property
@@ -46,7 +45,7 @@ class PerWorkerIterator:
     def __reduce__(self) -> tuple:
         return self._per_worker.__reduce__()
 
-    def __iter__(self) -> "PerWorkerIterator":
+    def __iter__(self) -> PerWorkerIterator:
         return self
 
     def __next__(self) -> Any:

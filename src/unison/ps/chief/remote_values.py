@@ -6,10 +6,10 @@ tf.distribute equivalents: ``tf.distribute.experimental.coordinator.RemoteValue`
 
 from __future__ import annotations
 
-import typing
-
 import threading
-from typing import Any, Sequence
+import typing
+from collections.abc import Sequence
+from typing import Any
 
 from unison.ps.wire.worker_references import WorkerReference, reference
 
@@ -28,7 +28,7 @@ class RemoteValue:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._value: Any = None
-        self._error: "BaseException | None" = None
+        self._error: BaseException | None = None
 
     def _set(self, value: Any) -> None:
         self._value, self._error = value, None
@@ -42,7 +42,7 @@ class RemoteValue:
         """Whether the function finished (with a value or an error)."""
         return self._done.is_set()
 
-    def fetch(self, timeout: "float | None" = None) -> Any:
+    def fetch(self, timeout: float | None = None) -> Any:
         """Waits for the result and returns it (raises the function's error).
 
         Raises:

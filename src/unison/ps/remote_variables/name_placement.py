@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import typing
-from typing import Any, Callable, ContextManager, Protocol
+from collections.abc import Callable
+from typing import Any, ContextManager, Protocol
 
 __all__ = ["OpNameHashStrategy", "PsGroupAssigner", "ParameterPlacementHook"]
 

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import abc
 import typing
-
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from unison._state import STATE
+from unison.ps.remote_variables.variable_specs import VariableSpec, is_metadata_function, task_device
 from unison.ps.wire import protocol as wire
 from unison.ps.wire.worker_references import WorkerReference, reference
-from unison.ps.remote_variables.variable_specs import VariableSpec, is_metadata_function, task_device
 
 __all__ = ["PSVariable", "ShardedVariable"]
 
@@ -50,7 +50,7 @@ class _RemoteParameter(nn.Parameter):
 
     @property
     @abc.abstractmethod
-    def placement(self) -> "str | list[str]":
+    def placement(self) -> str | list[str]:
         """Where the variable lives: a ps task's device name, or one per shard."""
 
     _ps_spec: VariableSpec
@@ -71,7 +71,7 @@ class _RemoteParameter(nn.Parameter):
                 return self.detach().clone()
         return self._read_remote()
 
-    def assign(self, value: Any) -> "_RemoteParameter":
+    def assign(self, value: Any) -> _RemoteParameter:
         """Writes ``value`` (broadcast to the shape) to the variable; returns it."""
         with torch._C.DisableTorchFunctionSubclass():
             full = torch.as_tensor(value, dtype=self.dtype).expand(self.shape).contiguous()

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

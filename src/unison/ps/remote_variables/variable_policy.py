@@ -18,18 +18,19 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from unison.collectives import LeastLoadedDeviceSetter
 from unison.interpose.module_hooks import observed_registrations
-from unison.ps.wire import protocol as wire
-from unison.ps.wire.client import PSClient
+from unison.ps.remote_variables.ps_variables import PSVariable, ShardedVariable, _RemoteParameter
 from unison.ps.remote_variables.shard_partitioners import shard_rows
 from unison.ps.remote_variables.variable_specs import Placement, VariableSpec
-from unison.ps.remote_variables.ps_variables import PSVariable, ShardedVariable, _RemoteParameter
+from unison.ps.wire import protocol as wire
+from unison.ps.wire.client import PSClient
 from unison.values.aggregation import VariableAggregation, VariableSynchronization
 
 __all__ = ["PSVariablePolicy", "make_placer"]
@@ -77,8 +78,8 @@ class PSVariablePolicy:
         self._partitioner = partitioner
         self._place = make_placer(placer, len(ps_addresses))
         self._ids = itertools.count()
-        self._client: "PSClient | None" = None
-        self._override: "list[tuple[Callable[[str], int], list[_RemoteParameter]]]" = []
+        self._client: PSClient | None = None
+        self._override: list[tuple[Callable[[str], int], list[_RemoteParameter]]] = []
 
     @property
     def client(self) -> PSClient:
@@ -132,7 +133,7 @@ class PSVariablePolicy:
             return buffer
         return self._make(buffer, name, False, partition=False)
 
-    def create(self, value: torch.Tensor, *, trainable: bool, name: "str | None",
+    def create(self, value: torch.Tensor, *, trainable: bool, name: str | None,
                synchronization: VariableSynchronization, aggregation: VariableAggregation) -> _RemoteParameter:
         """``unison.Variable`` in scope: a ps variable."""
         return self._make(value, name or "Variable", trainable and value.is_floating_point())
@@ -161,11 +162,11 @@ class PSVariablePolicy:
 
     # -- explicit placement -----------------------------------------------------------------
     @property
-    def connected_client(self) -> "PSClient | None":
+    def connected_client(self) -> PSClient | None:
         """The client to the ps tasks if it has connected, else None (nothing to close)."""
         return self._client
 
-    def placement(self, variable: Any) -> "str | list[str]":
+    def placement(self, variable: Any) -> str | list[str]:
         """``"/job:ps/replica:0/task:K"`` for a variable, a list (one per shard) for a ShardedVariable.
 
         Raises:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -79,7 +79,7 @@ class ParameterStore:
         with slot.lock:
             return slot.tensor.clone()
 
-    def read_into(self, key: str, out: "torch.Tensor | None") -> torch.Tensor:
+    def read_into(self, key: str, out: torch.Tensor | None) -> torch.Tensor:
         """Like ``read``, into ``out`` when it has the tensor's shape and dtype (a reused buffer)."""
         slot = self._slot(key)
         with slot.lock:
@@ -124,7 +124,7 @@ class ParameterStore:
         with slot.lock:
             slot.tensor.add_(delta.to(slot.tensor.dtype).view_as(slot.tensor))
 
-    def apply(self, key: str, grad: torch.Tensor, ids: "torch.Tensor | None", cls: type, hyper: dict) -> None:
+    def apply(self, key: str, grad: torch.Tensor, ids: torch.Tensor | None, cls: type, hyper: dict) -> None:
         """Applies optimizer ``cls`` with ``hyper`` to ``key`` for ``grad`` (of rows ``ids`` when given)."""
         slot = self._slot(key)
         with slot.lock, torch.no_grad():

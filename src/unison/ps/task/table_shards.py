@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from unison.embeddings.tables.table import TableConfig
 from unison.embeddings.optim.row_optimizers import RowOptimizer
+from unison.embeddings.tables.table import TableConfig
 
 __all__ = ["TableShards"]
 

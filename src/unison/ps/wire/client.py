@@ -13,14 +13,15 @@ carrying the bytes over the socket.
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from unison.errors import ParameterServerError
-from unison.ps.wire.shared_arena import Place, SharedArena
 from unison.ps.wire import protocol as wire
 from unison.ps.wire.links import TensorLink, open_link
+from unison.ps.wire.shared_arena import Place, SharedArena
 
 __all__ = ["PSClient", "Request"]
 
@@ -40,21 +41,21 @@ class PSClient:
     """
 
     def __init__(self, addresses: Sequence[str], authkey: bytes, timeout: float = 30.0,
-                 reply_timeout: "float | None" = None, shared: bool = False):
+                 reply_timeout: float | None = None, shared: bool = False):
         self.addresses = list(addresses)
         self._authkey = authkey
         self._timeout = timeout
         self._reply_timeout = reply_timeout
         self._links: dict[int, TensorLink] = {}
         self._lock = threading.Lock()
-        self.arena: "SharedArena | None" = SharedArena() if shared and SharedArena.available() else None
+        self.arena: SharedArena | None = SharedArena() if shared and SharedArena.available() else None
         #: per ps task: the arena segments it has mapped, or None once it could not (another host)
-        self._attached: dict[int, "set[str] | None"] = {}
+        self._attached: dict[int, set[str] | None] = {}
         self._grad_slots: dict[tuple[int, str], torch.Tensor] = {}
         #: ps tasks whose reply to a request sent without waiting (a row push) is still to be read
         self._unanswered: set[int] = set()
 
-    def new_tensor(self, shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
+    def new_tensor(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor for a worker's cached parameter: in the arena when there is one."""
         if self.arena is None:
             return torch.empty(shape, dtype=dtype)
@@ -77,7 +78,7 @@ class PSClient:
             self._attached[index] = attached
         return True
 
-    def _grad_place(self, index: int, key: str, grad: torch.Tensor) -> "Place | None":
+    def _grad_place(self, index: int, key: str, grad: torch.Tensor) -> Place | None:
         """Copies a dense gradient for ``key`` on ps ``index`` into its slot in the arena; the slot's place."""
         assert self.arena is not None
         slot = self._grad_slots.get((index, key))
@@ -103,7 +104,7 @@ class PSClient:
                 self._links[index] = link
             return link
 
-    def exchange(self, requests: "dict[int, tuple[Any, Sequence[torch.Tensor], Any]]", *,
+    def exchange(self, requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]], *,
                  wait: bool = True) -> dict[int, list[torch.Tensor]]:
         """Sends each ps task its request, then returns each reply's tensors.
 
@@ -133,7 +134,7 @@ class PSClient:
                 self._unanswered.update(order)
                 return {}
             replies: dict[int, list[torch.Tensor]] = {}
-            error: "BaseException | None" = None
+            error: BaseException | None = None
             for i in order:
                 try:
                     header, tensors = links[i].recv(requests[i][2], self._reply_timeout)
@@ -199,7 +200,7 @@ class PSClient:
                 out[p] = t
         return out
 
-    def pull_into(self, by_ps: "dict[int, list[tuple[str, torch.Tensor]]]") -> None:
+    def pull_into(self, by_ps: dict[int, list[tuple[str, torch.Tensor]]]) -> None:
         """Reads each key straight into its destination tensor (a worker's parameter).
 
         A ps task on this host copies into destinations in the arena itself."""
@@ -212,7 +213,7 @@ class PSClient:
                 requests[i] = (wire.Pull(tuple(k for k, _ in items)), (), [d for _, d in items])
         self.exchange(requests)
 
-    def write(self, kind: "type[wire.Create | wire.Assign | wire.Add]", placed: Sequence[tuple[int, str]],
+    def write(self, kind: type[wire.Create | wire.Assign | wire.Add], placed: Sequence[tuple[int, str]],
               values: Sequence[torch.Tensor]) -> None:
         """``wire.Create``, ``wire.Assign`` or ``wire.Add`` values at ``(ps index, key)`` pairs, one request per ps task."""
         by_ps: dict[int, tuple[list[str], list[torch.Tensor]]] = {}
@@ -222,12 +223,12 @@ class PSClient:
             tensors.append(value)
         self.exchange({i: (kind(tuple(keys)), tensors, None) for i, (keys, tensors) in by_ps.items()})
 
-    def pull_rows(self, by_ps: "dict[int, list[tuple[str, torch.Tensor]]]") -> dict[int, list[torch.Tensor]]:
+    def pull_rows(self, by_ps: dict[int, list[tuple[str, torch.Tensor]]]) -> dict[int, list[torch.Tensor]]:
         """Rows (local ids) of shards, per ps task."""
         return self.exchange({i: (wire.PullRows(tuple(k for k, _ in items)), [ids for _, ids in items], None)
                               for i, items in by_ps.items()})
 
-    def push(self, by_ps: "dict[int, list[tuple[str, torch.Tensor | None, torch.Tensor, type, dict]]]") -> None:
+    def push(self, by_ps: dict[int, list[tuple[str, torch.Tensor | None, torch.Tensor, type, dict]]]) -> None:
         """Applies gradients: ``(key, row ids or None, grad, optimizer class, hyper-parameters)`` per ps task."""
         requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
         for i, items in by_ps.items():

@@ -19,7 +19,8 @@ import os
 import pickle
 import socket
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ class TensorLink:
             if t.numel():
                 self._socket.sendall(_bytes_view(t))
 
-    def recv(self, into: "Sequence[torch.Tensor] | None" = None, timeout: "float | None" = None,
+    def recv(self, into: Sequence[torch.Tensor] | None = None, timeout: float | None = None,
              reuse: bool = False) -> tuple[Any, list[torch.Tensor]]:
         """The next message; tensors are written into ``into`` where given (same shapes), else allocated.
 

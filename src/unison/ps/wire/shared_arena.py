@@ -82,7 +82,7 @@ class _Segment:
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
         self.info: SegmentInfo = (self.token.hex(), os.getpid(), self.fd, size)
 
-    def take(self, nbytes: int) -> "int | None":
+    def take(self, nbytes: int) -> int | None:
         if self.used + nbytes > self.size:
             return None
         offset, self.used = self.used, self.used + _aligned(nbytes)
@@ -106,7 +106,7 @@ class SharedArena:
         """Whether this platform has anonymous memory files and ``/proc``."""
         return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
 
-    def tensor(self, shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
+    def tensor(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A new tensor (zeros) in shared memory, not a view: it has its own autograd version counter."""
         numel = math.prod(shape)
         nbytes = max(numel * dtype.itemsize, 1)
@@ -127,7 +127,7 @@ class SharedArena:
         with self._lock:
             return [s.info for s in self._segments]
 
-    def place(self, tensor: torch.Tensor) -> "Place | None":
+    def place(self, tensor: torch.Tensor) -> Place | None:
         """Where ``tensor`` (contiguous) lies in this arena, or None if it is not here."""
         if not tensor.is_contiguous() or tensor.device.type != "cpu":
             return None

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import enum
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from unison._state import STATE
 
@@ -54,7 +55,7 @@ def _resolved(kind_value: str, payload: Any) -> Any:
     except ValueError:
         raise pickle.UnpicklingError(f"unknown worker reference {kind_value!r}: the chief and this worker run "
                                      f"different unison versions") from None
-    resolve: "Resolver | None" = STATE.reference_resolver
+    resolve: Resolver | None = STATE.reference_resolver
     if resolve is not None:
         return resolve(kind, payload)
     if kind is WorkerReference.CLIENT:

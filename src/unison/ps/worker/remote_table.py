@@ -18,16 +18,17 @@ config only, so a function that captures the module sends no rows.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from unison.embeddings.tables.bag_layout import BagLayout
-from unison.ps.wire.client import PSClient
-from unison.embeddings.tables.id_hashing import shard_of
 from unison.embeddings.optim.row_optimizers import RowOptimizer
+from unison.embeddings.tables.bag_layout import BagLayout
+from unison.embeddings.tables.id_hashing import shard_of
 from unison.embeddings.tables.table import TableConfig
 from unison.ps.wire import protocol as wire
+from unison.ps.wire.client import PSClient
 from unison.ps.wire.worker_references import WORKER_CLIENT
 
 __all__ = ["RemoteTable", "RemoteTables"]
@@ -52,9 +53,9 @@ class RemoteTable:
     """
 
     def __init__(self, key: str, num_shards: int, config: TableConfig,
-                 client: "Callable[[], PSClient]", *,
-                 grad_scale: "Callable[[], float] | None" = None, after_load: "Callable[[], None] | None" = None,
-                 writer: "Callable[[], bool] | None" = None):
+                 client: Callable[[], PSClient], *,
+                 grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
+                 writer: Callable[[], bool] | None = None):
         self.key, self.num_shards, self.config = key, num_shards, config
         self._client_source = client
         self._grad_scale = grad_scale
@@ -62,7 +63,7 @@ class RemoteTable:
         self._writer = writer
         self.traffic = {"rows": 0, "pooled": 0}
         """Lookups made here so far, by kind: distinct rows pulled, or bags pooled on the ps tasks."""
-        self._last_split: "tuple[torch.Tensor, list[torch.Tensor]] | None" = None
+        self._last_split: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": WORKER_CLIENT,
@@ -96,7 +97,7 @@ class RemoteTable:
         self._last_split = (ids, positions)
         return positions
 
-    def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: "torch.Tensor | None" = None) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of distinct ``ids``, ``[n, dim]``; missing rows are made when ``create``, and
         each id counted by its ``occurrences`` (default once)."""
         unique = ids
@@ -129,7 +130,7 @@ class RemoteTable:
             pooled.index_add_(0, touched, replies[k][0])
         return pooled
 
-    def push_bags(self, bags: "tuple[BagLayout, torch.Tensor]", optimizer: RowOptimizer) -> None:
+    def push_bags(self, bags: tuple[BagLayout, torch.Tensor], optimizer: RowOptimizer) -> None:
         """Like :meth:`push`, with the gradient of each bag: every ps task expands it to its ids."""
         layout, grads = bags
         if self._grad_scale is not None:
@@ -202,9 +203,9 @@ class RemoteTables:
     The other arguments are handed to each :class:`RemoteTable`.
     """
 
-    def __init__(self, num_shards: int, client: "Callable[[], PSClient]", *, prefix: str = "",
-                 grad_scale: "Callable[[], float] | None" = None, after_load: "Callable[[], None] | None" = None,
-                 writer: "Callable[[], bool] | None" = None):
+    def __init__(self, num_shards: int, client: Callable[[], PSClient], *, prefix: str = "",
+                 grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
+                 writer: Callable[[], bool] | None = None):
         self._num_shards, self._client, self._prefix = num_shards, client, prefix
         self._grad_scale, self._after_load, self._writer = grad_scale, after_load, writer
         self._ids = itertools.count()

@@ -24,20 +24,21 @@ gradients are cleared so the local step has nothing to do.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
+from unison.gradient_sync.step_hooks import attach, install_step_hooks
 from unison.input.context import InputContext
-from unison.ps.wire.client import PSClient
 from unison.ps.remote_variables.variable_specs import VariableSpec, is_metadata_function
 from unison.ps.wire import protocol as wire
+from unison.ps.wire.client import PSClient
 from unison.ps.wire.worker_references import WorkerReference, reference
-from unison.gradient_sync.step_hooks import attach, install_step_hooks
 
 __all__ = ["build_dataset", "WorkerRuntime", "WorkerShardedParameter", "RUNTIME"]
 
@@ -74,7 +75,7 @@ class _RuntimeHolder:
     For introspection, e.g. a test's scheduled function asking which worker it runs on."""
 
     def __init__(self) -> None:
-        self.current: "WorkerRuntime | None" = None
+        self.current: WorkerRuntime | None = None
 
 
 RUNTIME = _RuntimeHolder()
@@ -83,7 +84,7 @@ RUNTIME = _RuntimeHolder()
 class _GradientSync:
     """Attached to a worker's ps parameters; the optimizer hooks call it around ``step()``."""
 
-    def __init__(self, runtime: "WorkerRuntime"):
+    def __init__(self, runtime: WorkerRuntime):
         self._runtime = runtime
 
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -98,7 +99,7 @@ class WorkerShardedParameter(nn.Parameter):
     holds no rows; an embedding lookup pulls the rows it needs, other uses the whole tensor."""
 
     _ps_spec: VariableSpec
-    _ps_runtime: "WorkerRuntime"
+    _ps_runtime: WorkerRuntime
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -155,7 +156,7 @@ class WorkerRuntime:
         self._cache: dict[str, nn.Parameter] = {}
         self._spec_of = WeakIdKeyDictionary()  # each cached parameter -> its VariableSpec (no attribute on the tensor)
         self._touched: dict[str, nn.Parameter] = {}
-        self._rows: list[tuple[WorkerShardedParameter, "torch.Tensor | None", torch.Tensor]] = []
+        self._rows: list[tuple[WorkerShardedParameter, torch.Tensor | None, torch.Tensor]] = []
         self._pulled: dict[str, torch.Tensor] = {}  # non-trainable values as pulled, to find the changes
         self._sync = _GradientSync(self)
         self.datasets: dict[int, Any] = {}
@@ -302,7 +303,7 @@ class WorkerRuntime:
             self.client.push(by_ps)
 
     @staticmethod
-    def _add_sharded(by_ps: dict, spec: VariableSpec, ids: "torch.Tensor | None", grad: torch.Tensor,
+    def _add_sharded(by_ps: dict, spec: VariableSpec, ids: torch.Tensor | None, grad: torch.Tensor,
                      cls: type, hyper: dict) -> None:
         if grad.is_sparse:
             grad = grad.coalesce().to_dense()
