@@ -5,10 +5,10 @@ PYTHON ?= python3
 PIP_INSTALL = $(PYTHON) -m pip install --disable-pip-version-check --quiet
 WORKERS ?= 2
 
-.PHONY: install demo test typecheck bench clean
+.PHONY: install demo test lint typecheck check bench clean
 
 install:
-	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,examples,bench,models]"
+	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,lint,examples,bench,models]"
 
 demo: install
 	$(PYTHON) -m unison.launch --workers $(WORKERS) examples/digits.py
@@ -16,9 +16,15 @@ demo: install
 test: install
 	$(PYTHON) -m pytest -q
 
+# ruff's rules and the ones left out are in pyproject.toml ([tool.ruff]).
+lint: install
+	$(PYTHON) -m ruff check src tests benchmarks examples
+
 typecheck: install
-	$(PIP_INSTALL) mypy
 	$(PYTHON) -m mypy src/unison --ignore-missing-imports
+
+# What CI runs: the linter, the type checker, then the tests.
+check: lint typecheck test
 
 bench: install
 	$(PYTHON) benchmarks/fast_path.py

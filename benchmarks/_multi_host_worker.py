@@ -81,9 +81,11 @@ def _train(workload: str, cfg: dict[str, Any], rank: int, world: int) -> dict[st
     alone = _make_model(workload)  # never reduced: what 4 workers cost with no gradient exchange at all
     steps["no_sync"] = _make_step(alone, torch.optim.SGD(alone.parameters(), lr=0.01), loss_fn)
     ticks = {name: [0, 0] for name in VARIANTS}
-    samples, taken = interleaved_rounds({name: _counting_busy(steps[name], ticks[name]) for name in VARIANTS}, local, cfg)
+    samples, taken = interleaved_rounds({name: _counting_busy(steps[name], ticks[name]) for name in VARIANTS},
+                                        local, cfg)
     with torch.no_grad():
-        diffs = {name: max((a - b).abs().max().item() for a, b in zip(models[name].parameters(), ddp.module.parameters()))
+        diffs = {name: max((a - b).abs().max().item()
+                           for a, b in zip(models[name].parameters(), ddp.module.parameters()))
                  for name in ("hierarchical", "ring")}
     busy = {name: busy / max(busy + idle, 1) for name, (busy, idle) in ticks.items()}
     return {"samples": samples, "weight_diff_vs_ddp": diffs, "steps_taken": taken, "cores_busy": busy,

@@ -50,7 +50,8 @@ def main():
 
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc")
-    partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps) if workload == "embedding" else None
+    partitioner = (tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
+                   if workload == "embedding" else None)
     strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():

@@ -1,4 +1,5 @@
-"""torch.compile benchmark: a compiled vs an eager training step, under unison MultiWorkerMirroredStrategy and under DDP.
+"""torch.compile benchmark: a compiled vs an eager training step, under unison MultiWorkerMirroredStrategy and
+under DDP.
 
 One command, one run, two worker processes (gloo, one intra-op thread each). Four
 variants train the same MLP (784-512-512-512-10, cross-entropy, SGD lr 0.01, global batch

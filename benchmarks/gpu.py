@@ -85,7 +85,7 @@ class Strategies:
         resolver = unison.SimpleClusterResolver(spec, task_type="worker", task_id=0)
         self.mwms = unison.MultiWorkerMirroredStrategy(resolver, unison.CommunicationOptions(implementation="NCCL"),
                                                        devices=[DEVICE])
-        self.mwms.extended.cross_device_ops.worker_group  # forms the group now
+        _ = self.mwms.extended.cross_device_ops.worker_group  # the property forms the group now (on first use)
         assert dist.is_initialized() and dist.get_backend() == "nccl", "the NCCL group of one did not form"
         self.mwms_bf16 = unison.MultiWorkerMirroredStrategy(  # joins the same group
             resolver, unison.CommunicationOptions(implementation="NCCL", compression="bf16"), devices=[DEVICE])

@@ -214,7 +214,8 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     for k, variant in enumerate(("one_device", "mirrored", "threads_floor")):
         ratios = [results[n]["summary"][variant]["samples_per_s_vs_plain"] for n in names]
         bars = ax.bar([i + (k - 1) * width for i in range(len(names))], ratios, width, label=variant,
-                      hatch="//" if variant == "threads_floor" else None, alpha=0.6 if variant == "threads_floor" else 1.0)
+                      hatch="//" if variant == "threads_floor" else None,
+                      alpha=0.6 if variant == "threads_floor" else 1.0)
         for bar, ratio in zip(bars, ratios):
             ax.annotate(f"{ratio:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)

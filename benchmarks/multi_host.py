@@ -23,9 +23,10 @@ By default the run is repeated with the hosts' links unlimited (a veth pair: mem
 speed, which flatters the network), and limited to 1 Gbit/s and to 250 Mbit/s each way
 (``tc tbf``), as a real network is slower than memory. At 250 Mbit/s, sending W2's
 gradients between these slow hosts takes about as long as computing them, as where the
-gradient exchange is a large share of a real cluster's step. Each row also says how busy the machine's cores were: where they are busy
-under every variant (four workers on two cores), a step costs its CPU work whatever
-the transport saves on the wire. Goal: hierarchical >= 1.3 x DDP on W2.
+gradient exchange is a large share of a real cluster's step. Each row also says how busy
+the machine's cores were: where they are busy under every variant (four workers on two
+cores), a step costs its CPU work whatever the transport saves on the wire. Goal:
+hierarchical >= 1.3 x DDP on W2.
 
 Writes ``<out>/multi_host.json`` and ``<out>/multi_host.png``; exit code 1 only when
 weights differ or a launch fails, never for a missed goal.
@@ -102,7 +103,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             per_round = [statistics.median(d) / statistics.median(u)
                          for d, u in zip(data["samples"]["ddp"], data["samples"][name])]
             ratios[name] = {"median": statistics.median(per_round), "rounds": per_round}
-        diff = max(r["train"][workload]["weight_diff_vs_ddp"][n] for r in run["results"] for n in ("hierarchical", "ring"))
+        diff = max(r["train"][workload]["weight_diff_vs_ddp"][n]
+                   for r in run["results"] for n in ("hierarchical", "ring"))
         transports = {r["task"]: r["train"][workload]["transports"] for r in run["results"]}
         out[workload] = {
             "model": WORKLOADS[workload], "variants": rows,
@@ -164,7 +166,8 @@ def plot(summaries: dict[str, dict[str, Any]], path: Path, machine: dict[str, An
         notes = [f"{values[0]:.0f}", f"{values[1]:.0f}\n{row['hierarchical_vs_ddp']:.2f}x",
                  f"{values[2]:.0f}\n{row['ring_vs_ddp']:.2f}x", f"{values[3]:.0f}\n{row['no_sync_vs_ddp']:.2f}x"]
         for bar, note in zip(bars, notes):
-            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=8)
         ax.set_ylim(0, max(values) * 1.3)
         ax.set_title(f"{workload} ({row['model']})\nlink: {'unlimited veth' if link == 'none' else link}", fontsize=9)
         ax.set_ylabel("samples/s")
@@ -179,7 +182,8 @@ def plot(summaries: dict[str, dict[str, Any]], path: Path, machine: dict[str, An
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--links", default="none,1gbit,250mbit",
-                        help="comma-separated link settings, 'none' or a tc rate such as 1gbit (default none,1gbit,250mbit)")
+                        help="comma-separated link settings, 'none' or a tc rate such as 1gbit "
+                             "(default none,1gbit,250mbit)")
     parser.add_argument("--workloads", default="W1,W2", help="comma-separated, of W1, W2 (default both)")
     parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round (default 5)")

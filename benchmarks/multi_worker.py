@@ -189,7 +189,8 @@ def _strategy(rank: int, cfg: dict, implementation: str = "AUTO") -> Any:
     import unison
 
     spec = unison.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})  # rendezvous via UNISON_RENDEZVOUS
-    options = unison.CommunicationOptions(bytes_per_pack=cfg["bytes_per_pack"], timeout_seconds=cfg["collective_timeout"],
+    options = unison.CommunicationOptions(bytes_per_pack=cfg["bytes_per_pack"],
+                                          timeout_seconds=cfg["collective_timeout"],
                                           implementation=implementation)
     return unison.MultiWorkerMirroredStrategy(
         unison.SimpleClusterResolver(spec, task_type="worker", task_id=rank), communication_options=options
@@ -219,8 +220,10 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
         "ddp": _Runner(_make_step(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=LR), loss_fn), local),
         "unison": _Runner(_make_step(unison_model, unison_opt, loss_fn), local),
         "unison_ring": _Runner(_make_step(ring_model, ring_opt, loss_fn), local),
-        "no_sync": _Runner(_make_step(alone_model, torch.optim.SGD(alone_model.parameters(), lr=LR), loss_fn), local),
-        "barrier_only": _Runner(_with_barrier(_make_step(waiting_model, torch.optim.SGD(waiting_model.parameters(), lr=LR),
+        "no_sync": _Runner(_make_step(alone_model, torch.optim.SGD(alone_model.parameters(), lr=LR), loss_fn),
+                           local),
+        "barrier_only": _Runner(_with_barrier(_make_step(waiting_model,
+                                                         torch.optim.SGD(waiting_model.parameters(), lr=LR),
                                                          loss_fn), strategy), local),
     }
 
@@ -400,7 +403,7 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
         median_ms = {name: row["median_step_ms"] for name, row in rows.items()}
 
         def above(name: str, floor: str) -> float:
-            return (median_ms[name] - median_ms[floor]) / (median_ms["ddp"] - median_ms[floor])
+            return (median_ms[name] - median_ms[floor]) / (median_ms["ddp"] - median_ms[floor])  # noqa: B023 - called within the iteration
         train[workload] = {
             "model": WORKLOADS[workload],
             "global_batch": batch,
@@ -408,7 +411,8 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
             "gradient_bytes": data["gradient_bytes"],
             "variants": rows,
             "unison_vs_ddp": ratio,
-            "unison_vs_ddp_from_mean": rows["unison"]["samples_per_s_from_mean"] / rows["ddp"]["samples_per_s_from_mean"],
+            "unison_vs_ddp_from_mean": (rows["unison"]["samples_per_s_from_mean"]
+                                        / rows["ddp"]["samples_per_s_from_mean"]),
             "unison_ring_vs_ddp": ring_ratio,
             "no_sync_vs_ddp": floor_ratio,
             "unison_above_floor": above("unison", "no_sync"),  # issue 32's measure: a share of DDP's
@@ -490,7 +494,8 @@ def format_tables(summary: dict[str, Any]) -> str:
             f"{workload:<8} unison {row['unison_above_floor']:.3f}   barrier_only {row['barrier_only_above_floor']:.3f}"
             f"   unison above barrier_only {row['unison_above_barrier_floor']:.3f}"
             f"   (median ms: no_sync {row['variants']['no_sync']['median_step_ms']:.3f}, barrier_only "
-            f"{row['variants']['barrier_only']['median_step_ms']:.3f}, unison {row['variants']['unison']['median_step_ms']:.3f}, "
+            f"{row['variants']['barrier_only']['median_step_ms']:.3f}, "
+            f"unison {row['variants']['unison']['median_step_ms']:.3f}, "
             f"ddp {row['variants']['ddp']['median_step_ms']:.3f})")
     for workload, row in summary["train"].items():
         lines.append(
@@ -554,7 +559,8 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
         notes[4] += f"\n{row['no_sync_vs_ddp']:.3f}x DDP"
         notes[5] += f"\n{row['barrier_only_above_floor']:.2f} of DDP's\ntime above no sync"
         for bar, note in zip(bars, notes):
-            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
+            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=9)
         ax.set_ylim(0, max(values) * 1.25)
         ax.set_ylabel("samples/s (median step)")
         ax.set_title(f"{workload}: {row['model']}\n({row['num_gradient_tensors']} gradient tensors, "
@@ -591,7 +597,8 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
     ax.invert_yaxis()
     ax.set_xlim(0, max(values) * 1.7)
     ax.set_xlabel("GB/s (6.55 MB / median call time)")
-    ax.set_title("all-reduce of 400 x 16 KB float32, 2 processes\n(dark blue: unison's defaults; light blue: unison over gloo)",
+    ax.set_title("all-reduce of 400 x 16 KB float32, 2 processes\n"
+                 "(dark blue: unison's defaults; light blue: unison over gloo)",
                  fontsize=10)
 
     fig.suptitle(f"unison MultiWorkerMirroredStrategy vs DDP vs plain PyTorch -- {machine['cpu_model']}, "
@@ -612,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=24, help="interleaved rounds (default 24)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per variant first (default 10)")
     parser.add_argument("--ar-calls", type=int, default=10,
-                        help="timed all-reduce calls per variant per round (default 10; a fifth for the 400-call variants)")
+                        help="timed all-reduce calls per variant per round "
+                             "(default 10; a fifth for the 400-call variants)")
     parser.add_argument("--ar-rounds", type=int, default=16, help="interleaved all-reduce rounds (default 16)")
     parser.add_argument("--bytes-per-pack", type=int, default=0,
                         help="CommunicationOptions.bytes_per_pack for unison (default 0: unison's defaults)")
@@ -664,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     png_path = args.out / "multi_worker.png"
     if plot(summary, png_path, machine):
         print(f"wrote {png_path}")
-    correct = all(row["weights_match_ddp"] for row in summary["train"].values()) and summary["all_reduce"]["sum_correct"]
+    correct = (all(row["weights_match_ddp"] for row in summary["train"].values())
+               and summary["all_reduce"]["sum_correct"])
     return 0 if correct else 1
 
 

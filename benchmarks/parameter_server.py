@@ -65,7 +65,7 @@ def _start_cluster(workers: int, ps: int) -> tuple[unison.SimpleClusterResolver,
             proc = _CTX.Process(target=_serve, args=(job, i, key_hex, child), daemon=True)
             proc.start()
             procs.append((proc, parent, f"{job}:{i}"))
-    for proc, parent, name in procs:
+    for _proc, parent, name in procs:
         addresses[name] = parent.recv()
     spec = unison.ClusterSpec({"chief": ["127.0.0.1:1"],
                                "worker": [addresses[f"worker:{i}"] for i in range(workers)],
@@ -110,12 +110,14 @@ def run_unison(workload: str, workers: int, ps: int, steps: int, warmup: int) ->
     resolver, procs = _start_cluster(workers, ps)
     try:
         strategy = unison.ParameterServerStrategy(
-            resolver, variable_partitioner=unison.partitioners.FixedShardsPartitioner(ps) if workload == "embedding" else None)
+            resolver,
+            variable_partitioner=unison.partitioners.FixedShardsPartitioner(ps) if workload == "embedding" else None)
         coordinator = unison.ClusterCoordinator(strategy)
         torch.manual_seed(0)
         with strategy.scope():
             if workload == "dense":
-                model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+                model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                      nn.Linear(1024, 10))
             else:
                 model = nn.ModuleDict({"table": nn.Embedding(TABLE_ROWS, TABLE_DIM), "head": nn.Linear(TABLE_DIM, 1)})
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -123,8 +125,10 @@ def run_unison(workload: str, workers: int, ps: int, steps: int, warmup: int) ->
         def dataset_fn(context: unison.InputContext) -> list:
             g = torch.Generator().manual_seed(context.input_pipeline_id)
             if workload == "dense":
-                return [(torch.randn(BATCH, 784, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(8)]
-            return [(torch.randint(0, TABLE_ROWS, (BATCH, IDS_PER_EXAMPLE), generator=g), torch.rand(BATCH, generator=g))
+                return [(torch.randn(BATCH, 784, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+                        for _ in range(8)]
+            return [(torch.randint(0, TABLE_ROWS, (BATCH, IDS_PER_EXAMPLE), generator=g),
+                     torch.rand(BATCH, generator=g))
                     for _ in range(8)]
 
         def forever(batches):
@@ -250,7 +254,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60,
-                        help=f"timed steps per variant (default 60; x{EMBEDDING_STEPS_FACTOR} for the embedding workload)")
+                        help=f"timed steps per variant (default 60; x{EMBEDDING_STEPS_FACTOR} "
+                             "for the embedding workload)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--tf-path", default=None, help="a directory to add to TensorFlow's sys.path")
     parser.add_argument("--workloads", nargs="+", choices=("dense", "embedding"), default=["dense", "embedding"],

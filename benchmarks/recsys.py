@@ -130,7 +130,8 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             ratios[f"hybrid_vs_{peer}"] = {"per_round": [round(x, 3) for x in per_round],
                                            "median": round(statistics.median(per_round), 3)}
     if "auc" in table.get("unison_hybrid", {}) and "auc" in table.get("one_device_512", {}):
-        ratios["hybrid_auc_minus_one_device_512"] = round(table["unison_hybrid"]["auc"] - table["one_device_512"]["auc"], 4)
+        ratios["hybrid_auc_minus_one_device_512"] = round(
+            table["unison_hybrid"]["auc"] - table["one_device_512"]["auc"], 4)
     if "auc" in table.get("unison_ps", {}) and "auc" in table.get("one_device", {}):
         ratios["ps_auc_minus_one_device"] = round(table["unison_ps"]["auc"] - table["one_device"]["auc"], 4)
     return {"variants": table, "goals": ratios}

@@ -89,7 +89,8 @@ def main() -> None:
             ps.append({"task": name, "rows": stat["rows"], "table_bytes": stat["bytes"],
                        "rows_and_state_added_mb": added / 2**20, "rss_growth_mb": grew / 2**20,
                        "rss_growth_per_rows_and_state": grew / added,
-                       "rss_mb": _status_kb(pids[name], "VmRSS") / 1024, "peak_rss_mb": _status_kb(pids[name], "VmHWM") / 1024})
+                       "rss_mb": _status_kb(pids[name], "VmRSS") / 1024,
+                       "peak_rss_mb": _status_kb(pids[name], "VmHWM") / 1024})
         result = {
             "machine": machine_info(), "dim": DIM, "ids_per_step": per_step, "steps": steps,
             "rows_and_state_gb": sum(p["rows_and_state_added_mb"] for p in ps) / 1024,

@@ -44,7 +44,8 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
         opt = torch.optim.SGD(model.parameters(), lr=multi_worker.LR)
     alone = multi_worker._make_model(workload)
     steps = {"unison": multi_worker._make_step(model, opt, loss_fn),
-             "no_sync": multi_worker._make_step(alone, torch.optim.SGD(alone.parameters(), lr=multi_worker.LR), loss_fn)}
+             "no_sync": multi_worker._make_step(alone, torch.optim.SGD(alone.parameters(), lr=multi_worker.LR),
+                                                loss_fn)}
     for i in range(cfg["warmup"]):
         for step in steps.values():
             step(*local[i % len(local)])

@@ -121,7 +121,8 @@ def hybrid(args: argparse.Namespace) -> None:
     if rank == 0:
         test = make_ctr_data(args.test, seed=args.seed + 1)
         stats = model.embeddings.table_stats()
-        print(f"[hybrid] rows per ps task: {[s['rows'] for s in stats]}, MB: {[round(s['bytes'] / 2**20) for s in stats]}")
+        print(f"[hybrid] rows per ps task: {[s['rows'] for s in stats]}, "
+              f"MB: {[round(s['bytes'] / 2**20) for s in stats]}")
         _report(args, "hybrid", steps * args.batch_size * workers, seconds, test, _evaluate(model, test),
                 {"rows_per_ps": [s["rows"] for s in stats], "workers": workers})
 

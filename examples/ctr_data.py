@@ -199,14 +199,14 @@ def _draw(n: int, generator: torch.Generator, vocab: list[int], zipf: float) -> 
     ranks, ids = [], []
     for f, size in enumerate(vocab):
         rank = _power_law_ranks(torch.rand(n, generator=generator, dtype=torch.float64), size, zipf)
-        id_of, weight_of = _tabulated(n, rank, size, lambda r: _id_and_weight(f, r))
+        id_of, weight_of = _tabulated(n, rank, size, lambda r: _id_and_weight(f, r))  # noqa: B023 - called within the iteration
         ranks.append(rank)
         ids.append(id_of)
         logits += weight_of
     for p, (a, b) in enumerate(_PAIRS):
         size_b = vocab[b]
         pair = ranks[a] * size_b + ranks[b]
-        (weight_of,) = _tabulated(n, pair, vocab[a] * size_b, lambda c: _pair_weight(p, c // size_b, c % size_b))
+        (weight_of,) = _tabulated(n, pair, vocab[a] * size_b, lambda c: _pair_weight(p, c // size_b, c % size_b))  # noqa: B023 - called within the iteration
         logits += weight_of
     sparse = torch.stack(ids, dim=1)
     return dense.float(), sparse, logits

@@ -43,8 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-dir", default="checkpoints/digits-eval",
                         help="per-epoch checkpoints the evaluator task (unison launch --evaluator) evaluates")
     parser.add_argument("--compression", choices=["none", "bf16", "fp16", "powersgd"], default="none",
-                        help="how gradients travel between workers (multi_worker only; CommunicationOptions.compression; "
-                             "powersgd: unison.PowerSGD(rank=--powersgd-rank))")
+                        help="how gradients travel between workers (multi_worker only; "
+                             "CommunicationOptions.compression; powersgd: unison.PowerSGD(rank=--powersgd-rank))")
     parser.add_argument("--powersgd-rank", type=int, default=1, help="the rank of --compression powersgd (default 1)")
     parser.add_argument("--amp", action="store_true",
                         help="mixed precision: bfloat16 autocast and a torch.amp.GradScaler in the step")
@@ -62,7 +62,8 @@ def make_strategy(args: argparse.Namespace) -> unison.Strategy:
     return unison.MultiWorkerMirroredStrategy(
         communication_options=unison.CommunicationOptions(
             timeout_seconds=60,
-            compression=unison.PowerSGD(rank=args.powersgd_rank) if args.compression == "powersgd" else args.compression),
+            compression=(unison.PowerSGD(rank=args.powersgd_rank) if args.compression == "powersgd"
+                         else args.compression)),
         devices=devices
     )
 

@@ -133,7 +133,8 @@ def main() -> None:
 
     results = [coordinator.schedule(step, args=(iterator,)) for _ in range(args.steps)]
     coordinator.join()
-    per_worker: dict[int, dict] = defaultdict(lambda: {"functions": 0, "fetched": 0, "trained": set(), "ensemble": False})
+    per_worker: dict[int, dict] = defaultdict(
+        lambda: {"functions": 0, "fetched": 0, "trained": set(), "ensemble": False})
     for result in coordinator.fetch(results):
         row = per_worker[result["worker"]]
         row["functions"] += 1

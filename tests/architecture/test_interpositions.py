@@ -106,7 +106,8 @@ def test_every_interposition_is_defined_in_the_interpose_package():
     defined_outside = []
     for path in _modules_outside_interpose():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("Interposition", "ScopedInterposition"):
+            if (isinstance(node, ast.Call)
+                    and getattr(node.func, "id", None) in ("Interposition", "ScopedInterposition")):
                 defined_outside.append(f"{path.relative_to(_SRC)}:{node.lineno}")
     assert not defined_outside, f"interpositions defined outside unison/interpose: {defined_outside}"
 
@@ -126,7 +127,8 @@ def test_no_module_outside_interpose_changes_torch_or_reads_its_private_function
         for match in _TORCH_CHANGES.finditer(path.read_text()):
             line = path.read_text()[:match.start()].count("\n") + 1
             found.append(f"{path.relative_to(_SRC)}:{line}: {match.group(0).strip()}")
-    assert not found, "changes to torch outside unison/interpose (move them there, with a registry entry):\n" + "\n".join(found)
+    assert not found, ("changes to torch outside unison/interpose (move them there, with a registry entry):\n"
+                       + "\n".join(found))
 
 
 def test_the_checks_above_find_what_they_look_for():

@@ -49,7 +49,8 @@ def test_own_component_writes_is_per_thread_and_per_state():
     thread = threading.Thread(target=lambda: seen_elsewhere.append(state.own_component_writes.active))
     thread.start()
     thread.join(10)
-    assert (state.own_component_writes.active, seen_elsewhere, other.own_component_writes.active) == (True, [False], False)
+    assert (state.own_component_writes.active, seen_elsewhere,
+            other.own_component_writes.active) == (True, [False], False)
     state.own_component_writes.end()
     assert not state.own_component_writes.active
 

@@ -76,7 +76,8 @@ def _documented_constant(name: str, value: Any) -> bool:
         lines = source.splitlines()
         body = ast.parse(source).body
         for k, node in enumerate(body):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
             if not any(isinstance(t, ast.Name) and t.id == name for t in targets):
                 continue
             above = lines[node.lineno - 2].strip() if node.lineno >= 2 else ""

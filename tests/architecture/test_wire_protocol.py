@@ -103,7 +103,8 @@ def _example(cls: type):
     values = {
         "keys": ("a", "b"), "places": (None,), "segments": (("seg", 16),), "entries":
             (wire.PushEntry("a", True, torch.optim.SGD, {"lr": 0.1}), wire.PushEntry("b", False, torch.optim.Adam, {})),
-        "optimizers": ((torch.optim.SGD, {"lr": 0.1}),), "key": "t", "config": TableConfig(4, torch.float32, normal(), 0, None),
+        "optimizers": ((torch.optim.SGD, {"lr": 0.1}),), "key": "t",
+        "config": TableConfig(4, torch.float32, normal(), 0, None),
         "create": True, "optimizer": RowSGD(lr=0.5), "num_bags": 3, "shard": 1, "num_shards": 2, "version": 2,
         "reason": "why", "error": ValueError("bad"), "traceback": "tb", "payload": b"x", "dataset_id": 1,
         "dataset_fn": len, "value": 7, "lost_ps": False, "place": None, "has_ids": True, "hyper": {"lr": 0.1},

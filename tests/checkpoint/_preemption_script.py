@@ -61,7 +61,7 @@ def main() -> None:
                     with open(os.path.join(out_dir, "signalled.txt"), "w") as f:
                         f.write(f"{time.time()}\n")
                     os.kill(os.getpid(), signal.SIGTERM)
-                handler.run(lambda: strategy.run(step, args=(x, y)))
+                handler.run(lambda: strategy.run(step, args=(x, y)))  # noqa: B023 - called within the iteration
     if strategy.extended.should_checkpoint:
         torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out_dir, "final.pt"))
 

@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic under SIGKILL, a full disk reported, temporaries cleaned, the umask kept (issue 17 item 5)."""
+"""Checkpoint files: atomic under SIGKILL, a full disk reported, temporaries cleaned, the umask kept
+(issue 17 item 5)."""
 
 from __future__ import annotations
 
@@ -20,20 +21,20 @@ from unison.errors import CheckpointError
 ROOT = Path(__file__).resolve().parents[2]
 BIG = 50_000_000  # float32 elements: 200 MB
 
-WRITER = """
+WRITER = f"""
 import os, sys, torch
 from unison.checkpoint import atomic_save
 torch.set_num_threads(1)  # no OpenMP team before a fork
-big = torch.ones(%d)
+big = torch.ones({BIG})
 for line in sys.stdin:  # one forked writer per line: torch is imported once, not once per try
     pid = os.fork()
     if pid == 0:
-        atomic_save({"big": big, "tag": "new"}, sys.argv[1])
+        atomic_save({{"big": big, "tag": "new"}}, sys.argv[1])
         os._exit(0)
     print(pid, flush=True)
     os.waitpid(pid, 0)
     print("reaped", flush=True)
-""" % BIG
+"""
 
 
 def _temporaries(directory: Path) -> list[str]:

@@ -49,14 +49,16 @@ def test_is_chief_inside_a_worker_context_answers_for_it():
 
 @pytest.mark.parametrize(
     "cluster, task_type, expected",
-    [(WITH_CHIEF, "chief", 4), (WITH_CHIEF, "worker", 4), (WITH_CHIEF, "evaluator", 1), (NO_CHIEF, "worker", 2), (NO_CHIEF, "evaluator", 1)],
+    [(WITH_CHIEF, "chief", 4), (WITH_CHIEF, "worker", 4), (WITH_CHIEF, "evaluator", 1),
+     (NO_CHIEF, "worker", 2), (NO_CHIEF, "evaluator", 1)],
 )
 def test_worker_count(cluster, task_type, expected):
     assert mwu.worker_count(cluster, task_type) == expected
 
 
 def test_worker_count_of_ps_is_an_error():
-    with pytest.raises(ValueError, match="worker_count is defined for 'chief', 'worker' and 'evaluator' tasks, not 'ps'"):
+    with pytest.raises(ValueError,
+                       match="worker_count is defined for 'chief', 'worker' and 'evaluator' tasks, not 'ps'"):
         mwu.worker_count(WITH_CHIEF, "ps")
 
 
@@ -111,11 +113,13 @@ def test_task_count():
     "cluster, task_type, task_id, match",
     [
         ({"trainer": ["a:1"]}, None, None, r"cluster has job 'trainer', which is not a unison task type"),
-        ({"chief": ["a:1", "b:1"]}, None, None, r"cluster has 2 'chief' tasks \['a:1', 'b:1'\]: there can be at most one chief"),
+        ({"chief": ["a:1", "b:1"]}, None, None,
+         r"cluster has 2 'chief' tasks \['a:1', 'b:1'\]: there can be at most one chief"),
         ({"worker": ["a:1"], "evaluator": ["e:1", "f:1"]}, None, None, r"at most one evaluator"),
         ({"worker": ["a:1"]}, "master", 0, r"task type 'master' is not one of"),
         ({"worker": ["a:1"]}, "ps", 0, r"task type 'ps' is not a job of the cluster \(jobs: \['worker'\]\)"),
-        ({"worker": ["a:1"]}, "worker", 1, r"task index 1 is out of range: cluster has 1 'worker' tasks \(valid 0..0\); fix `task_id`"),
+        ({"worker": ["a:1"]}, "worker", 1,
+         r"task index 1 is out of range: cluster has 1 'worker' tasks \(valid 0..0\); fix `task_id`"),
         ({"worker": ["a:1"]}, "worker", -1, r"task index -1 is out of range"),
         ({"worker": ["a:1"]}, "worker", "0", r"task index '0' is not an integer"),
         ({"worker": ["a:1"]}, "worker", True, r"task index True is not an integer"),

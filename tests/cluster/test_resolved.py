@@ -35,7 +35,8 @@ def test_building_a_multi_worker_strategy_parses_tf_config_once(monkeypatch):
                         counting("validate_cluster_spec", multi_worker_util.validate_cluster_spec))
     strategy = unison.MultiWorkerMirroredStrategy()  # the group forms on first use: nothing connects here
     assert counts["json.loads"] == 1 and counts["parse_tf_config"] == 1, counts
-    assert counts["validate_cluster_spec"] <= 3, counts  # the parse checks cluster, then task; the resolution once (was 10)
+    # the parse checks cluster, then task; the resolution once (was 10)
+    assert counts["validate_cluster_spec"] <= 3, counts
     cluster = strategy.extended.components.cluster
     assert (cluster.rank, cluster.task_names, cluster.leader_address) == (1, ("worker:0", "worker:1"), "127.0.0.1:2000")
     assert strategy.cluster_resolver is not None
@@ -105,7 +106,8 @@ def test_nothing_outside_cluster_reads_cluster_variables():
     import re
 
     root = pathlib.Path(unison.__file__).parent
-    reads = re.compile(r"os\.environ(\.get)?\s*[\[(]\s*[\"'](TF_CONFIG|RANK|WORLD_SIZE|LOCAL_RANK|MASTER_|SLURM_|UNISON_)"
+    reads = re.compile(r"os\.environ(\.get)?\s*[\[(]\s*[\"']"
+                       r"(TF_CONFIG|RANK|WORLD_SIZE|LOCAL_RANK|MASTER_|SLURM_|UNISON_)"
                        r"|os\.getenv\(\s*[\"'](TF_CONFIG|SLURM_|UNISON_|LOCAL_RANK)")
     offenders = [str(path.relative_to(root)) for path in root.rglob("*.py")
                  if "cluster" not in path.relative_to(root).parts and reads.search(path.read_text())]

@@ -164,7 +164,8 @@ def test_slurm_accelerators():
     assert SlurmClusterResolver(gpus_per_task=2, environ=SLURM).num_accelerators() == {"GPU": 2}
     # Rank 3 shares node002 with rank 2: 8 GPUs per node -> 4 per task.
     assert SlurmClusterResolver(gpus_per_node=8, environ=SLURM).num_accelerators() == {"GPU": 4}
-    assert SlurmClusterResolver(gpus_per_node=8, environ={**SLURM, "SLURM_PROCID": "4"}).num_accelerators() == {"GPU": 8}
+    assert SlurmClusterResolver(gpus_per_node=8,
+                                environ={**SLURM, "SLURM_PROCID": "4"}).num_accelerators() == {"GPU": 8}
 
 
 @pytest.mark.parametrize(
@@ -197,7 +198,8 @@ def test_slurm_constructor_errors():
 
 def test_simple_resolver():
     spec = {"worker": ["a:1", "b:2"]}
-    resolver = SimpleClusterResolver(spec, master="tcp://a:1", task_type="worker", task_id=1, num_accelerators={"GPU": 2}, rpc_layer="tcp")
+    resolver = SimpleClusterResolver(spec, master="tcp://a:1", task_type="worker", task_id=1,
+                                     num_accelerators={"GPU": 2}, rpc_layer="tcp")
     assert resolver.cluster_spec() == ClusterSpec(spec)
     assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("worker", 1, "tcp")
     assert resolver.num_accelerators() == {"GPU": 2}
@@ -238,7 +240,8 @@ def test_detect_explicit_resolver_and_names():
 
 
 def test_requested_but_absent_environment_raises():
-    with pytest.raises(ClusterError, match=r"cluster environment 'torchrun' was requested but is not present \(RANK, WORLD_SIZE not set\)"):
+    with pytest.raises(ClusterError, match=r"cluster environment 'torchrun' was requested but is not present "
+                                           r"\(RANK, WORLD_SIZE not set\)"):
         detect_cluster_resolver("torchrun", environ=SLURM)
     with pytest.raises(ClusterError, match="'tf_config' was requested"):
         detect_cluster_resolver("tf_config", environ={})

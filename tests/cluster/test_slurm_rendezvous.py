@@ -183,7 +183,8 @@ def test_peer_lost_advice_follows_the_scheduler():
     slurm_advice = advice(SlurmClusterResolver(environ=SRUN))
     assert "srun -K" in slurm_advice and "scontrol requeue" in slurm_advice and "--max-restarts" not in slurm_advice
     assert "torchrun's `--max-restarts=N`" in advice(TorchrunClusterResolver(environ=TORCHRUN_ENV))
-    tf_config = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}})}
+    tf_config = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:1"]},
+                                          "task": {"type": "worker", "index": 0}})}
     assert "unison launch --max-restarts" in advice(unison.TFConfigClusterResolver(environ=tf_config))
     default = WorkerGroup(None, None, 0, 2, ["worker:0", "worker:1"], "gloo", 5.0, None)
     assert "unison launch --max-restarts" in str(default.lost_peer_error("all_reduce", RuntimeError("closed")))

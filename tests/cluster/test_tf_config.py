@@ -47,26 +47,36 @@ MALFORMED = [
     ("task without type", _config({"index": 0}), ["no `type`", "{'index': 0}"]),
     ("type not a string", _config({"type": 1, "index": 0}), ["task type 1", "`task.type`"]),
     ("unknown task type", _config({"type": "master", "index": 0}), ["task type 'master'", "`task.type`"]),
-    ("task type not in cluster", json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}}), ["task type 'ps' is not a job", "`task.type`"]),
-    ("index out of range", _config({"type": "worker", "index": 3}), ["task index 3 is out of range", "2 'worker' tasks (valid 0..1)", "`task.index`"]),
+    ("task type not in cluster", json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}}),
+     ["task type 'ps' is not a job", "`task.type`"]),
+    ("index out of range", _config({"type": "worker", "index": 3}),
+     ["task index 3 is out of range", "2 'worker' tasks (valid 0..1)", "`task.index`"]),
     ("negative index", _config({"type": "worker", "index": -1}), ["task index -1", "`task.index`"]),
-    ("index is a string", _config({"type": "worker", "index": "1"}), ["task index '1' is not an integer", "`task.index`"]),
-    ("index is a float", _config({"type": "worker", "index": 1.5}), ["task index 1.5 is not an integer", "`task.index`"]),
+    ("index is a string", _config({"type": "worker", "index": "1"}),
+     ["task index '1' is not an integer", "`task.index`"]),
+    ("index is a float", _config({"type": "worker", "index": 1.5}),
+     ["task index 1.5 is not an integer", "`task.index`"]),
     ("index is a bool", _config({"type": "worker", "index": True}), ["task index True", "`task.index`"]),
-    ("two chiefs", json.dumps({"cluster": {"chief": ["a:1", "b:1"]}, "task": {"type": "chief", "index": 0}}), ["2 'chief' tasks", "['a:1', 'b:1']", "`cluster.chief`"]),
-    ("two evaluators", json.dumps({"cluster": {"worker": ["a:1"], "evaluator": ["e:1", "f:1"]}}), ["2 'evaluator' tasks", "`cluster.evaluator`"]),
+    ("two chiefs", json.dumps({"cluster": {"chief": ["a:1", "b:1"]}, "task": {"type": "chief", "index": 0}}),
+     ["2 'chief' tasks", "['a:1', 'b:1']", "`cluster.chief`"]),
+    ("two evaluators", json.dumps({"cluster": {"worker": ["a:1"], "evaluator": ["e:1", "f:1"]}}),
+     ["2 'evaluator' tasks", "`cluster.evaluator`"]),
     ("empty job", json.dumps({"cluster": {"worker": []}}), ["job 'worker' is empty", "`cluster.worker`"]),
     ("job is a string", json.dumps({"cluster": {"worker": "a:1"}}), ["job 'worker' is 'a:1'", "`cluster.worker`"]),
-    ("address without port", json.dumps({"cluster": {"worker": ["localhost"]}}), ["'localhost'", "`cluster.worker[0]`"]),
-    ("port not a number", json.dumps({"cluster": {"worker": ["a:1", "b:x"]}}), ["'b:x'", "port 'x'", "cluster.worker[1]"]),
+    ("address without port", json.dumps({"cluster": {"worker": ["localhost"]}}),
+     ["'localhost'", "`cluster.worker[0]`"]),
+    ("port not a number", json.dumps({"cluster": {"worker": ["a:1", "b:x"]}}),
+     ["'b:x'", "port 'x'", "cluster.worker[1]"]),
     ("port out of range", json.dumps({"cluster": {"worker": ["a:99999"]}}), ["'a:99999'", "port '99999'"]),
     ("address not a string", json.dumps({"cluster": {"worker": [2222]}}), ["2222", "`cluster.worker[0]`"]),
-    ("duplicate address", json.dumps({"cluster": {"worker": ["a:1", "a:1"]}}), ["'a:1'", "`cluster.worker[0]`", "`cluster.worker[1]`"]),
+    ("duplicate address", json.dumps({"cluster": {"worker": ["a:1", "a:1"]}}),
+     ["'a:1'", "`cluster.worker[0]`", "`cluster.worker[1]`"]),
     ("one address spelled two ways", json.dumps({"cluster": {"worker": ["127.0.0.1:2222", "localhost:2222"]}}),
      ["'127.0.0.1:2222'", "'localhost:2222'", "`cluster.worker[0]`", "`cluster.worker[1]`", "worker:0 and worker:1",
       "another port"]),
     ("unknown job name", json.dumps({"cluster": {"trainer": ["a:1"]}}), ["job 'trainer'", "`cluster.trainer`"]),
-    ("gap in task indices", json.dumps({"cluster": {"worker": {"0": "a:1", "2": "b:1"}}}), ["missing [1]", "`cluster.worker`"]),
+    ("gap in task indices", json.dumps({"cluster": {"worker": {"0": "a:1", "2": "b:1"}}}),
+     ["missing [1]", "`cluster.worker`"]),
     ("rpc_layer not a string", _config({"type": "worker", "index": 0}, rpc_layer=5), ["`rpc_layer` is 5"]),
 ]
 
@@ -121,7 +131,8 @@ def test_resolver_without_tf_config_is_local():
 
 
 def test_resolver_raises_on_malformed_tf_config():
-    resolver = TFConfigClusterResolver(environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 4}}'})
+    resolver = TFConfigClusterResolver(
+        environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 4}}'})
     with pytest.raises(ValueError, match="TF_CONFIG task index 4 is out of range"):
         resolver.cluster_spec()
 
@@ -179,14 +190,16 @@ def test_an_unknown_task_key_raises_naming_the_nearest_known_key(task, key, near
     assert f"`task.{key}`" in message and repr(task) in message
 
 
-@pytest.mark.parametrize("key, nearest", [("rpclayer", "rpc_layer"), ("clustr", "cluster"), ("tasks", "task"), ("enviroment", "environment")])
+@pytest.mark.parametrize("key, nearest", [("rpclayer", "rpc_layer"), ("clustr", "cluster"), ("tasks", "task"),
+                                          ("enviroment", "environment")])
 def test_a_misspelled_top_level_key_raises_naming_the_nearest_known_key(key, nearest):
     with pytest.raises(ValueError, match=f"TF_CONFIG has an unknown key '{key}'; did you mean `{nearest}`?"):
         parse_tf_config(_config({"type": "worker", "index": 1}, **{key: "tcp"}))
 
 
 def test_a_foreign_top_level_key_warns_and_is_ignored():
-    with pytest.warns(UserWarning, match="TF_CONFIG has an unknown key 'scheduler_hints', which unison ignores") as record:
+    with pytest.warns(UserWarning,
+                      match="TF_CONFIG has an unknown key 'scheduler_hints', which unison ignores") as record:
         config = parse_tf_config(_config({"type": "worker", "index": 1}, scheduler_hints={"a": 1}))
     assert (config.task_type, config.task_id) == ("worker", 1)
     assert record[0].filename == __file__  # stacklevel points at the caller

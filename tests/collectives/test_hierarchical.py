@@ -1,4 +1,5 @@
-"""Hierarchical all-reduce: shared memory within each host, gloo between the hosts (per slice, or by leaders) (issue 15)."""
+"""Hierarchical all-reduce: shared memory within each host, gloo between the hosts (per slice, or by leaders)
+(issue 15)."""
 
 from __future__ import annotations
 

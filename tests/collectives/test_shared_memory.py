@@ -115,7 +115,8 @@ class _ThreadWorkers:
 
 
 _DTYPES = [torch.float32, torch.float64, torch.int64]
-_layouts = st.lists(st.tuples(st.lists(st.integers(0, 6), max_size=3), st.sampled_from(_DTYPES)), min_size=1, max_size=6)
+_layouts = st.lists(st.tuples(st.lists(st.integers(0, 6), max_size=3), st.sampled_from(_DTYPES)),
+                    min_size=1, max_size=6)
 
 
 def _tensor(shape, dtype, seed: int) -> torch.Tensor:
@@ -130,7 +131,8 @@ def _tensor(shape, dtype, seed: int) -> torch.Tensor:
 def test_threads_sum_any_layout_exactly_and_reuse_their_files(layout, world, mean):
     if sum(math.prod(shape) for shape, _ in layout) == 0:
         return  # not eligible: the caller keeps such batches on the network collective
-    inputs = [[_tensor(shape, dtype, 97 * rank + i) for i, (shape, dtype) in enumerate(layout)] for rank in range(world)]
+    inputs = [[_tensor(shape, dtype, 97 * rank + i) for i, (shape, dtype) in enumerate(layout)]
+              for rank in range(world)]
     originals = [[t.clone() for t in ts] for ts in inputs]
     expected = []
     for parts in zip(*inputs):

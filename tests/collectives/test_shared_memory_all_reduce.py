@@ -40,7 +40,7 @@ def test_mismatched_layouts_raise_on_every_worker_then_the_next_call_works():
                                                 ("no space", "could not create", "WARNING")])
 def test_workers_that_cannot_share_memory_fall_back_together(how, reason, level, tmp_path):
     results = run_workers(w.cannot_share, 2, args=(how, str(tmp_path)), timeout=60)
-    for rank, result in enumerate(results):
+    for _rank, result in enumerate(results):
         assert result["available"] is False
         assert result["correct"]
         assert result["files_left"] == []

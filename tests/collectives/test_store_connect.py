@@ -48,7 +48,8 @@ def test_a_silent_listener_at_the_leaders_address_fails_within_the_timeout_namin
         spec = ClusterSpec({"worker": [address, "127.0.0.1:1"]})
         took = _form(spec, 1)
     assert took < TIMEOUT + 3, took
-    assert f"worker:1 reaching the rendezvous store at {address} got no answer within timeout_seconds=3" in _form.message
+    assert (f"worker:1 reaching the rendezvous store at {address} got no answer within timeout_seconds=3"
+            in _form.message)
     assert "does not answer as a torch.distributed store" in _form.message
     assert not _store_helpers(), "the helper stuck reading the listener's answer outlived the deadline"
     print(f"\nsilent listener: error after {took:.2f} s (timeout {TIMEOUT:g} s): {_form.message}")
@@ -77,7 +78,8 @@ def test_a_task_that_never_arrives_is_named_with_the_address(monkeypatch):
     monkeypatch.setenv(RENDEZVOUS_ENV, address)
     took = _form(ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}), 0)
     assert took < TIMEOUT + 3, took
-    assert f"task(s) worker:1 never arrived at the rendezvous store at {address} within timeout_seconds=3" in _form.message
+    assert (f"task(s) worker:1 never arrived at the rendezvous store at {address} within timeout_seconds=3"
+            in _form.message)
     assert "(1 of 2 did)" in _form.message
     print(f"\nonly worker 0: error after {took:.2f} s (timeout {TIMEOUT:g} s): {_form.message}")
 

@@ -37,7 +37,8 @@ def test_read_authkey_from_variable_and_file(tmp_path):
     [
         ({"UNISON_AUTHKEY": "zz" * 16}, "UNISON_AUTHKEY is not a hex string"),
         ({"UNISON_AUTHKEY": "ab" * 8}, "UNISON_AUTHKEY holds a 8-byte key; use at least 16 bytes"),
-        ({"UNISON_AUTHKEY": "ab" * 16, "UNISON_AUTHKEY_FILE": "/x"}, "both UNISON_AUTHKEY and UNISON_AUTHKEY_FILE are set"),
+        ({"UNISON_AUTHKEY": "ab" * 16, "UNISON_AUTHKEY_FILE": "/x"},
+         "both UNISON_AUTHKEY and UNISON_AUTHKEY_FILE are set"),
         ({"UNISON_AUTHKEY_FILE": "/nonexistent/key"}, r"UNISON_AUTHKEY_FILE='/nonexistent/key' cannot be read"),
     ],
 )
@@ -193,8 +194,11 @@ def test_run_standard_server_without_a_task_names_the_value_and_the_fix(monkeypa
     from unison.cluster.tf_config import TFConfig
     from unison.coordinator import standard_server as server_module
 
-    monkeypatch.setattr(server_module, "read_tf_config", lambda environ, require_task: TFConfig(ClusterSpec({"worker": ["127.0.0.1:1"]})))
-    with pytest.raises(ValueError, match=r"no task \(task type None, index None; cluster \{'worker': \['127.0.0.1:1'\]\}\).*add \"task\": \{\"type\": \"worker\", \"index\": 0\}"):
+    monkeypatch.setattr(server_module, "read_tf_config",
+                        lambda environ, require_task: TFConfig(ClusterSpec({"worker": ["127.0.0.1:1"]})))
+    with pytest.raises(ValueError, match=r"no task \(task type None, index None; "
+                                         r"cluster \{'worker': \['127.0.0.1:1'\]\}\)"
+                                         r".*add \"task\": \{\"type\": \"worker\", \"index\": 0\}"):
         server_module.run_standard_server(authkey=KEY)
 
 

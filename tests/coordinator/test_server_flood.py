@@ -46,9 +46,11 @@ class Server:
         )
         environ.pop("UNISON_AUTHKEY_FILE", None)
         # Without /proc (count_descriptors=False) only a failing accept() tells the server.
-        blind = "" if count_descriptors else "import unison.coordinator.admission as a; a._open_descriptors = lambda: None; "
+        blind = ("" if count_descriptors
+                 else "import unison.coordinator.admission as a; a._open_descriptors = lambda: None; ")
         command = [
-            sys.executable, "-c", blind + "import sys; from unison.launch.cli import main; sys.exit(main(sys.argv[1:]))",
+            sys.executable, "-c",
+            blind + "import sys; from unison.launch.cli import main; sys.exit(main(sys.argv[1:]))",
             "server", "--bind", "127.0.0.1:0", "--handshake-timeout", str(handshake_timeout),
         ]  # fmt: skip
 

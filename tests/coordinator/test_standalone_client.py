@@ -43,7 +43,8 @@ def cluster(tmp_path_factory):
     try:
         servers = []
         for job, index in (("worker", 0), ("worker", 1), ("evaluator", 0)):
-            env = dict(os.environ, UNISON_AUTHKEY=key.hex(), TF_CONFIG=json.dumps({"cluster": spec, "task": {"type": job, "index": index}}))
+            env = dict(os.environ, UNISON_AUTHKEY=key.hex(),
+                       TF_CONFIG=json.dumps({"cluster": spec, "task": {"type": job, "index": index}}))
             servers.append(processes.python(script, env=env))
         yield spec, key, servers
         assert sorted(stop_standard_servers(spec, authkey=key, timeout=30)) == ["evaluator:0", "worker:0", "worker:1"]
@@ -71,7 +72,8 @@ def describe(strategy):
 @pytest.mark.timeout(90)
 def test_client_returns_the_result_of_each_worker(cluster):
     spec, key, servers = cluster
-    results = run_distribute_coordinator(describe, FakeStrategy(), eval_fn=describe, cluster_spec=spec, authkey=key, environ={})
+    results = run_distribute_coordinator(describe, FakeStrategy(), eval_fn=describe, cluster_spec=spec, authkey=key,
+                                         environ={})
     assert sorted(results) == ["evaluator", "worker"]
     worker0, worker1 = results["worker"]
     assert worker0["task"] == ["worker", 0] and worker1["task"] == ["worker", 1]
@@ -125,7 +127,8 @@ def fail_on_worker_1(strategy):
 def test_a_failing_worker_is_named_and_does_not_hang_the_others(cluster):
     spec, key, _ = cluster
     with pytest.raises(ClusterError) as info:
-        run_distribute_coordinator(fail_on_worker_1, FakeStrategy(), eval_fn=lambda s: None, cluster_spec=spec, authkey=key, environ={})
+        run_distribute_coordinator(fail_on_worker_1, FakeStrategy(), eval_fn=lambda s: None, cluster_spec=spec,
+                                   authkey=key, environ={})
     message = str(info.value)
     assert "worker:1" in message and "boom on worker 1" in message
     remote = info.value.__cause__.__cause__  # client error <- task error <- the remote exception
@@ -145,7 +148,8 @@ def test_wrong_key_is_refused_and_the_servers_keep_serving(cluster, tmp_path):
     spec, key, servers = cluster
     marker = tmp_path / "executed"
     with pytest.raises(ClusterError) as info:
-        run_distribute_coordinator(lambda s: marker.write_text("x"), FakeStrategy(), cluster_spec=spec, authkey=b"w" * 32, environ={})
+        run_distribute_coordinator(lambda s: marker.write_text("x"), FakeStrategy(), cluster_spec=spec,
+                                   authkey=b"w" * 32, environ={})
     assert isinstance(info.value.__cause__, AuthenticationError)
     host, port = spec["worker"][0].split(":")
     with socket.create_connection((host, int(port))) as raw:  # no handshake: pickles straight away
@@ -153,7 +157,8 @@ def test_wrong_key_is_refused_and_the_servers_keep_serving(cluster, tmp_path):
         raw.sendall((struct.pack("!i", len(payload)) + payload) * 2)
         raw.recv(1024)
     assert all(server.poll() is None for server in servers)
-    results = run_distribute_coordinator(describe, FakeStrategy(), eval_fn=describe, cluster_spec=spec, authkey=key, environ={})
+    results = run_distribute_coordinator(describe, FakeStrategy(), eval_fn=describe, cluster_spec=spec, authkey=key,
+                                         environ={})
     assert [r["task"] for r in results["worker"]] == [["worker", 0], ["worker", 1]]
     assert not marker.exists()
     assert all(alive(server.pid) for server in servers)

@@ -47,7 +47,8 @@ def test_rpc_layer_and_strategy_flags():
     strategy.extended.should_checkpoint = False
     context = WorkerContext(strategy, WORKER_CLUSTER, "worker", 1, rpc_layer=None)
     assert context.master_target == "w1:1"
-    assert (context.should_checkpoint, context.should_save_summary, context.experimental_should_init) == (False, True, True)
+    assert (context.should_checkpoint, context.should_save_summary,
+            context.experimental_should_init) == (False, True, True)
     alone = WorkerContext(None, CHIEF_CLUSTER, "evaluator", 0)
     assert (alone.should_checkpoint, alone.should_save_summary, alone.experimental_should_init) == (True, True, True)
 
@@ -93,7 +94,8 @@ def test_local_mode_runs_worker_fn_then_eval_fn(mode):
     evaluated = []
     strategy = FakeStrategy()
     result = run_distribute_coordinator(
-        _describe, strategy, eval_fn=lambda s: evaluated.append(_describe(s)), eval_strategy=FakeStrategy(), mode=mode, environ={}
+        _describe, strategy, eval_fn=lambda s: evaluated.append(_describe(s)), eval_strategy=FakeStrategy(), mode=mode,
+        environ={}
     )
     assert result == {"task": (None, None), "configured": (None, None, None), "chief": True, "distributed": False}
     assert evaluated == [{"task": (None, None), "configured": (None, None, None), "chief": True, "distributed": False}]
@@ -101,7 +103,8 @@ def test_local_mode_runs_worker_fn_then_eval_fn(mode):
 
 
 def test_single_worker_independent_cluster_needs_no_coordination():
-    environ = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}})}
+    environ = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1"]},
+                                        "task": {"type": "worker", "index": 0}})}
     result = run_distribute_coordinator(_describe, FakeStrategy(), mode="independent_worker", environ=environ)
     assert result == {
         "task": ("worker", 0),
@@ -112,9 +115,11 @@ def test_single_worker_independent_cluster_needs_no_coordination():
 
 
 def test_explicit_arguments_win_over_tf_config():
-    environ = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 1}})}
+    environ = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                        "task": {"type": "worker", "index": 1}})}
     result = run_distribute_coordinator(
-        _describe, FakeStrategy(), mode="independent_worker", cluster_spec={"chief": ["127.0.0.1:3"]}, task_type="chief", task_id=0, environ=environ
+        _describe, FakeStrategy(), mode="independent_worker", cluster_spec={"chief": ["127.0.0.1:3"]},
+        task_type="chief", task_id=0, environ=environ
     )
     assert result["task"] == ("chief", 0)
     assert result["configured"] == ({"chief": ["127.0.0.1:3"]}, "chief", 0)
@@ -124,18 +129,22 @@ def test_in_graph_standalone_client_runs_worker_fn_once_in_the_client():
     result = run_distribute_coordinator(
         _describe, FakeStrategy(between_graph=False), cluster_spec=WORKER_CLUSTER, authkey=b"k" * 16, environ={}
     )
-    assert result == {"task": (None, None), "configured": (WORKER_CLUSTER, None, None), "chief": True, "distributed": True}
+    assert result == {"task": (None, None), "configured": (WORKER_CLUSTER, None, None), "chief": True,
+                      "distributed": True}
 
 
 def test_coordinator_argument_errors():
-    with pytest.raises(ValueError, match=r"unknown coordinator mode 'in_graph'; use one of \['standalone_client', 'independent_worker'\]"):
+    with pytest.raises(ValueError, match=r"unknown coordinator mode 'in_graph'; "
+                                         r"use one of \['standalone_client', 'independent_worker'\]"):
         run_distribute_coordinator(_describe, FakeStrategy(), mode="in_graph", environ={})
     with pytest.raises(ValueError, match="INDEPENDENT_WORKER mode needs this task's type"):
-        run_distribute_coordinator(_describe, FakeStrategy(), mode="independent_worker", cluster_spec=WORKER_CLUSTER, environ={})
+        run_distribute_coordinator(_describe, FakeStrategy(), mode="independent_worker", cluster_spec=WORKER_CLUSTER,
+                                   environ={})
     with pytest.raises(ValueError, match="needs the cluster's key: set UNISON_AUTHKEY"):
         run_distribute_coordinator(_describe, FakeStrategy(), cluster_spec=WORKER_CLUSTER, environ={})
     with pytest.raises(ValueError, match="has no 'chief' or 'worker' job"):
-        run_distribute_coordinator(_describe, FakeStrategy(), cluster_spec={"ps": ["p:1"]}, authkey=b"k" * 16, environ={})
+        run_distribute_coordinator(_describe, FakeStrategy(), cluster_spec={"ps": ["p:1"]}, authkey=b"k" * 16,
+                                   environ={})
     with pytest.raises(ValueError, match="TF_CONFIG task index 5 is out of range"):
         environ = {"TF_CONFIG": json.dumps({"cluster": WORKER_CLUSTER, "task": {"type": "worker", "index": 5}})}
         run_distribute_coordinator(_describe, FakeStrategy(), mode="independent_worker", environ=environ)
@@ -148,6 +157,8 @@ def test_run_standard_server_errors():
     with pytest.raises(ValueError, match="TF_CONFIG has no `task`"):
         run_standard_server(environ={**key, "TF_CONFIG": json.dumps({"cluster": WORKER_CLUSTER})})
     with pytest.raises(ValueError, match="has no 'chief' or 'worker' job"):
-        run_standard_server(environ={**key, "TF_CONFIG": json.dumps({"cluster": {"ps": ["127.0.0.1:1"]}, "task": {"type": "ps", "index": 0}})})
+        run_standard_server(environ={**key, "TF_CONFIG": json.dumps({"cluster": {"ps": ["127.0.0.1:1"]},
+                                                                     "task": {"type": "ps", "index": 0}})})
     with pytest.raises(ValueError, match="needs the cluster's key"):
-        run_standard_server(environ={"TF_CONFIG": json.dumps({"cluster": WORKER_CLUSTER, "task": {"type": "worker", "index": 0}})})
+        run_standard_server(environ={"TF_CONFIG": json.dumps({"cluster": WORKER_CLUSTER,
+                                                              "task": {"type": "worker", "index": 0}})})

@@ -174,7 +174,8 @@ def test_one_device_strategy_trains_it_and_in_process_replicas_refuse_it():
     before = emb.table.lookup(torch.tensor([5]), create=False)
     strategy.run(step, args=(torch.tensor([5, 6]),))
     torch.testing.assert_close(emb.table.lookup(torch.tensor([5]), create=False), before - 0.1)
-    with unison.MirroredStrategy(["cpu:0", "cpu:1"]).scope(), pytest.raises(NotImplementedError, match="ParameterServerStrategy"):
+    with (unison.MirroredStrategy(["cpu:0", "cpu:1"]).scope(),
+          pytest.raises(NotImplementedError, match="ParameterServerStrategy")):
         DynamicEmbedding(DIM)
 
 

@@ -184,10 +184,11 @@ def test_two_dtypes_get_a_buffer_each_and_train_as_the_general_path(mirrored2):
             model = _TwoHeads(dtype=torch.float64, head_dtype=torch.float32)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
+        # step runs within the iteration (strategy.run below), so the loop's model and opt are the ones wanted
         def step(batch):
-            opt.zero_grad()
-            model(batch).pow(2).mean().backward()
-            opt.step()
+            opt.zero_grad()  # noqa: B023
+            model(batch).pow(2).mean().backward()  # noqa: B023
+            opt.step()  # noqa: B023
 
         for _ in range(3):
             strategy.run(step, args=(_halves(x),))
@@ -252,10 +253,12 @@ def test_large_gradients_and_small_models_keep_the_general_path(mirrored2, monke
             model = make()
         out = {}
 
+        # step runs within the iteration (strategy.run below), so the loop's model and out are the ones wanted
         def step(batch):
             replica = unison.get_replica_context().replica_id_in_sync_group
-            _scaled_loss(model, batch, replica).backward()
-            out[replica] = [(p.grad.clone(), p.grad.untyped_storage().data_ptr()) for p in model.parameters()]
+            _scaled_loss(model, batch, replica).backward()  # noqa: B023
+            out[replica] = [(p.grad.clone(), p.grad.untyped_storage().data_ptr())  # noqa: B023
+                            for p in model.parameters()]  # noqa: B023
 
         strategy.run(step, args=(_halves(x),))
         results.append(out)

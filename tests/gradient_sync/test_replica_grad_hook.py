@@ -33,6 +33,7 @@ def test_only_the_first_gradient_of_a_backward_pass_calls_into_the_synchroniser(
             model(batch * (replica + 1)).sum().backward()
         grads[replica] = model[0].weight.grad.clone()
 
-    mirrored2.run(step, args=(unison.PerReplica(list(torch.randn(4, 3, generator=torch.Generator().manual_seed(8)).chunk(2))),))
+    mirrored2.run(step, args=(
+        unison.PerReplica(list(torch.randn(4, 3, generator=torch.Generator().manual_seed(8)).chunk(2))),))
     assert sorted(calls) == [0, 0, 1, 1]
     assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0

@@ -81,7 +81,8 @@ def test_in_place_mean_equals_the_general_reduction_and_plain_autograd(monkeypat
     fast = unison.MirroredStrategy(["cpu:0", "cpu:1"])
     general = unison.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ReductionToOneDevice(
         accumulation_fn=lambda tensors: sum(tensors[1:], tensors[0].clone())))
-    assert fast.extended.components.gradient_sync.merge.in_place and not general.extended.components.gradient_sync.merge.in_place
+    assert (fast.extended.components.gradient_sync.merge.in_place
+            and not general.extended.components.gradient_sync.merge.in_place)
     added = _record_in_place_groups(monkeypatch)
     got = _grads_after_backward(fast, lambda replica: True)
     assert added == [12, 3, 6, 2]  # the in-place path, a gradient at a time (4 gradients: no buffers)

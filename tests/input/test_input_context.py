@@ -19,7 +19,8 @@ def test_per_replica_batch_size(global_batch, replicas, expected):
 
 def test_indivisible_global_batch_names_both_numbers():
     ctx = InputContext(num_input_pipelines=2, input_pipeline_id=0, num_replicas_in_sync=4)
-    with pytest.raises(ValueError, match=r"`global_batch_size` 10 is not divisible by `num_replicas_in_sync` 4.*e\.g\. 8"):
+    with pytest.raises(ValueError,
+                       match=r"`global_batch_size` 10 is not divisible by `num_replicas_in_sync` 4.*e\.g\. 8"):
         ctx.get_per_replica_batch_size(10)
 
 
@@ -27,7 +28,8 @@ def test_indivisible_global_batch_names_both_numbers():
     ("kwargs", "error", "match"),
     [
         ({"num_input_pipelines": 0}, ValueError, r"`num_input_pipelines` must be at least 1, got 0"),
-        ({"num_input_pipelines": 2, "input_pipeline_id": 2}, ValueError, r"`input_pipeline_id` 2 is out of range.*0\.\.1"),
+        ({"num_input_pipelines": 2, "input_pipeline_id": 2}, ValueError,
+         r"`input_pipeline_id` 2 is out of range.*0\.\.1"),
         ({"input_pipeline_id": -1}, ValueError, r"`input_pipeline_id` must be at least 0"),
         ({"num_replicas_in_sync": 0}, ValueError, r"`num_replicas_in_sync` must be at least 1"),
         ({"num_replicas_in_sync": 2.0}, TypeError, r"`num_replicas_in_sync` must be an int, got float"),
@@ -68,8 +70,10 @@ def test_options_accept_member_names_in_any_case():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"auto_shard_policy": "hint"}, ValueError, r"`auto_shard_policy` must be an AutoShardPolicy member or one of its names \(AUTO, DATA, FILE, OFF.*'hint'"),
-        ({"experimental_replication_mode": 1}, ValueError, r"`experimental_replication_mode` must be an InputReplicationMode member"),
+        ({"auto_shard_policy": "hint"}, ValueError,
+         r"`auto_shard_policy` must be an AutoShardPolicy member or one of its names \(AUTO, DATA, FILE, OFF.*'hint'"),
+        ({"experimental_replication_mode": 1}, ValueError,
+         r"`experimental_replication_mode` must be an InputReplicationMode member"),
         ({"pin_memory": "yes"}, TypeError, r"`pin_memory` must be a bool, got str"),
         ({"experimental_fetch_to_device": 1}, TypeError, r"`experimental_fetch_to_device` must be a bool"),
     ],

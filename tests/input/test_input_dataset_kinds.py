@@ -27,7 +27,8 @@ def _dataset_fn(ctx):
 def test_distribute_datasets_from_function_returns_a_distributed_dataset(name):
     strategy = STRATEGIES[name]()
     replicas = strategy.num_replicas_in_sync
-    for distribute in (strategy.distribute_datasets_from_function, strategy.experimental_distribute_datasets_from_function):
+    for distribute in (strategy.distribute_datasets_from_function,
+                       strategy.experimental_distribute_datasets_from_function):
         dataset = distribute(_dataset_fn)
         assert isinstance(dataset, unison.DistributedDataset), type(dataset)
         assert isinstance(dataset, DistributedDatasetsFromFunction)

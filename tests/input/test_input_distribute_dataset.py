@@ -114,15 +114,18 @@ def test_auto_picks_file_when_the_dataset_exposes_enough_files(helpers):
 
 def test_auto_falls_back_to_data_with_fewer_files_than_workers_or_one_worker():
     data = FileBatches([(0, 8)], batch_size=4)
-    assert DistributedDataset(data, devices=["cpu:0"], num_workers=2, worker_index=0).shard_policy is AutoShardPolicy.DATA
+    assert (DistributedDataset(data, devices=["cpu:0"], num_workers=2, worker_index=0).shard_policy
+            is AutoShardPolicy.DATA)
     two = FileBatches([(0, 4), (4, 8)], batch_size=4)
     assert DistributedDataset(two, devices=["cpu:0"]).shard_policy is AutoShardPolicy.DATA
-    assert DistributedDataset(global_batches([4]), devices=["cpu:0"], num_workers=2).shard_policy is AutoShardPolicy.DATA
+    assert (DistributedDataset(global_batches([4]), devices=["cpu:0"], num_workers=2).shard_policy
+            is AutoShardPolicy.DATA)
 
 
 def test_explicit_file_policy_errors():
     off = InputOptions(auto_shard_policy=AutoShardPolicy.FILE)
-    with pytest.raises(ValueError, match=r"FILE sharding needs at least one file per worker, got 1 files for 2 workers: use AutoShardPolicy.DATA"):
+    with pytest.raises(ValueError, match=r"FILE sharding needs at least one file per worker, "
+                                         r"got 1 files for 2 workers: use AutoShardPolicy.DATA"):
         DistributedDataset(FileBatches([(0, 8)], 4), devices=["cpu:0"], num_workers=2, options=off)
     with pytest.raises(ValueError, match=r"auto_shard_policy=FILE but list does not expose files.*use DATA"):
         DistributedDataset(global_batches([4]), devices=["cpu:0"], num_workers=2, options=off)
@@ -142,7 +145,8 @@ def test_off_gives_every_worker_all_data_at_the_per_replica_batch_size(helpers):
 def test_len_is_the_number_of_steps_when_known():
     assert len(DistributedDataset(global_batches([4, 4, 1]), devices=["cpu:0"], num_workers=2)) == 3
     unknown = DistributedDataset((b for b in global_batches([4])), devices=["cpu:0"])
-    with pytest.raises(TypeError, match=r"the number of steps of this distributed dataset is unknown \(policy DATA, dataset generator\)"):
+    with pytest.raises(TypeError, match=r"the number of steps of this distributed dataset is unknown "
+                                        r"\(policy DATA, dataset generator\)"):
         len(unknown)
 
 

@@ -30,7 +30,8 @@ def test_per_worker_calls_dataset_fn_once_and_deals_batches_to_replicas():
 
 
 def test_per_worker_odd_batch_count_gives_the_last_replica_an_empty_batch():
-    d = DistributedDatasetsFromFunction(lambda ctx: [torch.arange(2), torch.arange(2, 4), torch.arange(4, 6)], devices=["cpu:0", "cpu:1"])
+    d = DistributedDatasetsFromFunction(lambda ctx: [torch.arange(2), torch.arange(2, 4), torch.arange(4, 6)],
+                                        devices=["cpu:0", "cpu:1"])
     last = list(d)[-1]
     assert last.values[0].tolist() == [4, 5] and last.values[1].shape == (0,)
 
@@ -43,7 +44,8 @@ def test_a_batch_object_repeated_by_the_pipeline_is_still_per_replica():
 
 def test_per_replica_builds_one_pipeline_per_replica():
     options = InputOptions(experimental_replication_mode="per_replica")
-    d = DistributedDatasetsFromFunction(per_replica_batches, devices=["cpu:0", "cpu:1"], num_workers=2, worker_index=1, options=options)
+    d = DistributedDatasetsFromFunction(per_replica_batches, devices=["cpu:0", "cpu:1"], num_workers=2, worker_index=1,
+                                        options=options)
     assert d.input_contexts == (InputContext(4, 2, 4), InputContext(4, 3, 4))
     steps = [[t.tolist() for t in s.values] for s in d]
     assert steps == [[[2, 6], [3, 7]], [[10], [11]]]
@@ -79,7 +81,8 @@ def test_set_epoch_reaches_each_pipelines_sampler():
 
     def dataset_fn(ctx):
         data = torch.utils.data.TensorDataset(torch.arange(8))
-        sampler = torch.utils.data.DistributedSampler(data, num_replicas=ctx.num_input_pipelines, rank=ctx.input_pipeline_id, seed=1)
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=ctx.num_input_pipelines,
+                                                      rank=ctx.input_pipeline_id, seed=1)
         samplers.append(sampler)
         return torch.utils.data.DataLoader(data, batch_size=ctx.get_per_replica_batch_size(4), sampler=sampler)
 
@@ -91,8 +94,11 @@ def test_set_epoch_reaches_each_pipelines_sampler():
 @pytest.mark.parametrize(
     ("fn", "error", "match"),
     [
-        (lambda ctx: torch.utils.data.TensorDataset(torch.arange(4)), TypeError, r"dataset_fn returned a map-style TensorDataset for InputContext\(.*\), which yields samples: return a DataLoader"),
-        (lambda ctx: torch.arange(4), TypeError, r"dataset_fn returned Tensor for InputContext.*return an iterable of per-replica batches"),
+        (lambda ctx: torch.utils.data.TensorDataset(torch.arange(4)), TypeError,
+         r"dataset_fn returned a map-style TensorDataset for InputContext\(.*\), which yields samples: "
+         r"return a DataLoader"),
+        (lambda ctx: torch.arange(4), TypeError,
+         r"dataset_fn returned Tensor for InputContext.*return an iterable of per-replica batches"),
         (lambda ctx: None, TypeError, r"dataset_fn returned NoneType"),
         ("not callable", TypeError, r"`dataset_fn` must be callable, got str"),
     ],
@@ -109,5 +115,6 @@ def test_pipelines_with_different_structures_are_rejected():
         devices=["cpu:0", "cpu:1"],
         options=options,
     )
-    with pytest.raises(ValueError, match=r"per-replica batch at step 0 of local input pipeline 1 has structure \(Tensor,\), but the first per-replica batch had Tensor"):
+    with pytest.raises(ValueError, match=r"per-replica batch at step 0 of local input pipeline 1 has structure "
+                                         r"\(Tensor,\), but the first per-replica batch had Tensor"):
         list(d)

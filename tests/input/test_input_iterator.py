@@ -37,7 +37,8 @@ def test_each_iter_is_a_new_pass_but_a_generator_gives_one():
     assert [len(list(d)), len(list(d))] == [2, 2]
     once = DistributedDataset((b for b in batches(2, 2)), devices=["cpu:0"])
     assert len(list(once)) == 2
-    with pytest.raises(ValueError, match=r"the dataset is a one-shot iterator \(e\.g\. a generator\) that the previous pass consumed"):
+    with pytest.raises(ValueError, match=r"the dataset is a one-shot iterator \(e\.g\. a generator\) "
+                                         r"that the previous pass consumed"):
         iter(once)
 
 
@@ -70,7 +71,8 @@ def test_stopping_early_because_another_worker_ran_out_warns():
     d = DistributedDatasetsFromFunction(lambda ctx: batches(2, 2, 2), devices=["cpu:0"], num_workers=2, agree=agree)
     it = iter(d)
     assert next(it).tolist() == [0, 1]
-    with pytest.warns(UserWarning, match=r"worker 0 stops at step 1 with input left, because another worker ran out") as record:
+    with pytest.warns(UserWarning,
+                      match=r"worker 0 stops at step 1 with input left, because another worker ran out") as record:
         assert not it.get_next_as_optional().has_value()
     assert record[0].filename == __file__
     assert not it.get_next_as_optional().has_value() and calls == [True, True]
@@ -80,12 +82,14 @@ def test_components_are_fetched_to_logical_cpu_devices_or_left_in_place():
     batch = torch.arange(4)
     (step,) = list(DistributedDataset([batch], devices=["cpu:0", "cpu:1"], options=InputOptions(pin_memory=True)))
     assert all(t.device == torch.device("cpu") and not t.is_pinned() for t in step.values)
-    (kept,) = list(DistributedDataset([batch], devices=["cpu:0", "cpu:1"], options=InputOptions(experimental_fetch_to_device=False)))
+    (kept,) = list(DistributedDataset([batch], devices=["cpu:0", "cpu:1"],
+                                      options=InputOptions(experimental_fetch_to_device=False)))
     assert kept.values[0].data_ptr() == batch.data_ptr()  # a view of the host batch, no copy
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_components_move_to_cuda_with_pinned_memory():
-    (step,) = list(DistributedDataset([{"x": torch.arange(4.0)}], devices=["cuda:0"], options=InputOptions(pin_memory=True)))
+    (step,) = list(DistributedDataset([{"x": torch.arange(4.0)}], devices=["cuda:0"],
+                                      options=InputOptions(pin_memory=True)))
     assert step["x"].device == torch.device("cuda", 0)
     assert step["x"].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]

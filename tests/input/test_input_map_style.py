@@ -22,7 +22,8 @@ class Ids(Dataset):
 
 def make(n, workers, replicas, **kwargs):
     devs = tuple(f"cpu:{r}" for r in range(replicas))
-    return [DistributedDataset(Ids(n), devices=devs, num_workers=workers, worker_index=w, **kwargs) for w in range(workers)]
+    return [DistributedDataset(Ids(n), devices=devs, num_workers=workers, worker_index=w, **kwargs)
+            for w in range(workers)]
 
 
 def ids_per_step(dataset, replicas):
@@ -50,7 +51,8 @@ def test_every_sample_once_per_epoch_and_equal_steps(workers, replicas):
     for d in datasets:
         d.set_epoch(0)
     assert [i for step in ids_per_step(datasets[0], replicas) for part in step for i in part] == [
-        i for step in ids_per_step(make(23, workers, replicas, global_batch_size=6, seed=3)[0], replicas) for part in step for i in part
+        i for step in ids_per_step(make(23, workers, replicas, global_batch_size=6, seed=3)[0], replicas)
+        for part in step for i in part
     ]
 
 
@@ -91,24 +93,32 @@ def test_loader_kwargs_reach_the_dataloader_with_worker_processes():
         collate_calls.append(len(samples))
         return torch.stack([s[0] for s in samples])
 
-    d = DistributedDataset(data, devices=["cpu:0"], num_workers=3, worker_index=2, global_batch_size=6, shuffle=False, loader_kwargs={"collate_fn": collate})
+    d = DistributedDataset(data, devices=["cpu:0"], num_workers=3, worker_index=2, global_batch_size=6, shuffle=False,
+                           loader_kwargs={"collate_fn": collate})
     assert [s.tolist() for s in d] == [[4, 5], [8]]
     assert collate_calls == [2, 1]
-    forked = DistributedDataset(Ids(8), devices=["cpu:0"], num_workers=2, worker_index=1, global_batch_size=4, loader_kwargs={"num_workers": 1})
+    forked = DistributedDataset(Ids(8), devices=["cpu:0"], num_workers=2, worker_index=1, global_batch_size=4,
+                                loader_kwargs={"num_workers": 1})
     assert len([s for s in forked]) == 2
 
 
 def test_map_style_errors():
-    with pytest.raises(TypeError, match=r"a map-style Dataset \(Ids\) yields samples, not batches: pass `global_batch_size=`"):
+    with pytest.raises(TypeError,
+                       match=r"a map-style Dataset \(Ids\) yields samples, not batches: pass `global_batch_size=`"):
         DistributedDataset(Ids(4), devices=["cpu:0"])
     with pytest.raises(ValueError, match=r"`global_batch_size` 5 is not divisible by the number of workers 2"):
         DistributedDataset(Ids(10), devices=["cpu:0"], num_workers=2, global_batch_size=5)
-    with pytest.raises(ValueError, match=r"`global_batch_size` is 2, smaller than the 4 replicas in sync \(2 worker\(s\) x 2 local replica\(s\)\)"):
+    with pytest.raises(ValueError, match=r"`global_batch_size` is 2, smaller than the 4 replicas in sync "
+                                         r"\(2 worker\(s\) x 2 local replica\(s\)\)"):
         DistributedDataset(Ids(10), devices=["cpu:0", "cpu:1"], num_workers=2, global_batch_size=2)
-    with pytest.raises(ValueError, match=r"`loader_kwargs` sets \['batch_size', 'shuffle'\], which the distributed dataset decides"):
-        DistributedDataset(Ids(10), devices=["cpu:0"], global_batch_size=2, loader_kwargs={"batch_size": 2, "shuffle": True})
-    with pytest.raises(ValueError, match=r"auto_shard_policy=FILE needs a dataset exposing `files`.*map-style Dataset is sharded by sample"):
-        DistributedDataset(Ids(10), devices=["cpu:0"], global_batch_size=2, options=InputOptions(auto_shard_policy="file"))
+    with pytest.raises(ValueError, match=r"`loader_kwargs` sets \['batch_size', 'shuffle'\], "
+                                         r"which the distributed dataset decides"):
+        DistributedDataset(Ids(10), devices=["cpu:0"], global_batch_size=2,
+                           loader_kwargs={"batch_size": 2, "shuffle": True})
+    with pytest.raises(ValueError, match=r"auto_shard_policy=FILE needs a dataset exposing `files`"
+                                         r".*map-style Dataset is sharded by sample"):
+        DistributedDataset(Ids(10), devices=["cpu:0"], global_batch_size=2,
+                           options=InputOptions(auto_shard_policy="file"))
 
 
 def test_sampler_alone_is_a_batch_sampler():

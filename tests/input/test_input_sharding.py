@@ -52,7 +52,8 @@ def test_shard_rows_partitions_the_batch_in_global_replica_order(total, workers,
     epoch=st.integers(0, 3),
     drop_last=st.booleans(),
 )
-def test_worker_batches_cover_every_sample_once_with_equal_steps(num_samples, global_batch, workers, shuffle, epoch, drop_last):
+def test_worker_batches_cover_every_sample_once_with_equal_steps(num_samples, global_batch, workers, shuffle, epoch,
+                                                                  drop_last):
     order = epoch_order(num_samples, shuffle=shuffle, seed=7, epoch=epoch)
     per_worker = [list(worker_batches(order, global_batch, workers, w, drop_last=drop_last)) for w in range(workers)]
     steps = num_steps(num_samples, global_batch, drop_last)
@@ -86,7 +87,8 @@ def test_num_steps():
 def test_shard_files_partitions_files_round_robin(files, workers):
     names = [f"part-{i}" for i in range(files)]
     if files < workers:
-        with pytest.raises(ValueError, match=rf"FILE sharding needs at least one file per worker, got {files} files for {workers} workers: use AutoShardPolicy.DATA"):
+        with pytest.raises(ValueError, match=rf"FILE sharding needs at least one file per worker, "
+                                             rf"got {files} files for {workers} workers: use AutoShardPolicy.DATA"):
             shard_files(names, workers, 0)
         return
     shards = [shard_files(names, workers, w) for w in range(workers)]

@@ -54,7 +54,8 @@ def _train(strategy, make_optimizer, replicas: int = 1, unscale_and_clip: bool =
         if strategy is None:
             step(x, y)
         else:
-            strategy.run(step, args=(unison.PerReplica(list(x.chunk(replicas))), unison.PerReplica(list(y.chunk(replicas)))))
+            strategy.run(step, args=(unison.PerReplica(list(x.chunk(replicas))),
+                                     unison.PerReplica(list(y.chunk(replicas)))))
         scales.append(scaler.get_scale())
     return model, scales, scaler
 

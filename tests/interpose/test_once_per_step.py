@@ -28,7 +28,8 @@ SCHEDULERS = {
     "step": lambda opt: lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
     "one_cycle": lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=10),
     "warmup_then_cosine": lambda opt: lr_scheduler.SequentialLR(
-        opt, [lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3), lr_scheduler.CosineAnnealingLR(opt, T_max=7)],
+        opt, [lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3),
+              lr_scheduler.CosineAnnealingLR(opt, T_max=7)],
         milestones=[3]),
     "chained": lambda opt: lr_scheduler.ChainedScheduler(
         [lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=4), lr_scheduler.ExponentialLR(opt, gamma=0.9)]),
@@ -62,7 +63,8 @@ def _train(strategy, scheduler: str, replicas: int = 2):
         if strategy is None:
             step(x, y)
         else:
-            strategy.run(step, args=(unison.PerReplica(list(x.chunk(replicas))), unison.PerReplica(list(y.chunk(replicas)))))
+            strategy.run(step, args=(unison.PerReplica(list(x.chunk(replicas))),
+                                     unison.PerReplica(list(y.chunk(replicas)))))
         lrs.append(opt.param_groups[0]["lr"])
     return [p.detach().clone() for p in model.parameters()], lrs
 
@@ -137,7 +139,8 @@ def _train_with_average(strategy, average: str, replicas: int = 2):
         if strategy is None:
             step(x, y)
         else:
-            strategy.run(step, args=(unison.PerReplica(list(x.chunk(replicas))), unison.PerReplica(list(y.chunk(replicas)))))
+            strategy.run(step, args=(unison.PerReplica(list(x.chunk(replicas))),
+                                     unison.PerReplica(list(y.chunk(replicas)))))
     return [p.detach().clone() for p in averaged.module.parameters()], int(averaged.n_averaged)
 
 

@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from unison.launch.cli import main
+from unison.launch.interrupts import Interrupted
 from unison.launch.procs import Task, plan_tasks
 
 # Shared by the scripts below: who am I, and where do I write.
@@ -61,7 +62,8 @@ def no_omp(monkeypatch):
 
 
 ENV_REPORT = """
-    keys = ["TF_CONFIG", "UNISON_AUTHKEY", "UNISON_COORDINATOR_PORT", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "UNISON_RESTART_COUNT"]
+    keys = ["TF_CONFIG", "UNISON_AUTHKEY", "UNISON_COORDINATOR_PORT", "OMP_NUM_THREADS", "PYTHONUNBUFFERED",
+            "UNISON_RESTART_COUNT"]
     (OUT / (NAME + ".json")).write_text(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[2:]}))
     print("I am", NAME)
     print("a warning from", NAME, file=sys.stderr)
@@ -296,7 +298,8 @@ def test_command_line_errors(argv, message, capsys):
 @pytest.mark.timeout(60)
 def test_carriage_returns_redraw_in_place_with_the_prefix(tmp_path):
     script = tmp_path / "progress.py"
-    script.write_text("import sys\nfor i in range(3):\n    sys.stderr.write(f'step {i}\\r')\nsys.stderr.write('done\\n')\n")
+    script.write_text("import sys\nfor i in range(3):\n    sys.stderr.write(f'step {i}\\r')\n"
+                      "sys.stderr.write('done\\n')\n")
     done = subprocess.run([sys.executable, "-m", "unison.launch", "--workers", "1", str(script)],
                           capture_output=True, timeout=50)
     assert done.returncode == 0
@@ -378,13 +381,13 @@ def test_a_signal_before_a_tasks_output_pumps_start_still_stops_every_task(monke
     from unison.launch import procs
 
     def interrupted(self):  # the launcher's SIGTERM handler raising at this very point
-        raise procs.Interrupted(signal.SIGTERM)
+        raise Interrupted(signal.SIGTERM)
 
     monkeypatch.setattr(procs._Pump, "start", interrupted)
     task = Task("worker", 0)
     cluster = procs.LocalCluster([sys.executable, "-c", "import time; time.sleep(60)"], {task: dict(os.environ)},
                                  grace_period=5.0, stdout=io.StringIO(), stderr=io.StringIO())
-    with pytest.raises(procs.Interrupted):
+    with pytest.raises(Interrupted):
         cluster.start()
     started = time.monotonic()
     cluster.stop()

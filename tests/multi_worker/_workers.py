@@ -8,6 +8,7 @@ import os
 import signal
 import time
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,7 +76,8 @@ def train_mlp(rank: int, world: int, local_devices: int, extra_layers: int = 0, 
         loss = strategy.run(step, args=(xs, ys))
     mean_loss = strategy.reduce("mean", loss)
     replicas_equal = all(
-        torch.equal(c, p.values[0]) for p in model.parameters() if isinstance(p, unison.MirroredVariable) for c in p.values
+        torch.equal(c, p.values[0])
+        for p in model.parameters() if isinstance(p, unison.MirroredVariable) for c in p.values
     )
     return {
         "weights": [p.detach().clone() for p in model.parameters()],
@@ -408,7 +410,8 @@ def dropped_model_leaves_the_buckets(rank: int, world: int, implementation: str,
         strategy.run(step, args=(x.chunk(world)[rank], y.chunk(world)[rank]))
     in_buckets = strategy.extended.components.gradient_sync.parameters_in_buckets
     untouched = kept is None or all(torch.equal(p, w) for p, w in zip(kept.parameters(), kept_weights))
-    return released() is None or kept is not None, untouched, [p.detach().clone() for p in model.parameters()], in_buckets
+    return (released() is None or kept is not None, untouched, [p.detach().clone() for p in model.parameters()],
+            in_buckets)
 
 
 def _train_freezing_the_first_layer(model, run_step, rank: int, world: int):
@@ -511,7 +514,8 @@ def _train_with_grad_scaler(strategy, rank: int, world: int, local_devices: int)
         else:
             xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
             if local_devices > 1:
-                xs, ys = unison.PerReplica(list(xs.chunk(local_devices))), unison.PerReplica(list(ys.chunk(local_devices)))
+                xs, ys = (unison.PerReplica(list(xs.chunk(local_devices))),
+                          unison.PerReplica(list(ys.chunk(local_devices))))
             strategy.run(step, args=(xs, ys))
         scales.append(scaler.get_scale())
     return [p.detach().clone() for p in model.parameters()], scales

@@ -63,7 +63,8 @@ def test_every_node_restarts_together_with_a_fresh_rendezvous(simulated_hosts, s
     for g in (0, 1):
         seen = [json.loads((out / f"worker:{i}.{g}.json").read_text()) for i in range(4)]
         assert all(s == seen[0] for s in seen)  # every task of every node got the same cluster and key
-        assert seen[0]["cluster"]["worker"][0].startswith("10.201.0.1:") and seen[0]["cluster"]["worker"][3].startswith("10.201.0.2:")
+        assert (seen[0]["cluster"]["worker"][0].startswith("10.201.0.1:")
+                and seen[0]["cluster"]["worker"][3].startswith("10.201.0.2:"))
         assert seen[0]["ifname"] == "eth0" and seen[0]["rendezvous"].startswith("10.201.0.1:")
     assert first["key"] != second["key"]  # each generation has its own key
 
@@ -114,7 +115,8 @@ def test_chief_ps_and_evaluator_run_on_node_0(simulated_hosts, script, tmp_path)
     assert [len(cluster[job]) for job in ("chief", "worker", "ps", "evaluator")] == [1, 4, 1, 1]
     assert cluster["chief"][0].startswith("10.201.0.1:") and cluster["ps"][0].startswith("10.201.0.1:")
     # A node started without them is refused, naming the difference.
-    procs = [launcher(hosts, 0, script, str(out), timeout=5, extra=flags), launcher(hosts, 1, script, str(out), timeout=5)]
+    procs = [launcher(hosts, 0, script, str(out), timeout=5, extra=flags),
+             launcher(hosts, 1, script, str(out), timeout=5)]
     outputs = [p.communicate(timeout=60)[0] for p in procs]
     assert procs[1].returncode == 1
     assert "node 1 was started with --chief/--ps/--evaluator=[]" in outputs[1], outputs[1]

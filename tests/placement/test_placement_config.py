@@ -35,7 +35,8 @@ def test_defaults_and_frozen():
         ({"num_worker_replicas": "3"}, "num_worker_replicas must be an integer >= 1.*got '3'"),
         ({"num_ps_replicas": -1}, "num_ps_replicas must be an integer >= 0, got -1.*fix `num_ps_replicas`"),
         ({"num_worker_replicas": 2, "global_id_in_cluster": 2},
-         r"global_id_in_cluster 2 is out of range: the cluster has 2 worker\(s\) \(valid 0\.\.1.*fix `global_id_in_cluster`"),
+         r"global_id_in_cluster 2 is out of range: the cluster has 2 worker\(s\) \(valid 0\.\.1"
+         r".*fix `global_id_in_cluster`"),
         ({"num_worker_replicas": 2, "global_id_in_cluster": -1}, "global_id_in_cluster -1 is out of range"),
         ({"global_id_in_cluster": 0.0}, r"global_id_in_cluster 0\.0 is out of range"),
     ],

@@ -1,4 +1,5 @@
-"""The examples in unison.placement's docstrings, and in the ps placement it re-exports, run and print what they show."""
+"""The examples in unison.placement's docstrings, and in the ps placement it re-exports, run and print what they
+show."""
 
 from __future__ import annotations
 

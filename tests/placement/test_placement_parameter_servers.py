@@ -117,7 +117,8 @@ class FakePolicy:
 class FakePsStrategy:
     def __init__(self):
         policy = FakePolicy()
-        self.extended = types.SimpleNamespace(components=types.SimpleNamespace(variable_policy=policy), calls=policy.calls)
+        self.extended = types.SimpleNamespace(components=types.SimpleNamespace(variable_policy=policy),
+                                              calls=policy.calls)
 
 
 @pytest.fixture

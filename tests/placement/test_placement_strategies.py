@@ -66,7 +66,7 @@ def test_use_before_config_is_a_placement_error_naming_the_fix(placement):
         with placement.subnetwork_devices(3, 0):
             pass
     with pytest.raises(PlacementError, match="has no config"):
-        placement.config
+        _ = placement.config
     assert issubclass(PlacementError, UnisonError) and issubclass(PlacementError, RuntimeError)
 
 
@@ -88,7 +88,8 @@ def test_bad_arguments_name_field_and_value(placement):
         with pytest.raises(ValueError, match="fix `num_subnetworks`"):
             placement.should_train_subnetworks(bad)
     for index in (-1, 3, 1.0, None):
-        with pytest.raises(ValueError, match=rf"subnetwork_index {re.escape(repr(index))} is out of range.*valid 0\.\.2"):
+        with pytest.raises(ValueError,
+                           match=rf"subnetwork_index {re.escape(repr(index))} is out of range.*valid 0\.\.2"):
             placement.should_build_subnetwork(3, index)
     with pytest.raises(ValueError, match="subnetwork_index 5 is out of range"):
         with placement.subnetwork_devices(3, 5):

@@ -195,7 +195,8 @@ class MultiHot(nn.Module):
 
     def __init__(self, mode):
         super().__init__()
-        self.rows = DynamicEmbedding(DIM, mode=mode, seed=11, initializer=unison.embeddings.tables.initializers.uniform(-0.5, 0.5))
+        self.rows = DynamicEmbedding(DIM, mode=mode, seed=11,
+                                     initializer=unison.embeddings.tables.initializers.uniform(-0.5, 0.5))
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, ids, offsets=None, weights=None):
@@ -245,7 +246,8 @@ def test_long_bags_are_pooled_on_the_ps_and_train_as_on_one_device(mode):
         assert all(traffic == {"rows": 0, "pooled": 1} for _, traffic in got)  # bags pooled where rows live
         torch.testing.assert_close(torch.stack([loss for loss, _ in got]), torch.stack(want), rtol=1e-4, atol=1e-5)
         ours, theirs = model.state_dict(), local.state_dict()
-        assert torch.equal(ours["rows.ids"], theirs["rows.ids"]) and torch.equal(ours["rows.counts"], theirs["rows.counts"])
+        assert (torch.equal(ours["rows.ids"], theirs["rows.ids"])
+                and torch.equal(ours["rows.counts"], theirs["rows.counts"]))
         torch.testing.assert_close(ours["rows.rows"], theirs["rows.rows"], rtol=1e-4, atol=1e-5)
         coordinator.shutdown()
 

@@ -39,7 +39,8 @@ def test_worker_death_does_not_end_a_ps_job(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
-        [sys.executable, "-m", "unison.launch", "--chief", "--workers", "2", "--ps", "1", "--grace-period", "5", str(script)],
+        [sys.executable, "-m", "unison.launch", "--chief", "--workers", "2", "--ps", "1", "--grace-period", "5",
+         str(script)],
         capture_output=True, text=True, timeout=80,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -62,7 +62,8 @@ def test_round_robin_and_least_loaded_placement(ps_servers):
     with strategy.scope():
         big, small = nn.Linear(100, 100), nn.Linear(2, 2)
     # 10000 -> ps0, 100 -> ps1, 4 -> ps2, 2 -> ps2 (4 < 100)
-    assert [strategy.extended.variable_placement(p).rsplit(":", 1)[1] for p in (*big.parameters(), *small.parameters())] == ["0", "1", "2", "2"]
+    assert [strategy.extended.variable_placement(p).rsplit(":", 1)[1]
+            for p in (*big.parameters(), *small.parameters())] == ["0", "1", "2", "2"]
     with pytest.raises(ValueError, match="not created in a ParameterServerStrategy"):
         strategy.extended.variable_placement(torch.zeros(1))
 
@@ -146,7 +147,8 @@ def test_round_robin_placement_puts_each_subnetwork_on_its_dedicated_ps_group(ps
 def test_server_needs_a_job_name_and_refuses_a_wrong_key():
     with pytest.raises(ValueError, match="job_name"):
         unison.Server({"ps": ["127.0.0.1:1"]}, authkey=secrets.token_bytes(32))
-    server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=secrets.token_bytes(32), bind_address="127.0.0.1:0")
+    server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=secrets.token_bytes(32),
+                           bind_address="127.0.0.1:0")
     try:
         from unison.errors import AuthenticationError
         from unison.ps.wire.client import PSClient

@@ -255,8 +255,10 @@ def check(results: list[dict[str, Any]], strategy_kind: str, label: str) -> dict
           f"its ranks' buffers differ by {diffs['ddp_rank_buffers']:.3g})")
     assert diffs["ddp_moved"] > 1e-3, f"{label}: DDP training hardly moved the parameters ({diffs})"
     assert initial == 0.0, f"{label}: unison's {first_off!r} did not start from DDP's values ({diffs})"
-    assert params <= TOLERANCE, f"{label} {strategy_kind}: parameter {worst_param!r} is {params:.3g} off DDP's ({diffs})"
-    assert buffers <= TOLERANCE, f"{label} {strategy_kind}: buffer {worst_buffer!r} is {buffers:.3g} off DDP's ({diffs})"
+    assert params <= TOLERANCE, (f"{label} {strategy_kind}: parameter {worst_param!r} is {params:.3g} off DDP's "
+                                 f"({diffs})")
+    assert buffers <= TOLERANCE, (f"{label} {strategy_kind}: buffer {worst_buffer!r} is {buffers:.3g} off DDP's "
+                                  f"({diffs})")
     assert diffs["loss"] <= TOLERANCE * max(1.0, ddp_loss), f"{label} {strategy_kind}: losses differ ({diffs})"
     return diffs
 

@@ -57,7 +57,8 @@ def test_nccl_needs_cuda_devices():
     resolver = unison.SimpleClusterResolver(unison.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}),
                                             task_type="worker", task_id=0)
     with pytest.raises(ValueError, match=r"CommunicationImplementation.NCCL needs CUDA replica devices"):
-        unison.MultiWorkerMirroredStrategy(resolver, unison.CommunicationOptions(implementation="nccl"), devices=["cpu:0"])
+        unison.MultiWorkerMirroredStrategy(resolver, unison.CommunicationOptions(implementation="nccl"),
+                                           devices=["cpu:0"])
 
 
 def _cluster(hosts, rank):

@@ -130,7 +130,8 @@ def test_load_state_dict_assign_outside_the_scope_joins(strategy):
     with strategy.scope():
         model = _mlp()
     torch.manual_seed(5)
-    checkpoint = {k: v.clone() for k, v in nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).state_dict().items()}
+    checkpoint = {k: v.clone()
+                  for k, v in nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).state_dict().items()}
     model.load_state_dict(checkpoint, assign=True)
     want = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     want.load_state_dict(checkpoint)
@@ -178,7 +179,8 @@ def test_a_parameter_added_outside_the_scope_is_refused_at_the_first_step(strate
     with strategy.scope():
         model = _mlp()
     model[2].register_parameter("offset", nn.Parameter(torch.zeros(3)))
-    with pytest.raises(UsageError, match=r"1 of the optimizer's 5 parameters \(#4 \(3,\)\).*inside `with strategy.scope\(\):`"):
+    with pytest.raises(UsageError,
+                       match=r"1 of the optimizer's 5 parameters \(#4 \(3,\)\).*inside `with strategy.scope\(\):`"):
         _train(model, _mlp_loss, _mlp_data(1), strategy)
 
 

@@ -318,7 +318,8 @@ def test_parametrized_modules_in_scope_train_as_on_one_device(mirrored2, paramet
         torch.manual_seed(0)
         return nn.Sequential(getattr(parametrizations, parametrization)(nn.Linear(3, 3)), nn.Tanh(), nn.Linear(3, 2))
 
-    model = assert_trains_as_on_one_device(mirrored2, make, torch.randn(4, 3, generator=torch.Generator().manual_seed(2)))
+    model = assert_trains_as_on_one_device(mirrored2, make,
+                                           torch.randn(4, 3, generator=torch.Generator().manual_seed(2)))
     weights = [p for name, p in model[0].named_parameters() if "original" in name]
     assert weights and all(isinstance(w, unison.MirroredVariable) and nn.Parameter(w) is w for w in weights)
 

@@ -64,7 +64,10 @@ def unavailable_reason() -> str | None:
         return f"this machine does not allow network namespaces: `ip netns add` failed: {made.stderr.strip()}"
     try:
         mounted = subprocess.run(
-            ["ip", "netns", "exec", probe, "unshare", "--mount", "--propagation", "private", "sh", "-c", _WITH_PRIVATE_SHM, "1m", "true"],
+            [
+                "ip", "netns", "exec", probe, "unshare", "--mount", "--propagation", "private",
+                "sh", "-c", _WITH_PRIVATE_SHM, "1m", "true",
+            ],
             capture_output=True, text=True, timeout=10,
         )
         if mounted.returncode != 0:
@@ -155,7 +158,9 @@ class SimulatedHosts:
             self._made.append(host.namespace)
             self._ip("link", "set", "lo", "up", namespace=host.namespace)
             # The pair is made inside the host's namespace; its far end moves to the switch.
-            self._ip("link", "add", "eth0", "type", "veth", "peer", "name", f"port{host.index}", namespace=host.namespace)
+            self._ip(
+                "link", "add", "eth0", "type", "veth", "peer", "name", f"port{host.index}", namespace=host.namespace
+            )
             self._ip("link", "set", f"port{host.index}", "netns", self._switch, namespace=host.namespace)
             self._ip("addr", "add", f"{host.address}/24", "dev", "eth0", namespace=host.namespace)
             self._ip("link", "set", "eth0", "up", namespace=host.namespace)
@@ -176,7 +181,10 @@ class SimulatedHosts:
         if done.returncode != 0:
             hint = ""
             if "unknown" in done.stderr and self._delay is not None:
-                hint = " (this kernel has no netem qdisc, sch_netem: link_delay_ms cannot be simulated; link_rate alone uses tbf)"
+                hint = (
+                    " (this kernel has no netem qdisc, sch_netem: link_delay_ms cannot be simulated;"
+                    " link_rate alone uses tbf)"
+                )
             raise RuntimeError(f"`{' '.join(command)}` failed: {done.stderr.strip()}{hint}")
 
     def address(self, host: int) -> str:
@@ -216,7 +224,9 @@ class SimulatedHosts:
         self._processes.append(process)
         return process
 
-    def run(self, host: int, argv: Sequence[str], *, timeout: float = 30.0, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, host: int, argv: Sequence[str], *, timeout: float = 30.0, **kwargs: Any
+    ) -> subprocess.CompletedProcess[str]:
         """Runs ``argv`` on host ``host`` to completion; its output is returned as text."""
         process = self.popen(host, argv, **kwargs)
         try:

@@ -79,7 +79,11 @@ class TerminationConfig:
     signals: tuple[int, ...] = (signal.SIGTERM,)
 
     def __post_init__(self) -> None:
-        if isinstance(self.grace_period, bool) or not isinstance(self.grace_period, (int, float)) or self.grace_period < 0:
+        if (
+            isinstance(self.grace_period, bool)
+            or not isinstance(self.grace_period, (int, float))
+            or self.grace_period < 0
+        ):
             raise ValueError(f"TerminationConfig.grace_period must be >= 0 seconds, got {self.grace_period!r}")
         for name in ("exit_fn", "save_fn"):
             value = getattr(self, name)

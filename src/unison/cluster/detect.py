@@ -34,9 +34,12 @@ __all__ = ["ENVIRONMENTS", "detect_cluster_resolver"]
 #: The environments walked by ``detect_cluster_resolver``, in order:
 #: (name, presence test, resolver factory, the variables that mark it).
 ENVIRONMENTS: tuple[tuple[str, Callable[..., bool], Callable[..., ClusterResolver], str], ...] = (
-    ("tf_config", TFConfigClusterResolver.is_present, lambda environ: TFConfigClusterResolver(environ=environ), TF_CONFIG),
-    ("torchrun", TorchrunClusterResolver.is_present, lambda environ: TorchrunClusterResolver(environ=environ), "RANK, WORLD_SIZE"),
-    ("slurm", SlurmClusterResolver.is_present, lambda environ: SlurmClusterResolver(environ=environ), "SLURM_PROCID, SLURM_NTASKS"),
+    ("tf_config", TFConfigClusterResolver.is_present, lambda environ: TFConfigClusterResolver(environ=environ),
+     TF_CONFIG),
+    ("torchrun", TorchrunClusterResolver.is_present, lambda environ: TorchrunClusterResolver(environ=environ),
+     "RANK, WORLD_SIZE"),
+    ("slurm", SlurmClusterResolver.is_present, lambda environ: SlurmClusterResolver(environ=environ),
+     "SLURM_PROCID, SLURM_NTASKS"),
     ("sagemaker", SageMakerClusterResolver.is_present, lambda environ: SageMakerClusterResolver(environ=environ),
      "SM_HOSTS, SM_CURRENT_HOST"),
 )
@@ -69,7 +72,9 @@ def detect_cluster_resolver(
     if isinstance(resolver, ClusterResolver):
         return resolver
     if resolver is not None and not isinstance(resolver, str):
-        raise TypeError(f"resolver must be a ClusterResolver, a name or None, got {type(resolver).__name__}: {resolver!r}")
+        raise TypeError(
+            f"resolver must be a ClusterResolver, a name or None, got {type(resolver).__name__}: {resolver!r}"
+        )
     names = [name for name, *_ in ENVIRONMENTS] + ["local"]
     if resolver is not None and resolver not in names:
         raise ValueError(f"unknown cluster environment {resolver!r}; use one of {names!r}")

@@ -83,9 +83,14 @@ def _parse_key(text: str, source: str) -> bytes:
     try:
         key = bytes.fromhex(text.strip())
     except ValueError:
-        raise ValueError(f"{source} is not a hex string; fix it (e.g. `python -c \"import secrets; print(secrets.token_hex(32))\"`)") from None
+        raise ValueError(
+            f"{source} is not a hex string; fix it "
+            f"(e.g. `python -c \"import secrets; print(secrets.token_hex(32))\"`)"
+        ) from None
     if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"{source} holds a {len(key)}-byte key; use at least {MIN_KEY_BYTES} bytes ({2 * MIN_KEY_BYTES} hex digits)")
+        raise ValueError(
+            f"{source} holds a {len(key)}-byte key; use at least {MIN_KEY_BYTES} bytes ({2 * MIN_KEY_BYTES} hex digits)"
+        )
     return key
 
 
@@ -141,7 +146,9 @@ def coordinator_port(environ: Mapping[str, str] | None = None) -> int | None:
     if not text:
         return None
     if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise ValueError(f"{UNISON_COORDINATOR_PORT}={text!r} is not a port in 1..65535; fix `{UNISON_COORDINATOR_PORT}`")
+        raise ValueError(
+            f"{UNISON_COORDINATOR_PORT}={text!r} is not a port in 1..65535; fix `{UNISON_COORDINATOR_PORT}`"
+        )
     return int(text)
 
 

@@ -85,7 +85,9 @@ class SageMakerClusterResolver(ClusterResolver):
         try:
             hosts = json.loads(text) if text else []
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{SM_HOSTS}={text!r} is not JSON ({exc.msg}); fix it, e.g. '[\"algo-1\",\"algo-2\"]'") from exc
+            raise ValueError(
+                f"{SM_HOSTS}={text!r} is not JSON ({exc.msg}); fix it, e.g. '[\"algo-1\",\"algo-2\"]'"
+            ) from exc
         if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
             raise ValueError(f"{SM_HOSTS}={text!r} is not a JSON list of host names; fix it, e.g. '[\"algo-1\"]'")
         hosts = sorted(hosts)

@@ -13,7 +13,7 @@ import ipaddress
 import re
 import socket
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 __all__ = ["ClusterSpec", "split_address", "ClusterLike"]
 
@@ -101,7 +101,8 @@ def _resolves_to_loopback(name: str) -> bool:
         return False
     addresses = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
     return bool(addresses) and all(
-        a.is_loopback or (isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None and a.ipv4_mapped.is_loopback)
+        a.is_loopback
+        or (isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None and a.ipv4_mapped.is_loopback)
         for a in addresses
     )
 
@@ -280,4 +281,4 @@ def _task_name(field: str) -> str:
     return f"{job}:{index.rstrip(']')}"
 
 
-ClusterLike = Union[ClusterSpec, Mapping[str, Sequence[str] | Mapping[Any, str]]]
+ClusterLike = ClusterSpec | Mapping[str, Sequence[str] | Mapping[Any, str]]

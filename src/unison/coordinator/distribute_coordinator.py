@@ -118,7 +118,8 @@ def run_distribute_coordinator(
     if task_type is not None and task_id is not None:
         if independent:
             return _run_independent_worker(
-                worker_fn, strategy, eval_fn, eval_strategy, spec, task_type, task_id, rpc_layer, timeout_seconds, environ
+                worker_fn, strategy, eval_fn, eval_strategy, spec, task_type, task_id, rpc_layer, timeout_seconds,
+                environ,
             )
         # A task of a standalone-client cluster: serve until stopped.
         server = StandardServer(spec, task_type, task_id, authkey=authkey, rpc_layer=rpc_layer, environ=environ)
@@ -211,7 +212,9 @@ def _run_client(
             rendezvous=None if evaluator else rendezvous,
         )
         try:
-            outcomes[(job, index)] = ("ok", _drive_task(spec.task_address(job, index), authkey, request, barrier, timeout))
+            outcomes[(job, index)] = (
+                "ok", _drive_task(spec.task_address(job, index), authkey, request, barrier, timeout)
+            )
         except BaseException as e:
             outcomes[(job, index)] = ("error", e)
             if not evaluator:
@@ -283,6 +286,8 @@ def _drive_task(address: str, authkey: bytes, request: RunRequest, barrier: thre
             else:
                 raise ClusterError(f"{name} at {address} sent an unknown message {message[0]!r}")
     except (EOFError, OSError) as e:
-        raise ClusterError(f"lost the connection to {name} at {address} while it ran: the server stopped or crashed") from e
+        raise ClusterError(
+            f"lost the connection to {name} at {address} while it ran: the server stopped or crashed"
+        ) from e
     finally:
         channel.close()

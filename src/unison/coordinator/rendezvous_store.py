@@ -129,7 +129,9 @@ class StoreCoordination:
                 ) from e
         return cls(store, address, is_host=is_host, num_workers=num_workers, num_servers=num_servers, timeout=timeout)
 
-    def _wait(self, key: str, what: str, count_key: str | None = None, expected: int = 0, *, forever: bool = False) -> None:
+    def _wait(
+        self, key: str, what: str, count_key: str | None = None, expected: int = 0, *, forever: bool = False
+    ) -> None:
         """Waits for ``key`` to be set: "ok" goes on, "failed:<task>" raises.
 
         One blocking wait, no polling: ``abort`` sets every key another task can be

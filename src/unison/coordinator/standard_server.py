@@ -115,7 +115,10 @@ class StandardServer:
         self._sessions = dict(sessions or {})
         self._cluster_spec = multi_worker_util.validate_cluster_spec(cluster_spec, task_type, task_id)
         if task_type not in self._cluster_spec.jobs:
-            raise ValueError(f"task {task_type}:{task_id} is not in the cluster {self._cluster_spec!r}; it has no address to serve on")
+            raise ValueError(
+                f"task {task_type}:{task_id} is not in the cluster {self._cluster_spec!r}; "
+                "it has no address to serve on"
+            )
         self.task_type, self.task_id = task_type, task_id
         self._authkey = require_authkey(authkey, environ)
         self._bind_address = bind_address or self._cluster_spec.task_address(task_type, task_id)

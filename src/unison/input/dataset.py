@@ -38,7 +38,7 @@ __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction"]
 _LOADER_KEYS_WE_SET = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 
 
-class DistributedDataset(metaclass=abc.ABCMeta):
+class DistributedDataset(metaclass=abc.ABCMeta):  # noqa: B024 - concrete; ABCMeta for register() only
     """A dataset of global batches, sharded across workers and split across local replicas.
 
     Accepts (1) any iterable that yields batches of the *global* batch size (a

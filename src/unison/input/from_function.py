@@ -77,7 +77,9 @@ class DistributedDatasetsFromFunction:
             contexts = [InputContext(W * R, w * R + r, in_sync) for r in range(R)]
         self._contexts = tuple(contexts)
         self._datasets = tuple(self._call(dataset_fn, ctx) for ctx in contexts)
-        self._passes = [OnePass(d, f"the dataset dataset_fn returned for {c}") for d, c in zip(self._datasets, contexts)]
+        self._passes = [
+            OnePass(d, f"the dataset dataset_fn returned for {c}") for d, c in zip(self._datasets, contexts)
+        ]
 
     @property
     def options(self) -> InputOptions:

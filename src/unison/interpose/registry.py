@@ -16,7 +16,7 @@ import contextlib
 import threading
 import typing
 from collections.abc import Callable, Iterator
-from typing import Any, ContextManager
+from typing import Any
 
 __all__ = ["INTERPOSITIONS", "Interposition", "ScopedInterposition"]
 
@@ -76,7 +76,9 @@ class ScopedInterposition:
         context: makes the change, given the owner's handlers, for a ``with`` block.
     """
 
-    def __init__(self, what: str, target: str, why: str, context: Callable[..., ContextManager[Any]]):
+    def __init__(
+        self, what: str, target: str, why: str, context: Callable[..., contextlib.AbstractContextManager[Any]]
+    ):
         self.what, self.target, self.why = what, target, why
         self._context = context
         self._lock = threading.Lock()

@@ -51,10 +51,12 @@ def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ps", type=_count, default=0, metavar="M", help="number of parameter-server tasks")
     parser.add_argument("--evaluator", action="store_true", help="add an evaluator task")
     parser.add_argument(
-        "--max-restarts", type=_count, default=0, metavar="K", help="restart the whole cluster up to K times after a failure"
+        "--max-restarts", type=_count, default=0, metavar="K",
+        help="restart the whole cluster up to K times after a failure",
     )
     parser.add_argument(
-        "--grace-period", type=_seconds, default=5.0, metavar="S", help="seconds between SIGTERM and SIGKILL (default 5)"
+        "--grace-period", type=_seconds, default=5.0, metavar="S",
+        help="seconds between SIGTERM and SIGKILL (default 5)",
     )
     add_multinode_arguments(parser)
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
@@ -92,7 +94,9 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if is_multinode(args):
         return launch_nodes(args, parser, command + list(args.script_args))
     if args.workers_per_node is not None or args.node_rank != 0:
-        parser.error("--workers-per-node and --node-rank are multi-node flags; pass --nnodes N and --master-addr HOST too")
+        parser.error(
+            "--workers-per-node and --node-rank are multi-node flags; pass --nnodes N and --master-addr HOST too"
+        )
     try:
         tasks = plan_tasks(args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator)
     except ValueError as e:
@@ -143,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def launch_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m unison.launch``: the same as ``unison launch``."""
-    parser = argparse.ArgumentParser(prog="python -m unison.launch", description="run a script as every task of a local cluster")
+    parser = argparse.ArgumentParser(
+        prog="python -m unison.launch", description="run a script as every task of a local cluster"
+    )
     _add_launch_arguments(parser)
     return _launch(parser.parse_args(argv), parser)

@@ -12,7 +12,7 @@ import signal
 import threading
 from collections.abc import Callable, Mapping
 from types import FrameType
-from typing import Any, Union
+from typing import Any
 
 __all__ = ["Interrupted", "install_signal_handlers", "restore_signal_handlers"]
 
@@ -25,7 +25,7 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-_Handler = Union[Callable[[int, FrameType | None], Any], int, signal.Handlers, None]
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:

@@ -106,7 +106,9 @@ def plan_node(
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{flag} {value!r} is not an integer >= {low}; fix {flag}")
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank {node_rank!r} is not in 0..{nnodes - 1} (--nnodes {nnodes}); give each node its own rank")
+        raise ValueError(
+            f"--node-rank {node_rank!r} is not in 0..{nnodes - 1} (--nnodes {nnodes}); give each node its own rank"
+        )
     if workers_per_node == 0 and not chief:
         raise ValueError("a multi-node job needs workers: pass --workers-per-node K (K >= 1)")
     tasks = [Task("worker", node_rank * workers_per_node + i) for i in range(workers_per_node)]
@@ -241,7 +243,8 @@ def run_node(
         except (KeyboardInterrupt, Interrupted) as e:
             return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
         code, generation = _run_generations(
-            command, plan, rendezvous, node_addr, max_restarts, grace_period, rendezvous_timeout, base, stdout, stderr, say
+            command, plan, rendezvous, node_addr, max_restarts, grace_period, rendezvous_timeout, base, stdout, stderr,
+            say,
         )
         if plan.node_rank == 0 and generation >= 0 and code < 128:
             # The store lives in this process: keep it until the others read the outcome.
@@ -285,9 +288,12 @@ def _run_generations(
             if plan.node_rank == 0:
                 where = ", ".join(f"node {n.rank} at {n.address}" for n in nodes)
                 say(f"generation {generation}: {where}")
-            environments = node_environments(plan, nodes, authkey=authkey, restart=generation, base=base, node_addr=node_addr)
+            environments = node_environments(
+                plan, nodes, authkey=authkey, restart=generation, base=base, node_addr=node_addr
+            )
             cluster = LocalCluster(
-                command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr, settle_period=SETTLE_SECONDS
+                command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr,
+                settle_period=SETTLE_SECONDS,
             )
             monitor = _Monitor(rendezvous, generation, silence_limit)
             try:
@@ -321,7 +327,10 @@ def _run_generations(
                 cluster.stop()
             try:
                 rendezvous.report_failure(
-                    generation, Failure("", plan.node_rank, 128 + signum, f"(its launcher) was interrupted by {signal_name(signum)}")
+                    generation,
+                    Failure(
+                        "", plan.node_rank, 128 + signum, f"(its launcher) was interrupted by {signal_name(signum)}"
+                    ),
                 )
             except (RuntimeError, OSError):
                 pass  # the store is gone already; the other nodes notice that too
@@ -351,9 +360,13 @@ def _host_worker_store(address: str, port: int, timeout: float) -> dist.Store:
     import torch.distributed as dist  # here, not at the top: a one-node launch never imports torch
 
     try:
-        return dist.TCPStore(address, port, None, True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        return dist.TCPStore(
+            address, port, None, True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
+        )
     except (RuntimeError, OSError) as e:
-        raise ClusterError(f"node 0 could not host the workers' rendezvous store at {format_address(address, port)} ({e})") from e
+        raise ClusterError(
+            f"node 0 could not host the workers' rendezvous store at {format_address(address, port)} ({e})"
+        ) from e
 
 
 def _acknowledge(rendezvous: NodeRendezvous, plan: NodePlan, generation: int) -> None:

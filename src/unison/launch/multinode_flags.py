@@ -42,13 +42,15 @@ def add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank, 0..N-1 (default 0)")
     group.add_argument("--master-addr", metavar="HOST", help="address of node 0, which hosts the launchers' rendezvous")
     group.add_argument(
-        "--master-port", type=_port, default=DEFAULT_MASTER_PORT, metavar="P", help=f"port of the rendezvous on node 0 (default {DEFAULT_MASTER_PORT})"
+        "--master-port", type=_port, default=DEFAULT_MASTER_PORT, metavar="P",
+        help=f"port of the rendezvous on node 0 (default {DEFAULT_MASTER_PORT})",
     )
     group.add_argument(
         "--workers-per-node", "--nproc-per-node", type=int, default=None, metavar="K", help="worker tasks on each node"
     )
     group.add_argument(
-        "--node-addr", metavar="HOST", help="address other nodes reach this node at (default: the one it uses to reach the master)"
+        "--node-addr", metavar="HOST",
+        help="address other nodes reach this node at (default: the one it uses to reach the master)",
     )
     group.add_argument(
         "--rendezvous-timeout",
@@ -67,9 +69,13 @@ def is_multinode(args: argparse.Namespace) -> bool:
 def launch_nodes(args: argparse.Namespace, parser: argparse.ArgumentParser, command: Sequence[str]) -> int:
     """``unison launch --nnodes N ...``: checks the flags, then runs this node (see :func:`run_node`)."""
     if args.master_addr is None:
-        parser.error(f"--nnodes {args.nnodes} needs --master-addr HOST, the address of node 0 (which hosts the rendezvous)")
+        parser.error(
+            f"--nnodes {args.nnodes} needs --master-addr HOST, the address of node 0 (which hosts the rendezvous)"
+        )
     if args.workers != 1:
-        parser.error("--workers is the task count of a one-node cluster; with --nnodes pass --workers-per-node K instead")
+        parser.error(
+            "--workers is the task count of a one-node cluster; with --nnodes pass --workers-per-node K instead"
+        )
     workers = 1 if args.workers_per_node is None else args.workers_per_node
     try:
         plan = plan_node(args.nnodes, args.node_rank, workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator)

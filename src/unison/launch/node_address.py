@@ -32,12 +32,16 @@ def address_toward(host: str, port: int) -> str:
     try:
         family, _, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     except socket.gaierror as e:
-        raise ValueError(f"--master-addr {host!r} cannot be resolved ({e}); pass the master node's address or host name") from None
+        raise ValueError(
+            f"--master-addr {host!r} cannot be resolved ({e}); pass the master node's address or host name"
+        ) from None
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         try:
             sock.connect(target)  # UDP: picks a route and a source address, sends nothing
         except OSError as e:
-            raise ValueError(f"no route from this node to --master-addr {host!r} ({e}); check the address, or pass --node-addr") from None
+            raise ValueError(
+                f"no route from this node to --master-addr {host!r} ({e}); check the address, or pass --node-addr"
+            ) from None
         return str(sock.getsockname()[0])
 
 

@@ -140,7 +140,8 @@ class NodeRendezvous:
         for name, value in config.items():
             if value is not None and theirs.get(name) != value:  # None: a setting only node 0 knows
                 raise ClusterError(
-                    f"node {self.node_rank} was started with {name}={value!r} but node 0 with {name}={theirs.get(name)!r}; "
+                    f"node {self.node_rank} was started with {name}={value!r} "
+                    f"but node 0 with {name}={theirs.get(name)!r}; "
                     f"start every node's launcher with the same {name}"
                 )
 
@@ -149,7 +150,9 @@ class NodeRendezvous:
             self._store.wait(list(keys), datetime.timedelta(seconds=self.timeout))
         except (RuntimeError, OSError) as e:
             if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
-                raise ClusterError(f"node {self.node_rank} lost the rendezvous store at {self.master} while waiting for {what} ({e})") from e
+                raise ClusterError(
+                    f"node {self.node_rank} lost the rendezvous store at {self.master} while waiting for {what} ({e})"
+                ) from e
             absent = [rank for rank, key in zip(missing, keys) if not self._store.check([key])]
             names = ", ".join(f"node {rank}" for rank in absent) or "a node"
             raise ClusterError(
@@ -171,7 +174,8 @@ class NodeRendezvous:
         prefix = f"g{generation}/"
         if self._store.add(f"{prefix}claim/{self.node_rank}", 1) != 1:
             raise ClusterError(
-                f"two launchers claimed --node-rank {self.node_rank} at {self.master}; give each node its own rank in 0..{self.nnodes - 1}"
+                f"two launchers claimed --node-rank {self.node_rank} at {self.master}; "
+                f"give each node its own rank in 0..{self.nnodes - 1}"
             )
         if self.node_rank == 0:
             self._store.set(f"{prefix}authkey", secrets.token_bytes(32).hex())

@@ -82,7 +82,9 @@ def reserve_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
-def shared_environment(base: Mapping[str, str], *, authkey: bytes, coordinator_port: int, restart: int) -> dict[str, str]:
+def shared_environment(
+    base: Mapping[str, str], *, authkey: bytes, coordinator_port: int, restart: int
+) -> dict[str, str]:
     """The environment every task of a cluster shares: key, coordination port, restart count, threads."""
     shared = dict(base)
     shared.pop(env.UNISON_AUTHKEY_FILE, None)  # this cluster's key replaces any other

@@ -19,7 +19,6 @@ import contextlib
 import typing
 import warnings
 from collections.abc import Iterator
-from typing import ContextManager
 
 from unison.errors import PlacementError
 from unison.placement import round_robin
@@ -105,7 +104,9 @@ class PlacementStrategy(abc.ABC):
         """
 
     @abc.abstractmethod
-    def subnetwork_devices(self, num_subnetworks: int, subnetwork_index: int) -> ContextManager[None]:
+    def subnetwork_devices(
+        self, num_subnetworks: int, subnetwork_index: int
+    ) -> contextlib.AbstractContextManager[None]:
         """A context in which to build subnetwork ``subnetwork_index``'s modules.
 
         Raises (on entering):

@@ -18,7 +18,8 @@ Semantics:
   dense all-reduce of step ``t - 1`` holds every worker within a step of the others).
   ``join_pushes()`` waits for every worker's pushes (before a checkpoint or evaluation).
   Eviction counts pushes, as on one device it counts steps: with ``W`` workers a shard's
-  clock advances ``W`` times per global step (``EvictUnseen(n)``: unseen for ``n`` pushes). With the mean reduction (the default) a worker's
+  clock advances ``W`` times per global step (``EvictUnseen(n)``: unseen for ``n`` pushes).
+  With the mean reduction (the default) a worker's
   row gradients are divided by ``num_replicas_in_sync``, so when workers touch
   different rows the update is the one a single device would make on the global batch.
 - **Checkpoints.** ``state_dict()`` of a module holds the dense parameters (the chief
@@ -113,8 +114,9 @@ class HybridParameterServerStrategy(Strategy):
         self._client: PSClient | None = None
         options = communication_options or CommunicationOptions()
         chosen = canonicalize_all(devices) if devices is not None else default_devices(cluster)
-        tables = RemoteTables(len(self._ps_addresses), self._ps_client, prefix="hybrid:", grad_scale=self._row_grad_scale,
-                              after_load=self._barrier, writer=lambda: self.extended.components.cluster.is_chief)
+        tables = RemoteTables(len(self._ps_addresses), self._ps_client, prefix="hybrid:",
+                              grad_scale=self._row_grad_scale, after_load=self._barrier,
+                              writer=lambda: self.extended.components.cluster.is_chief)
         super().__init__(dataclasses.replace(collective_components(self, cluster, chosen, options), tables=tables))
 
     @property

@@ -101,8 +101,8 @@ class ParameterServerStrategy(Strategy):
         self._init_args = (cluster_resolver, variable_partitioner, timeout_seconds, variable_placer, authkey)
         self._ps_info = _cluster_info(cluster_resolver, float(timeout_seconds), authkey)
         self._cluster_resolver = cluster_resolver
-        policy = self._policy = PSVariablePolicy(list(self._ps_info.ps), lambda: self._ps_info.authkey, float(timeout_seconds),
-                                  variable_partitioner, variable_placer)
+        policy = self._policy = PSVariablePolicy(list(self._ps_info.ps), lambda: self._ps_info.authkey,
+                                                 float(timeout_seconds), variable_partitioner, variable_placer)
         resolved = cluster_resolver.resolve()
         # The coordinator runs one replica itself and forms no group: the workers run the
         # scheduled functions, each on its own.

@@ -41,7 +41,9 @@ def _resolve(cluster: Any, job_name: str | None, task_index: int | None) -> tupl
         task_index = task_index if task_index is not None else cluster.task_id
         cluster = cluster.cluster_spec()
     if job_name is None:
-        raise ValueError("Server needs `job_name` (the task's type, e.g. 'ps' or 'worker'): pass it or a resolver that knows it")
+        raise ValueError(
+            "Server needs `job_name` (the task's type, e.g. 'ps' or 'worker'): pass it or a resolver that knows it"
+        )
     return cluster, job_name, 0 if task_index is None else task_index
 
 
@@ -169,7 +171,9 @@ class Server:
                     except (EOFError, OSError):
                         return
                     except Exception as e:  # the result could not be pickled
-                        channel.send(wire.FunctionFailed(TypeError(f"the function's result could not be pickled: {e!r}"), "", False))
+                        channel.send(wire.FunctionFailed(
+                            TypeError(f"the function's result could not be pickled: {e!r}"), "", False
+                        ))
             finally:
                 self._untrack()
                 client.close()

@@ -163,7 +163,8 @@ class Strategy(abc.ABC):
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """Variables created inside live where ``colocate_with_variable`` lives (see ``extended.colocate_vars_with``)."""
+        """Variables created inside live where ``colocate_with_variable`` lives
+        (see ``extended.colocate_vars_with``)."""
         with self._extended.colocate_vars_with(colocate_with_variable), self.scope():
             yield
 
@@ -173,8 +174,10 @@ class Strategy(abc.ABC):
             return tuple(value.values)
         return (value,)
 
-    def configure(self, cluster_spec: Any = None, task_type: str | None = None, task_id: int | None = None,
-                  rendezvous: str | None = None) -> None:
+    def configure(  # noqa: B027 - a no-op default that subclasses may override
+        self, cluster_spec: Any = None, task_type: str | None = None, task_id: int | None = None,
+        rendezvous: str | None = None,
+    ) -> None:
         """Connects the strategy to a cluster (used by the distribute coordinator; ``rendezvous``
         is the ``host:port`` of a store opened for the workers' process group, or None).
 
@@ -199,7 +202,9 @@ class Strategy(abc.ABC):
             options=options, agree=components.cross_device_ops.agree,
         )
 
-    def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+    def experimental_distribute_datasets_from_function(
+        self, dataset_fn: Callable[..., Any], options: Any = None
+    ) -> Any:
         """TF's older name of :meth:`distribute_datasets_from_function`."""
         return self.distribute_datasets_from_function(dataset_fn, options)
 

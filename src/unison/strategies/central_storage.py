@@ -1,4 +1,5 @@
-"""CentralStorageStrategy: variables on one device, compute on several (``tf.distribute.experimental.CentralStorageStrategy``)."""
+"""CentralStorageStrategy: variables on one device, compute on several
+(``tf.distribute.experimental.CentralStorageStrategy``)."""
 
 from __future__ import annotations
 

@@ -240,7 +240,9 @@ class StrategyExtended:
         """
         return self.batch_reduce_to(reduce_op, [(value, destinations)])[0]
 
-    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+    def batch_reduce_to(
+        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]
+    ) -> list[Any]:
         """``reduce_to`` for several values at once, packed into fewer transfers."""
         reduce_op = ReduceOp.from_any(reduce_op)
         pairs = list(value_destination_pairs)
@@ -303,7 +305,9 @@ class StrategyExtended:
             )
         with torch.no_grad():
             if isinstance(var, DistributedVariable):
-                results = [fn(c, *select_replica(i, args), **select_replica(i, kwargs)) for i, c in enumerate(var.values)]
+                results = [
+                    fn(c, *select_replica(i, args), **select_replica(i, kwargs)) for i, c in enumerate(var.values)
+                ]
                 return regroup(results, Mirrored) if group else tuple(results)
             return fn(var, *select_replica(0, args), **select_replica(0, kwargs))
 

@@ -83,7 +83,9 @@ class ReplicatedVariablePolicy:
         self._gradient_sync = gradient_sync
         self._storage = storage
         self._on_finish = on_finish
-        self._single = PlainVariablePolicy(self._devices[0], gradient_sync, on_finish) if len(self._devices) == 1 else None
+        self._single = (
+            PlainVariablePolicy(self._devices[0], gradient_sync, on_finish) if len(self._devices) == 1 else None
+        )
 
     def wrap_parameter(self, param: nn.Parameter, name: str) -> nn.Parameter | None:
         if self._single is not None:

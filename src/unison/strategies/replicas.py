@@ -278,8 +278,10 @@ class ThreadedReplicaRunner:
     """
 
     def __init__(self, strategy: Strategy, devices: Sequence[str]):
-        install_grad_scaler_replicas()  # a step's one GradScaler serves every replica (interpose/grad_scaler.py)
-        install_once_per_step()  # and scheduler.step(), ema.update_parameters() run once per step (interpose/once_per_step.py)
+        # A step's one GradScaler serves every replica (interpose/grad_scaler.py), and
+        # scheduler.step(), ema.update_parameters() run once per step (interpose/once_per_step.py).
+        install_grad_scaler_replicas()
+        install_once_per_step()
         self._strategy = strategy
         self._devices = tuple(devices)
         self._queues: list[queue.SimpleQueue[Any]] = []

@@ -158,7 +158,9 @@ class DistributedVariable(DistributedValues):
 
     # -- dispatch -----------------------------------------------------------------------
     @classmethod
-    def __torch_function__(cls, func: Callable[..., Any], types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if is_plain_read(func) or STATE.own_component_writes.active:  # an optimizer step writes its own component
             handled = _read_in_replica(func, args, kwargs)

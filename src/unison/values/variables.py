@@ -140,7 +140,8 @@ class MirroredVariable(DistributedVariable, nn.Parameter):
 
     def _replica_op(self, func: Callable, args: tuple, kwargs: dict, context: Any, replica_id: int) -> Any:
         handled = super()._replica_op(func, args, kwargs, context, replica_id)
-        if handled is not NotImplemented or STATE.own_component_writes.active or not is_mutation(func, args, kwargs, self):
+        if (handled is not NotImplemented or STATE.own_component_writes.active
+                or not is_mutation(func, args, kwargs, self)):
             return handled
         flag = requires_grad_written(func, args, kwargs, self)
         if flag is not None:
@@ -236,7 +237,8 @@ def _check_copy_context(variable: DistributedVariable, kind: str) -> None:
 
 @typing.final
 class SyncOnReadVariable(DistributedVariable, torch.Tensor):
-    """A variable each replica writes on its own; a cross-replica read aggregates (``tf.distribute.SyncOnReadVariable``).
+    """A variable each replica writes on its own; a cross-replica read aggregates
+    (``tf.distribute.SyncOnReadVariable``).
 
     Typical use: metrics and statistics. Inside a replica every read and write uses the
     local component. In cross-replica context a read returns the aggregate of all
@@ -246,7 +248,8 @@ class SyncOnReadVariable(DistributedVariable, torch.Tensor):
     """
 
     def __new__(cls, data: torch.Tensor, strategy: Any = None, devices: Sequence[str] = ("cpu:0",),
-                aggregation: VariableAggregation = VariableAggregation.SUM, name: str | None = None) -> SyncOnReadVariable:
+                aggregation: VariableAggregation = VariableAggregation.SUM,
+                name: str | None = None) -> SyncOnReadVariable:
         if aggregation is VariableAggregation.NONE:
             raise ValueError(
                 "SyncOnReadVariable needs an aggregation to read it in cross-replica context, got "
@@ -286,7 +289,9 @@ class SyncOnReadVariable(DistributedVariable, torch.Tensor):
     def _cross_replica_value(self) -> torch.Tensor:
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return self.values[0]
-        return self._strategy.extended.reduce_to(self._aggregation.reduce_op(), PerReplica(self.values), self._devices[0])
+        return self._strategy.extended.reduce_to(
+            self._aggregation.reduce_op(), PerReplica(self.values), self._devices[0]
+        )
 
     def _cross_replica_op(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if is_grad_access(func) or not is_mutation(func, args, kwargs, self):
@@ -301,5 +306,9 @@ class SyncOnReadVariable(DistributedVariable, torch.Tensor):
             return self
         with torch.no_grad():
             for component in self.values:
-                call_plain(func, *map_variables((args, kwargs), lambda v: component if v is self else v._resolve_for_read(), DistributedVariable))
+                call_plain(func, *map_variables(
+                    (args, kwargs),
+                    lambda v: component if v is self else v._resolve_for_read(),  # noqa: B023 - called within the iteration
+                    DistributedVariable,
+                ))
         return self

@@ -14,7 +14,7 @@ def test_dense_sgd_momentum_matches_local_optimizer():
     store.create("w", w0)
     local = w0.clone().requires_grad_(True)
     opt = torch.optim.SGD([local], lr=0.1, momentum=0.9)
-    for step in range(3):
+    for _step in range(3):
         g = torch.randn(4, 3)
         local.grad = g.clone()
         opt.step()

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 __all__ = ["LeastLoadedDeviceSetter"]
 
-VariableLike = Union[torch.Tensor, torch.Size, Sequence[int], int]
+VariableLike = torch.Tensor | torch.Size | Sequence[int] | int
 
 
 def num_elements(var: VariableLike, field: str) -> int:

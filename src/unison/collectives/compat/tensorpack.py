@@ -39,7 +39,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def merge_grad_list(all_grads: Sequence[Sequence[Any]], all_vars: Sequence[Sequence[Any]]) -> list[list[tuple[Any, Any]]]:
+def merge_grad_list(
+    all_grads: Sequence[Sequence[Any]], all_vars: Sequence[Sequence[Any]]
+) -> list[list[tuple[Any, Any]]]:
     """Zips K x N gradients and K x N variables into K lists of N (grad, var) pairs.
 
     tensorpack equivalent: ``merge_grad_list``.

@@ -155,7 +155,9 @@ _lingering: dict[threading.Thread, float] = {}
 _lingering_lock = threading.Lock()
 
 
-def _construct(host: str, port: int, world_size: int, is_master: bool, seconds: float, deadline: float, what: str) -> dist.Store:
+def _construct(
+    host: str, port: int, world_size: int, is_master: bool, seconds: float, deadline: float, what: str
+) -> dist.Store:
     if not is_master and not _await_listener(host, port, deadline):
         raise ClusterError(
             f"{what} got no connection within timeout_seconds={seconds:g}: nothing listens at that address; "

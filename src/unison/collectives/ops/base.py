@@ -50,7 +50,9 @@ def check_same_layout(value: PerReplica, what: str = "reduce") -> None:
             )
 
 
-def to_destinations(tensor: torch.Tensor, destinations: Destinations, copies: Sequence[torch.Tensor] | None = None) -> Any:
+def to_destinations(
+    tensor: torch.Tensor, destinations: Destinations, copies: Sequence[torch.Tensor] | None = None
+) -> Any:
     """Places a reduced tensor on each destination: a tensor for one device, else Mirrored.
 
     ``copies`` may give ready-made per-destination tensors (an all-reduce's outputs).

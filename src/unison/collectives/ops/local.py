@@ -168,7 +168,9 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
         return [[per_device[k][n] for k in range(len(devices))] for n in range(len(values))]
 
 
-def _hierarchical_copy(packs: list[list[torch.Tensor]], devices: Destinations, average: bool) -> list[list[torch.Tensor]]:
+def _hierarchical_copy(
+    packs: list[list[torch.Tensor]], devices: Destinations, average: bool
+) -> list[list[torch.Tensor]]:
     """Hierarchical copy all-reduce: two groups reduce to their leaders, leaders exchange.
 
     With 8 devices it is tensorpack's two-groups-of-4 algorithm; other counts use two

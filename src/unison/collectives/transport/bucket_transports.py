@@ -144,7 +144,7 @@ class BucketTransport(abc.ABC):
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
         """Starts moving a ready bucket."""
 
-    def poll(self) -> None:
+    def poll(self) -> None:  # noqa: B027 - a no-op default that subclasses may override
         """Starts, without waiting, what can start now (called from later gradients' hooks)."""
 
     @abc.abstractmethod

@@ -22,7 +22,8 @@ class BufferPool:
     A buffer is handed out again only if its storage has no user but the pool: every
     view given to a caller, and every tensor autograd saved from one, holds a use. The
     pool keeps the buffers of the latest call only, so it never holds more memory than
-    one call's results. Where torch does not count a storage's users (``interpose/torch_private.py``), nothing is pooled.
+    one call's results. Where torch does not count a storage's users
+    (``interpose/torch_private.py``), nothing is pooled.
     """
 
     def __init__(self) -> None:

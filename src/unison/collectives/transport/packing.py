@@ -13,7 +13,6 @@ tensorpack's ``GradientPacker``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 
@@ -30,8 +29,8 @@ __all__ = [
 ]
 
 
-SizeLike = Union[torch.Tensor, int]
-ShapeLike = Union[torch.Tensor, torch.Size, Sequence[int]]
+SizeLike = torch.Tensor | int
+ShapeLike = torch.Tensor | torch.Size | Sequence[int]
 # A run of tensors packed together: (tensor indices, slice lengths of their flat buffer);
 # lengths None means the single tensor travels unpacked.
 _Segment = tuple[list[int], list[int] | None]
@@ -288,7 +287,9 @@ class TensorPacker:
             ValueError: if the packs do not match the recorded layout.
         """
         if self._shapes is None:
-            raise UsageError("TensorPacker.unpack needs the layout of a prior TensorPacker.pack call: call pack() first")
+            raise UsageError(
+                "TensorPacker.unpack needs the layout of a prior TensorPacker.pack call: call pack() first"
+            )
         expected = sum(1 if s is None else len(s) for _, s in self._segments)
         out = []
         for k, packs in enumerate(device_packs):

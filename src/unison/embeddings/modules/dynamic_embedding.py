@@ -23,7 +23,8 @@ state, touch counts) and no capacity; ``load_state_dict`` restores them.
 
 Where the rows live is the strategy's choice (its ``tables`` component; the module tests
 no types): on one device (no strategy, ``OneDeviceStrategy``) in this
-process (:class:`~unison.embeddings.tables.local_table.LocalTable`); made in a ``ParameterServerStrategy``'s or ``HybridParameterServerStrategy``'s
+process (:class:`~unison.embeddings.tables.local_table.LocalTable`); made in a
+``ParameterServerStrategy``'s or ``HybridParameterServerStrategy``'s
 scope, on the cluster's ps tasks (:class:`~unison.ps.worker.remote_table.RemoteTable`: row ``id``
 on ps task ``shard_of(id, M)``), so a worker holds only the rows of its batch and the
 same model code runs in all three. With a bag ``mode``, where it saves bytes, each ps
@@ -94,7 +95,9 @@ class DynamicEmbedding(nn.Module):
         if mode not in _MODES:
             raise ValueError(f"DynamicEmbedding: `mode` must be None, 'sum' or 'mean', got {mode!r}")
         check_table_arguments("DynamicEmbedding", embedding_dim, dtype, initializer, seed, eviction)
-        config = TableConfig(embedding_dim, dtype, initializer if initializer is not None else normal(0.0, 1.0), seed, eviction)
+        config = TableConfig(
+            embedding_dim, dtype, initializer if initializer is not None else normal(0.0, 1.0), seed, eviction
+        )
         self.table: Table = _tables_of_scope().create_table(config)
         """The rows (:class:`~unison.embeddings.tables.table.Table`): in this process, or on the ps tasks of
         the strategy in whose scope the module was built (its ``tables`` component decides)."""
@@ -125,7 +128,8 @@ class DynamicEmbedding(nn.Module):
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); missing rows are made when training."""
         ids = _checked_ids(ids, self.mode, offsets, per_sample_weights)
-        if self.num_embeddings is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+        if (self.num_embeddings is not None and ids.numel()
+                and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings)):
             raise IndexError(f"DynamicEmbedding: ids must lie in [0, {self.num_embeddings}) (num_embeddings, as the "
                              f"nn.Embedding it replaces), got ids from {int(ids.min())} to {int(ids.max())}")
         unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)

@@ -20,12 +20,15 @@ __all__ = ["plain_sgd", "row_optimizer_for"]
 
 
 def plain_sgd(cls: type, hyper: Mapping[str, Any]) -> bool:
-    """Whether ``cls`` with group ``hyper`` is SGD without momentum, weight decay or maximize (a bare ``p -= lr * g``)."""
+    """Whether ``cls`` with group ``hyper`` is SGD without momentum, weight decay or maximize
+    (a bare ``p -= lr * g``)."""
     return (cls is torch.optim.SGD and not hyper.get("momentum") and not hyper.get("weight_decay")
             and not hyper.get("maximize"))
 
 
-def row_optimizer_for(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], row_wise: bool = False) -> RowOptimizer:
+def row_optimizer_for(
+    optimizer: torch.optim.Optimizer, group: Mapping[str, Any], row_wise: bool = False
+) -> RowOptimizer:
     """The row update that equals ``optimizer``'s on a sparse gradient, with ``group``'s hyper-parameters
     (``row_wise``: Adagrad with one accumulator per row instead).
 
@@ -43,6 +46,7 @@ def row_optimizer_for(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]
             return RowAdagrad(lr=float(group["lr"]), initial_accumulator_value=group["initial_accumulator_value"],
                               eps=group["eps"])
     raise ValueError(
-        f"DynamicEmbedding rows cannot be trained by {name} with {dict((k, v) for k, v in group.items() if k != 'params')}: "
+        f"DynamicEmbedding rows cannot be trained by {name} with "
+        f"{dict((k, v) for k, v in group.items() if k != 'params')}: "
         f"rows train with torch.optim.SGD (no momentum, weight decay or maximize) or torch.optim.Adagrad (no lr_decay "
         f"or weight decay); put the module's parameters in a param group (or optimizer) of their own with one of those")

@@ -58,7 +58,9 @@ def checked_meta(export: Any) -> dict[str, Any]:
     return meta
 
 
-def check_table_arguments(owner: str, embedding_dim: Any, dtype: Any, initializer: Any, seed: Any, eviction: Any) -> None:
+def check_table_arguments(
+    owner: str, embedding_dim: Any, dtype: Any, initializer: Any, seed: Any, eviction: Any
+) -> None:
     """Raises naming ``owner``, the field and the fix for what a table is made from."""
     if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
         raise ValueError(f"{owner}: `embedding_dim` must be an int >= 1, got {embedding_dim!r}")

@@ -308,7 +308,8 @@ class LocalTable:
         config unless given (needed for an initializer that is not a built-in)."""
         meta = checked_meta(export)
         table = cls(meta["embedding_dim"], dtype=dtype_from_name(meta["dtype"]),
-                    initializer=initializer if initializer is not None else initializer_from_config(meta["initializer"]),
+                    initializer=(initializer if initializer is not None
+                                 else initializer_from_config(meta["initializer"])),
                     seed=meta["seed"], eviction=eviction)
         table.import_(export)
         return table

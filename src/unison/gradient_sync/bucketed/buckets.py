@@ -280,7 +280,8 @@ class BucketedGradientSync:
         if param.grad is not None and param.grad.layout != torch.strided:
             self._reduce_sparse(param)
         bucket.ready += 1
-        while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
+        while (self._next < len(self._buckets)
+               and self._buckets[self._next].ready == len(self._buckets[self._next].params)):
             self._launch(self._buckets[self._next])
             self._next += 1
         self._transport.poll()

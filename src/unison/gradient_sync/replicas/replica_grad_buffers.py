@@ -73,7 +73,8 @@ class ReplicaGradBuffers:
                 components = [[v.component(i) for v in variables]  # type: ignore[attr-defined]
                               for i in range(self._num_replicas)]
             covered = [k for k in range(len(variables))
-                       if all(slot_eligible(replica[k]) and replica[k].numel() <= SMALL_GRADIENT for replica in components)]
+                       if all(slot_eligible(replica[k]) and replica[k].numel() <= SMALL_GRADIENT
+                              for replica in components)]
             if len(covered) < MIN_GRADIENTS:
                 covered = []
             self._covered = frozenset(covered)

@@ -232,7 +232,9 @@ class ClusterCoordinator:
         try:
             payload = cloudpickle.dumps((fn, tuple(args or ()), dict(kwargs or {})))
         except Exception as e:
-            raise TypeError(f"schedule: {getattr(fn, '__name__', fn)!r} or its arguments cannot be pickled ({e!r})") from e
+            raise TypeError(
+                f"schedule: {getattr(fn, '__name__', fn)!r} or its arguments cannot be pickled ({e!r})"
+            ) from e
         closure = Closure(payload, getattr(fn, "__name__", repr(fn)))
         self._queue.put(closure)
         return closure.result

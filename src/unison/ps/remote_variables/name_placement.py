@@ -15,11 +15,12 @@ becomes the hook.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import typing
 from collections.abc import Callable
-from typing import Any, ContextManager, Protocol
+from typing import Any, Protocol
 
 __all__ = ["OpNameHashStrategy", "PsGroupAssigner", "ParameterPlacementHook"]
 
@@ -127,6 +128,6 @@ class ParameterPlacementHook(Protocol):
     ``tf.device`` (``"/job:ps/task:{assign(op)}"`` for variable ops).
     """
 
-    def place_parameters_in(self, assign: Callable[[str], int]) -> ContextManager[Any]:
+    def place_parameters_in(self, assign: Callable[[str], int]) -> contextlib.AbstractContextManager[Any]:
         """A context in which created parameters are placed on ps task ``assign(name)``."""
         ...

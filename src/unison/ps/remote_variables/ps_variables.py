@@ -217,7 +217,9 @@ class ShardedVariable(_RemoteParameter):
             for index, part in enumerate(self._ps_spec.parts):
                 spec = VariableSpec(f"{self._ps_spec.name}/part_{index}", self._ps_spec.part_shape(index),
                                     self._ps_spec.dtype, self._ps_spec.requires_grad, (part,), False)
-                shards.append(PSVariable._create(full[start:start + part.rows], self.requires_grad, spec, self._ps_owner))
+                shards.append(
+                    PSVariable._create(full[start:start + part.rows], self.requires_grad, spec, self._ps_owner)
+                )
                 start += part.rows
         self._ps_shards = tuple(shards)
 

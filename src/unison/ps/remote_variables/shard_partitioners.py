@@ -33,7 +33,9 @@ def _positive(value: Any, field: str, owner: str) -> int:
 def _shape(shape: Any) -> tuple[int, ...]:
     dims = tuple(int(d) for d in shape)
     if not dims:
-        raise ValueError(f"cannot partition a scalar: shape {tuple(shape)!r} has no axis 0; do not pass a partitioner for it")
+        raise ValueError(
+            f"cannot partition a scalar: shape {tuple(shape)!r} has no axis 0; do not pass a partitioner for it"
+        )
     if any(d < 0 for d in dims):
         raise ValueError(f"shape {dims!r} has a negative dimension")
     return dims

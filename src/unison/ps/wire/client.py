@@ -215,7 +215,8 @@ class PSClient:
 
     def write(self, kind: type[wire.Create | wire.Assign | wire.Add], placed: Sequence[tuple[int, str]],
               values: Sequence[torch.Tensor]) -> None:
-        """``wire.Create``, ``wire.Assign`` or ``wire.Add`` values at ``(ps index, key)`` pairs, one request per ps task."""
+        """``wire.Create``, ``wire.Assign`` or ``wire.Add`` values at ``(ps index, key)`` pairs,
+        one request per ps task."""
         by_ps: dict[int, tuple[list[str], list[torch.Tensor]]] = {}
         for (index, key), value in zip(placed, values):
             keys, tensors = by_ps.setdefault(index, ([], []))
@@ -234,7 +235,8 @@ class PSClient:
         for i, items in by_ps.items():
             may_share = self.arena is not None and self._attached.get(i, set()) is not None
             # slots first: a slot in a new segment is attached by _shares below
-            places: list[Any] = [self._grad_place(i, key, grad) if may_share and ids is None and grad.layout == torch.strided
+            places: list[Any] = [self._grad_place(i, key, grad)
+                                 if may_share and ids is None and grad.layout == torch.strided
                                  else None for key, ids, grad, _, _ in items]
             if not (may_share and self._shares(i)):
                 places = [None] * len(items)
@@ -267,7 +269,8 @@ class PSClient:
         by_ps: dict[int, list[tuple[str, type, dict, dict[str, Any]]]] = {}
         for index, key, cls, hyper, state in entries:
             by_ps.setdefault(index, []).append((key, cls, hyper, state))
-        self.exchange({i: (wire.LoadOptimizerStates(tuple(k for k, _, _, _ in items), tuple((c, h) for _, c, h, _ in items)),
+        self.exchange({i: (wire.LoadOptimizerStates(tuple(k for k, _, _, _ in items),
+                                                    tuple((c, h) for _, c, h, _ in items)),
                            [wire.pickled([s for _, _, _, s in items])], None) for i, items in by_ps.items()})
 
     def ping(self, index: int) -> None:

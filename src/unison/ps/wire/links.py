@@ -116,7 +116,9 @@ class TensorLink:
                 raise EOFError(f"{self.peer} closed the connection")
             position += received
 
-    def request(self, header: Any, tensors: Sequence[torch.Tensor] = (), into: Any = None) -> tuple[Any, list[torch.Tensor]]:
+    def request(
+        self, header: Any, tensors: Sequence[torch.Tensor] = (), into: Any = None
+    ) -> tuple[Any, list[torch.Tensor]]:
         """Sends a request and returns its reply, holding ``lock``."""
         with self.lock:
             self.send(header, tensors)

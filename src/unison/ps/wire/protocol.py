@@ -56,8 +56,8 @@ __all__ = [
     "PROTOCOL_VERSION", "RequestKind", "Request", "Hello", "Accepted", "Refused", "Ok", "Failed", "PushEntry",
     "Create", "Pull", "PullShared", "Attach", "PullRows", "Push", "Assign", "Add", "OptimizerStates",
     "LoadOptimizerStates", "Ping", "TableCreate", "TableRows", "TablePush", "TablePool", "TablePushBags",
-    "TableExport", "TableLoad", "TableStats", "ProtocolError", "check_request", "encode", "decode", "dumps_header", "export_tensors",
-    "export_from_tensors", "pickled", "unpickled", "RunFunction", "BuildDataset", "FunctionResult",
+    "TableExport", "TableLoad", "TableStats", "ProtocolError", "check_request", "encode", "decode", "dumps_header",
+    "export_tensors", "export_from_tensors", "pickled", "unpickled", "RunFunction", "BuildDataset", "FunctionResult",
     "FunctionFailed", "WorkerRequest",
 ]
 

@@ -60,7 +60,8 @@ def _own_tensor(data: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: 
     """
     if offset % dtype.itemsize:
         raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size {dtype.itemsize}")
-    return torch.empty(0, dtype=dtype).set_(data.untyped_storage(), offset // dtype.itemsize, shape, ())  # (): contiguous
+    # The empty stride (): contiguous.
+    return torch.empty(0, dtype=dtype).set_(data.untyped_storage(), offset // dtype.itemsize, shape, ())
 
 
 @final
