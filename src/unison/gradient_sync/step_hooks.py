@@ -19,6 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from unison._state import STATE
 from unison.errors import UsageError
+from unison.gradient_sync.contract import StepSync
 from unison.interpose.optimizer_hooks import sync_step_hooks
 from unison.values.variables import DistributedVariable
 
@@ -31,28 +32,28 @@ _SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, Any]] = weakref.WeakKeyDictionary()
 
 
-def attach(param: torch.Tensor, gradient_sync: Any) -> None:
+def attach(param: torch.Tensor, gradient_sync: StepSync) -> None:
     """Marks ``param`` as synchronised by ``gradient_sync`` (found again at ``opt.step()``)."""
     _SYNC_OF[param] = gradient_sync
 
 
-def sync_of(param: torch.Tensor) -> Any:
+def sync_of(param: torch.Tensor) -> StepSync | None:
     """The gradient synchroniser ``param`` was attached to, or None."""
     return _SYNC_OF.get(param)
 
 
-def _gradient_sync_of(optimizer: torch.optim.Optimizer) -> Any:
+def _gradient_sync_of(optimizer: torch.optim.Optimizer) -> StepSync | None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             return _SYNC_OF.get(param)
     return None
 
 
-def _owner_sync(param: torch.Tensor) -> Any:
+def _owner_sync(param: torch.Tensor) -> StepSync | None:
     """The synchroniser of ``param``: attached, or its distributed variable's strategy's (``unison.Variable``)."""
     sync = _SYNC_OF.get(param)
-    if sync is None and isinstance(param, DistributedVariable) and param._strategy is not None:
-        sync = param._strategy.extended.components.gradient_sync
+    if sync is None and isinstance(param, DistributedVariable) and param.distribute_strategy is not None:
+        sync = param.distribute_strategy.extended.components.gradient_sync
     return sync
 
 

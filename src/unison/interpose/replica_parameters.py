@@ -79,7 +79,7 @@ class ReplicaParameters(dict):
         if isinstance(value, DistributedVariable):  # inline, not _replica_of: a forward's every parameter read
             entry = STATE.top()
             context = entry.replica_context if entry is not None else None
-            if context is not None and context.strategy is value._strategy:
+            if context is not None and context.strategy is value.distribute_strategy:
                 replica = context.local_replica_id
                 if self._overlays:  # rare: only while a replica has a parameter replaced
                     own = self._overlays.get(replica)
@@ -87,7 +87,7 @@ class ReplicaParameters(dict):
                         return own[name]
                 component = value.component(replica)
                 if component is value and _in_compiled_region():
-                    _refuse_to_compile(value, name, f"inside replica 0 of {type(value._strategy).__name__}")
+                    _refuse_to_compile(value, name, f"inside replica 0 of {type(value.distribute_strategy).__name__}")
                 return component
             if _in_compiled_region():  # cross-replica: what a read there resolves to, if it is a plain tensor
                 if not isinstance(value, MirroredVariable) or value._cross_replica_value() is value:
@@ -160,7 +160,7 @@ def _refuse_to_compile(variable: DistributedVariable, name: str, where: str) -> 
         f"torch.compile cannot run a module that reads its {type(variable).__name__} {name!r} {where}: "
         f"there it is the tensor subclass itself, which Dynamo/AOTAutograd cannot take as a graph "
         f"input. Call the compiled module inside strategy.run, or run this model uncompiled under "
-        f"{type(variable._strategy).__name__}, or compile it with one replica per process "
+        f"{type(variable.distribute_strategy).__name__}, or compile it with one replica per process "
         f"(MultiWorkerMirroredStrategy with one device per worker, or OneDeviceStrategy)"
     )
 
@@ -169,7 +169,7 @@ def _replica_of(variable: DistributedVariable) -> int | None:
     """This thread's local replica id when it runs a replica of ``variable``'s strategy, else None."""
     entry = STATE.top()
     context = entry.replica_context if entry is not None else None
-    if context is not None and context.strategy is variable._strategy:
+    if context is not None and context.strategy is variable.distribute_strategy:
         return typing.cast(int, context.local_replica_id)
     return None
 

@@ -13,7 +13,8 @@ the tf.distribute semantics (scope, run, reduce, update, ...) once on top of the
   mirrored or central storage, a SyncOnReadVariable) and makes new variables equal on
   every replica and worker;
 - a **gradient sync** (optional) makes ``loss.backward(); opt.step()`` aggregate
-  gradients over replicas and workers (``unison.gradient_sync``);
+  gradients over replicas and workers (``unison.gradient_sync``; its contract,
+  :class:`GradientSync`, lives there, beside the step hooks that call it);
 - **cross-device ops** reduce, broadcast and gather values across replicas and workers
   (``unison.collectives``); across workers they run over a **cross-worker transport**
   (packed gloo/NCCL collectives, or shared memory), chosen once;
@@ -29,7 +30,6 @@ strategies.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -41,6 +41,7 @@ from unison.cluster.resolved import ResolvedCluster
 from unison.collectives.ops.base import CrossDeviceOps
 from unison.collectives.transport.cross_worker import CrossWorkerTransport
 from unison.embeddings.tables.table import NoTables, TableFactory
+from unison.gradient_sync.contract import GradientSync
 from unison.values.aggregation import VariableAggregation, VariableSynchronization
 
 __all__ = [
@@ -86,36 +87,6 @@ class VariablePolicy(Protocol):
 
     def placement(self, variable: Any) -> str | list[str]:
         """Where a variable this policy made lives (``strategy.extended.variable_placement``)."""
-        ...
-
-
-@runtime_checkable
-class GradientSync(Protocol):
-    """Makes ``backward(); opt.step()`` aggregate gradients over replicas and workers."""
-
-    def register(self, param: torch.Tensor) -> None:
-        """Watches a trainable parameter created in scope."""
-        ...
-
-    def finalize(self) -> None:
-        """Called when new parameters got their initial values (e.g. rebuilds buckets)."""
-        ...
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Backward passes inside accumulate without communication."""
-        ...
-
-    @property
-    def overlap_bucket_bytes(self) -> int | None:
-        """The bucket size at which gradients leave while backward runs, else None."""
-        ...
-
-    def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-        """Runs before ``opt.step()``: completes the reduction; may redirect the step."""
-        ...
-
-    def post_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Runs after ``opt.step()``."""
         ...
 
 

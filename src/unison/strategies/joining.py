@@ -58,8 +58,8 @@ def join_like(new: torch.Tensor, old: Any, name: str, kind: str) -> torch.Tensor
     when ``old`` belongs to no strategy (or this thread runs a replica)."""
     if old is None or old is new or not _outside_replicas():
         return None
-    if isinstance(old, DistributedVariable) and old._strategy is not None:
-        extended = old._strategy.extended
+    if isinstance(old, DistributedVariable) and old.distribute_strategy is not None:
+        extended = old.distribute_strategy.extended
         return extended.create_parameter(new, name) if kind == "parameter" else extended.create_buffer(new, name)
     sync = sync_of(old)
     if kind == "parameter" and sync is not None:

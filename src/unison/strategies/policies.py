@@ -90,7 +90,7 @@ class ReplicatedVariablePolicy:
     def wrap_parameter(self, param: nn.Parameter, name: str) -> nn.Parameter | None:
         if self._single is not None:
             return self._single.wrap_parameter(param, name)
-        if isinstance(param, DistributedVariable) and param._strategy is self._strategy:
+        if isinstance(param, DistributedVariable) and param.distribute_strategy is self._strategy:
             return None  # registered again (a tied weight, `b.weight = a.weight`): one variable, not a copy
         variable = MirroredVariable(param.detach().to(torch_device(self._devices[0])), self._strategy, self._devices,
                                     VariableAggregation.NONE, name, requires_grad=param.requires_grad,

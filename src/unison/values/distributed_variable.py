@@ -63,6 +63,11 @@ class DistributedVariable(DistributedValues):
         """Component 0 (called with subclass dispatch disabled): the variable itself by default."""
         return cast(torch.Tensor, self)
 
+    @property
+    def distribute_strategy(self) -> Any:
+        """The strategy this variable belongs to (TensorFlow's ``Variable.distribute_strategy``)."""
+        return self._strategy
+
     # -- components ---------------------------------------------------------------------
     @property
     def values(self) -> tuple[torch.Tensor, ...]:
