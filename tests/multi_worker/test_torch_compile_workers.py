@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import unison
+from tests._oracles import train_averaged_copies
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -136,17 +137,7 @@ def _plain_workers(kind: str, world: int) -> list[list[torch.Tensor]]:
     of the model per worker trains on its shard of each batch, the copies' gradients
     averaged before each (identical) SGD step. Each worker's ``_state``."""
     models = [_make(kind) for _ in range(world)]
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    for x, y in _batches(kind):
-        for model, opt, shard_x, shard_y in zip(models, opts, x.chunk(world), y.chunk(world)):
-            opt.zero_grad()
-            F.cross_entropy(model(shard_x), shard_y).backward()
-        for params in zip(*(m.parameters() for m in models)):
-            mean = sum(p.grad for p in params) / world
-            for p in params:
-                p.grad = mean.clone()
-        for opt in opts:
-            opt.step()
+    train_averaged_copies(models, _batches(kind))
     return [_state(m) for m in models]
 
 

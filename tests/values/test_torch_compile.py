@@ -31,6 +31,7 @@ from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
 import unison
+from tests._oracles import train_averaged_copies
 from unison.errors import UsageError
 from unison.values.variables import DistributedVariable
 
@@ -146,17 +147,7 @@ def _plain_replicas(make: Callable[[], nn.Module], replicas: int) -> list[torch.
     copies' gradients averaged before each (identical) SGD step. As ``_state`` returns
     them: the parameters, then every buffer's replicas in replica order."""
     models = [make() for _ in range(replicas)]
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    for x, y in _batches(make):
-        for model, opt, part_x, part_y in zip(models, opts, x.chunk(replicas), y.chunk(replicas)):
-            opt.zero_grad()
-            F.cross_entropy(model(part_x), part_y).backward()
-        for params in zip(*(m.parameters() for m in models)):
-            mean = sum(p.grad for p in params) / replicas
-            for p in params:
-                p.grad = mean.clone()
-        for opt in opts:
-            opt.step()
+    train_averaged_copies(models, _batches(make))
     return ([p.detach().clone() for p in models[0].parameters()]
             + [b.detach().float().clone() for per_replica in zip(*(m.buffers() for m in models)) for b in per_replica])
 
