@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 part real_models 200 "$PY" -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_real_models_cuda.py
 part cuda_tests 170 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu --deselect tests/gpu/test_real_models_cuda.py \
   tests/input/test_input_iterator.py \
-  tests/collectives/test_gradients.py tests/strategies/test_configuration.py
+  tests/collectives/compat/test_gradients.py tests/strategies/test_configuration.py
 part bench 130 "$PY" benchmarks/gpu.py --rounds "${ROUNDS:-6}" --out "$OUT"
 TAIL=60 part profile 60 "$PY" benchmarks/gpu.py --profile D:mwms,ddp
 part demo 90 "$PY" -m unison.launch --workers 2 examples/digits.py --epochs 3 --checkpoint "$OUT/ck/digits.pt" \

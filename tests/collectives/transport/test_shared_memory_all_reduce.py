@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.collectives import _shared_memory_workers as w
+from tests.collectives.transport import _shared_memory_workers as w
 from tests.multi_worker._workers import check_worker_1_named, single_device_weights
 from unison._testing import run_workers
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.collectives import _hierarchical_workers as h
+from tests.collectives.transport import _hierarchical_workers as h
 from tests.multi_worker import _workers as w
 from unison._testing import run_workers
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unison
-from tests.collectives import _compression_workers as c
+from tests.collectives.transport import _compression_workers as c
 from unison._testing import run_workers
 
 
