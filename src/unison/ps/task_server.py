@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from unison.cluster.env import ps_shared_memory
@@ -181,23 +182,38 @@ class Server:
                     RUNTIME.current = None
 
     def _handle(self, runtime: WorkerRuntime, config: dict, request: Any) -> wire.FunctionResult | wire.FunctionFailed:
+        handler = _WORKER_REQUESTS.get(type(request))
         try:
-            if isinstance(request, wire.BuildDataset):
-                runtime.datasets[request.dataset_id] = build_dataset(request.dataset_fn, config["worker_index"],
-                                                                     config["num_workers"])
-                return wire.FunctionResult(None)
-            if isinstance(request, wire.RunFunction):
-                runtime.begin()
-                fn, args, kwargs = loads_on_worker(request.payload, runtime.resolve)
-                runtime.pull_touched()
-                try:
-                    result = fn(*args, **kwargs)
-                    runtime.client.settle()  # its row pushes are applied before it counts as done
-                    runtime.push_changes()  # only a function that returned changes the ps variables
-                    return wire.FunctionResult(result)
-                finally:
-                    runtime.end()
-            raise wire.ProtocolError(f"malformed worker request {type(request).__name__!r}: expected RunFunction or "
-                                     f"BuildDataset of unison.ps.wire.protocol; is the chief another unison version?")
+            if handler is None:
+                raise wire.ProtocolError(f"malformed worker request {type(request).__name__!r}: expected one of "
+                                         f"{sorted(c.__name__ for c in _WORKER_REQUESTS)} of unison.ps.wire.protocol; "
+                                         f"is the chief another unison version?")
+            return handler(runtime, config, request)
         except Exception as e:  # the coordinator raises it (original type, this traceback)
             return wire.FunctionFailed(e, traceback.format_exc(), isinstance(e, ParameterServerError))
+
+
+def _build_dataset(runtime: WorkerRuntime, config: dict, request: wire.BuildDataset) -> wire.FunctionResult:
+    runtime.datasets[request.dataset_id] = build_dataset(request.dataset_fn, config["worker_index"],
+                                                         config["num_workers"])
+    return wire.FunctionResult(None)
+
+
+def _run_function(runtime: WorkerRuntime, config: dict, request: wire.RunFunction) -> wire.FunctionResult:
+    runtime.begin()
+    fn, args, kwargs = loads_on_worker(request.payload, runtime.resolve)
+    runtime.pull_touched()
+    try:
+        result = fn(*args, **kwargs)
+        runtime.client.settle()  # its row pushes are applied before it counts as done
+        runtime.push_changes()  # only a function that returned changes the ps variables
+        return wire.FunctionResult(result)
+    finally:
+        runtime.end()
+
+
+_WORKER_REQUESTS: dict[type, Callable[[WorkerRuntime, dict, Any], wire.FunctionResult]] = {
+    wire.BuildDataset: _build_dataset,
+    wire.RunFunction: _run_function,
+}
+"""What a worker task does for each request of the chief's session (one handler per message type)."""

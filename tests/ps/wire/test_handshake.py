@@ -67,3 +67,12 @@ def test_a_malformed_request_gets_an_error_naming_it(ps_server):
         assert isinstance(link.request(wire.Ping())[0], wire.Ok)  # the session goes on
     finally:
         link.close()
+
+
+def test_a_malformed_worker_request_gets_an_error_naming_it():
+    from unison.ps.task_server import Server
+
+    reply = Server._handle(None, None, {}, ("run", b"payload"))  # an old positional request  # type: ignore[arg-type]
+    assert isinstance(reply, wire.FunctionFailed) and not reply.lost_ps
+    assert isinstance(reply.error, wire.ProtocolError)
+    assert "malformed worker request 'tuple'" in str(reply.error) and "RunFunction" in str(reply.error)

@@ -44,14 +44,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from unison._state import STATE
 from unison.embeddings.modules.row_updates import install_row_updates, register_table_module
 from unison.embeddings.optim.row_optimizers import RowOptimizer
 from unison.embeddings.tables.bag_layout import BagLayout, bag_layout
 from unison.embeddings.tables.checks import check_table_arguments
 from unison.embeddings.tables.eviction import EvictionPolicy
 from unison.embeddings.tables.initializers import Initializer, normal
-from unison.embeddings.tables.table import LocalTables, Table, TableConfig, TableFactory
+from unison.embeddings.tables.table import Table, TableConfig, TableFactory
+from unison.strategies.current import get_strategy
 
 __all__ = ["DynamicEmbedding"]
 
@@ -260,8 +260,5 @@ def _checked_ids(ids: Any, mode: str | None, offsets: Any, per_sample_weights: A
 
 
 def _tables_of_scope() -> TableFactory:
-    """The ``tables`` component of the strategy whose scope is open (none open: tables in this process)."""
-    top = STATE.top()
-    if top is None:
-        return LocalTables()
-    return top.strategy.extended.components.tables
+    """The ``tables`` component of the current strategy (the default one's outside any scope: this process)."""
+    return get_strategy().extended.components.tables

@@ -25,6 +25,15 @@ class BagLayout:
     weights: torch.Tensor
     num_bags: int
 
+    def pool(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[num_bags, dim]``: each bag's weighted sum of ``rows`` (one row per id, repeats counted)."""
+        pooled = torch.zeros(self.num_bags, rows.shape[1], dtype=rows.dtype)
+        return pooled.index_add_(0, self.bags, rows * self.weights.to(rows.dtype).unsqueeze(1))
+
+    def expand(self, bag_grads: torch.Tensor) -> torch.Tensor:
+        """Each id's gradient from its bag's: ``bag_grads[bags] * weights`` (the adjoint of :meth:`pool`)."""
+        return bag_grads.index_select(0, self.bags) * self.weights.to(bag_grads.dtype).unsqueeze(1)
+
 
 def bag_layout(ids: torch.Tensor, offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None,
                mode: str, dtype: torch.dtype) -> BagLayout:

@@ -235,15 +235,12 @@ class LocalTable:
 
     def pooled_lookup(self, layout: BagLayout, create: bool) -> torch.Tensor:
         """``[num_bags, dim]``: each bag's weighted sum of rows (repeats counted)."""
-        rows = self.lookup(layout.ids, create=create)
-        pooled = torch.zeros(layout.num_bags, self._dim, dtype=self._dtype)
-        return pooled.index_add_(0, layout.bags, rows * layout.weights.to(rows.dtype).unsqueeze(1))
+        return layout.pool(self.lookup(layout.ids, create=create))
 
     def push_bags(self, bags: tuple[BagLayout, torch.Tensor], optimizer: RowOptimizer) -> None:
         """:meth:`push` with each id's gradient made from its bag's: ``bag_grads[bags] * weights``."""
         layout, bag_grads = bags
-        grads = bag_grads.index_select(0, layout.bags) * layout.weights.to(bag_grads.dtype).unsqueeze(1)
-        self.push(layout.ids, grads, optimizer)
+        self.push(layout.ids, layout.expand(bag_grads), optimizer)
 
     def stats(self) -> list[tuple[int, int]]:
         """One place: (rows, bytes)."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from unison.embeddings.optim.row_optimizers import RowOptimizer
+from unison.embeddings.tables.bag_layout import BagLayout
 from unison.embeddings.tables.table import TableConfig
 
 __all__ = ["TableShards"]
@@ -98,14 +99,12 @@ class TableShards:
         entry = self._entry(key)
         with entry.lock:
             rows = entry.table.lookup(ids, create=create)
-        pooled = torch.zeros(num_bags, entry.config.embedding_dim, dtype=entry.config.dtype)
-        return pooled.index_add_(0, bags, rows * weights.to(rows.dtype).unsqueeze(1))
+        return BagLayout(ids, bags, weights, num_bags).pool(rows)
 
     def push_bags(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor,
                   bag_grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """:meth:`push` with each id's gradient made here from its bag's: ``bag_grads[bags] * weights``."""
-        grads = bag_grads.index_select(0, bags) * weights.to(bag_grads.dtype).unsqueeze(1)
-        self.push(key, ids, grads, optimizer)
+        self.push(key, ids, BagLayout(ids, bags, weights, bag_grads.shape[0]).expand(bag_grads), optimizer)
 
     def export(self, key: str) -> dict[str, Any]:
         """The shard's rows (a checkpoint's part)."""

@@ -26,9 +26,9 @@ import torch
 
 from unison.coordinator.channel import Channel, connect
 from unison.errors import ParameterServerError
-from unison.ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, decode, dumps_header, pickled, unpickled
+from unison.ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, decode, dumps_header
 
-__all__ = ["TensorLink", "open_link", "set_nodelay", "pickled", "unpickled"]
+__all__ = ["TensorLink", "open_link", "set_nodelay"]
 
 
 def set_nodelay(channel: Channel) -> None:

@@ -100,15 +100,14 @@ class RemoteTable:
     def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of distinct ``ids``, ``[n, dim]``; missing rows are made when ``create``, and
         each id counted by its ``occurrences`` (default once)."""
-        unique = ids
         if occurrences is None:
-            occurrences = torch.ones_like(unique)
+            occurrences = torch.ones_like(ids)
         self.traffic["rows"] += 1
-        positions = self._split(unique)
+        positions = self._split(ids)
         asked = {k: where for k, where in enumerate(positions) if where.numel()}
-        replies = self._client().exchange({k: (wire.TableRows(self.key, create), [unique[where], occurrences[where]],
+        replies = self._client().exchange({k: (wire.TableRows(self.key, create), [ids[where], occurrences[where]],
                                                None) for k, where in asked.items()})
-        rows = torch.empty(unique.numel(), self.config.embedding_dim, dtype=self.config.dtype)
+        rows = torch.empty(ids.numel(), self.config.embedding_dim, dtype=self.config.dtype)
         for k, where in asked.items():
             rows[where] = replies[k][0]
         return rows
