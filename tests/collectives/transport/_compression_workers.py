@@ -40,7 +40,7 @@ def train(rank: int, world: int, compression: str, scale: float = 1.0):
         opt.step()
     sync = strategy.extended.components.gradient_sync
     return {"weights": [p.detach().clone() for p in model.parameters()],
-            "compressed_buckets": sum(b.wire is not None for b in sync._buckets),
+            "compressed_buckets": len(getattr(sync.bucket_transport, "_wires", {})),
             "shared_buckets": sum(sync.buckets_in_shared_memory)}
 
 

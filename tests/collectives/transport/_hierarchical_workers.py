@@ -52,7 +52,7 @@ def reduce_batches(rank: int, world: int, implementation: str, hosts: list[str] 
     return {
         "sums": sums, "means": means, "hierarchical": hierarchical,
         "shared": hierarchical and transport.shared_memory.available and bool(transport.shared_memory._segments),
-        "across_hosts": None if not hierarchical else "columns" if transport._column is not None else "leaders",
+        "across_hosts": None if not hierarchical else "columns" if transport.share._column is not None else "leaders",
     }
 
 

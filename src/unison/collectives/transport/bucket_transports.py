@@ -40,7 +40,6 @@ import torch.distributed as dist
 from unison.collectives.group.worker_control import WorkerControl
 from unison.collectives.transport.compression import Compressor
 from unison.collectives.transport.powersgd import PowerSGDReducer
-from unison.collectives.transport.shared_memory import SharedSegment
 
 __all__ = [
     "GradientBucket",
@@ -69,7 +68,10 @@ class HandOut(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class GradientBucket:
-    """One bucket: its parameters, their gradients' views of ``flat``, and the transport's state.
+    """One bucket: its parameters, their gradients' views of ``flat``, and the synchroniser's record of it.
+
+    What a transport keeps per bucket (a shared segment, a compressed copy) is its own,
+    keyed by the bucket (``plan`` starts it afresh whenever the buckets are rebuilt).
 
     ``flat`` holds the gradients' elements, then one flag per parameter (1 where this worker
     has a gradient for it), summed with them: a parameter whose flags sum to zero got no
@@ -78,15 +80,9 @@ class GradientBucket:
 
     params: list[torch.Tensor]
     views: list[torch.Tensor]  # one view of `flat` per parameter, in its shape: made once, reused every step
-    flat: torch.Tensor  # in shared memory: this worker's input slot of `segment`
+    flat: torch.Tensor  # this worker's gradients, then its flags (a transport may move it: plan)
     grads: list[torch.Tensor] = dataclasses.field(default_factory=list)  # reads_gradients: this step's gradients
     work: Any = None  # the launched collective (shared memory: "every worker wrote its slot")
-    segment: SharedSegment | None = None
-    results: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per parameter, views of segment.result
-    across: list[Any] = dataclasses.field(default_factory=list)  # pipelined: the works adding it across hosts
-    wire: torch.Tensor | None = None  # compression: what travels (flat in the half type), reused
-    halves: Any = None  # a small bucket summed whole by every worker (``shared_buckets._Halves``)
-    written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
     # Kept by the gradient synchroniser (one record per bucket, as DDP's reducer keeps):
     ready: int = 0  # this backward pass's gradients counted in so far
     plain: bool = False  # every parameter is a plain tensor (not a distributed variable)
@@ -132,6 +128,11 @@ class BucketTransport(abc.ABC):
         """Whether ``launch`` takes the gradient tensors themselves (``bucket.grads``), not a filled ``flat``."""
         return False
 
+    @property
+    def in_shared_memory(self) -> bool:
+        """Whether the buckets live in files the workers of a host share (diagnostics)."""
+        return False
+
     def default_bucket_bytes(self) -> int:
         """The bucket size used when the user asked for none."""
         return DEFAULT_BUCKET_BYTES
@@ -154,6 +155,10 @@ class BucketTransport(abc.ABC):
     def sums(self, bucket: GradientBucket) -> torch.Tensor:
         """The bucket's reduced flat (gradients, then the flags' sums)."""
         return bucket.flat
+
+    def sum_views(self, bucket: GradientBucket) -> list[torch.Tensor]:
+        """Per parameter, a view of its reduced gradient in :meth:`sums` (in its shape)."""
+        return bucket.views
 
     def used_sums(self, bucket: GradientBucket) -> list[float]:
         """The flags summed over the workers."""
@@ -186,29 +191,36 @@ class CompressedBuckets(BucketTransport):
     def __init__(self, control: WorkerControl, compressor: Compressor):
         self._control = control
         self._compressor = compressor
+        self._wires: dict[GradientBucket, torch.Tensor] = {}  # what travels: the flat in the half type, reused
 
     @property
     def overlaps_backward(self) -> bool:
         return True
+
+    def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
+        self._wires = {}
+        return self
 
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
         flat, compressor = bucket.flat, self._compressor
         if not compressor.compresses(flat):
             bucket.work = self._control.launch(OPERATION, dist.all_reduce, flat)
             return
-        if bucket.wire is None:
-            bucket.wire = torch.empty(flat.shape, dtype=compressor.wire_dtype, device=flat.device)
-        bucket.work = self._control.launch(OPERATION, dist.all_reduce, compressor.to_wire(flat, out=bucket.wire))
+        wire = self._wires.get(bucket)
+        if wire is None:
+            wire = self._wires[bucket] = torch.empty(flat.shape, dtype=compressor.wire_dtype, device=flat.device)
+        bucket.work = self._control.launch(OPERATION, dist.all_reduce, compressor.to_wire(flat, out=wire))
 
     def finish(self, buckets: list[GradientBucket]) -> None:
         for bucket in buckets:
             self._control.wait(bucket.work, OPERATION)
-            if bucket.wire is None or not self._compressor.compresses(bucket.flat):
+            wire = self._wires.get(bucket)
+            if wire is None or not self._compressor.compresses(bucket.flat):
                 continue
-            if self._compressor.overflowed(bucket.wire):  # every worker holds this very sum: all redo it
+            if self._compressor.overflowed(wire):  # every worker holds this very sum: all redo it
                 self._control.call(OPERATION, dist.all_reduce, bucket.flat)  # flat still holds this worker's share
             else:
-                bucket.flat.copy_(bucket.wire)
+                bucket.flat.copy_(wire)
 
 
 @typing.final

@@ -29,15 +29,13 @@ files, where a full bucket only announces itself and the transport completes the
 from __future__ import annotations
 
 import abc
-import datetime
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from unison.collectives.group.process_group import WorkerGroup
 from unison.collectives.group.worker_control import WorkerControl
 from unison.collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
 from unison.collectives.transport.bucket_transports import (
@@ -47,11 +45,11 @@ from unison.collectives.transport.bucket_transports import (
     PowerSGDBuckets,
 )
 from unison.collectives.transport.compression import Compressor
+from unison.collectives.transport.host_share import BATCH_OPERATION, HostsShare, OneHostShare
 from unison.collectives.transport.packed_all_reduce import PackedAllReduce
 from unison.collectives.transport.powersgd import PowerSGDReducer
 from unison.collectives.transport.shared_buckets import ONE_SHOT_BYTES, PipelinedHostBuckets, SharedMemoryBuckets
-from unison.collectives.transport.shared_memory import SharedMemoryAllReduce, SharedSegment
-from unison.collectives.transport.shm_signals import WRITTEN
+from unison.collectives.transport.shared_memory import SharedMemoryAllReduce
 
 __all__ = [
     "CrossWorkerTransport",
@@ -63,8 +61,6 @@ __all__ = [
     "choose_transport",
 ]
 
-_OPERATION = "batch all-reduce"
-_BUCKETS = "gradient all-reduce"
 
 
 @runtime_checkable
@@ -110,8 +106,8 @@ class PackedTransport(_OverTheGroup):
             return []
         control = self._control
         return self._packed(
-            tensors, control.device, lambda pack: control.launch(_OPERATION, dist.all_reduce, pack),
-            lambda work: control.wait(work, _OPERATION), divisor,
+            tensors, control.device, lambda pack: control.launch(BATCH_OPERATION, dist.all_reduce, pack),
+            lambda work: control.wait(work, BATCH_OPERATION), divisor,
         )
 
 
@@ -122,41 +118,23 @@ class SharedMemoryTransport:
     def __init__(self, control: WorkerControl, bytes_per_pack: int):
         self._control = control
         self._fallback = PackedTransport(control, bytes_per_pack)
-        self._engine: SharedMemoryAllReduce | None = None
-        self._summed = torch.zeros(1, dtype=torch.int32)
+        self.share = OneHostShare(control)
 
     def bucket_transport(self) -> BucketTransport:
-        return SharedMemoryBuckets(self._control, self, one_shot_bytes=ONE_SHOT_BYTES)
-
-    def announce(self, flag: torch.Tensor) -> Any:
-        return _announce(self.shared_memory, lambda: self._control.launch(_BUCKETS, dist.all_reduce, flag))
-
-    def complete(self, segments: list[SharedSegment]) -> None:
-        if self.shared_memory.signals is not None:
-            self.shared_memory.sync(_BUCKETS)
-        else:
-            self._control.call(_BUCKETS, dist.all_reduce, self._summed)
+        return SharedMemoryBuckets(self._control, self.share, one_shot_bytes=ONE_SHOT_BYTES)
 
     @property
     def shared_memory(self) -> SharedMemoryAllReduce:
         """The engine (made on first use, when the group forms)."""
-        if self._engine is None:
-            control = self._control
-            self._engine = SharedMemoryAllReduce(
-                control.rank, control.world_size, lambda: control.barrier(f"{_OPERATION} (shared memory)"),
-                lambda values: control.broadcast_ints(values, "shared-memory setup"),
-                lambda value: control.agree_min(value, "shared-memory setup"),
-                signal_group=lambda: control.group,
-            )
-        return self._engine
+        return self.share.shared_memory
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
-        return _through_shared_memory(self.shared_memory, self._fallback, tensors, divisor, check)
+        return _through_shared_memory(self.share.shared_memory, self._fallback, tensors, divisor, check)
 
 
 @typing.final
 class HierarchicalTransport:
-    """Shared memory within each host, one gloo all-reduce between the hosts' leaders.
+    """Shared memory within each host, the hosts' sums added across hosts (``host_share.HostsShare``).
 
     Args:
         control: the whole group's plumbing (the per-call check, the fallback agreement).
@@ -166,126 +144,19 @@ class HierarchicalTransport:
 
     def __init__(self, control: WorkerControl, hosts: Sequence[str], bytes_per_pack: int):
         self._control = control
-        self._hosts = tuple(hosts)
         self._fallback = PackedTransport(control, bytes_per_pack)
-        self._engine: SharedMemoryAllReduce | None = None
-        self._local: WorkerControl | None = None
-        self._leaders: WorkerControl | None = None  # None on workers that do not lead their host
-        self._column: WorkerControl | None = None  # this local rank on every host (equal hosts only)
-
-    def _groups(self) -> None:
-        """Forms every host's group, and the groups across hosts (collectives: every worker, same order).
-
-        Hosts with equally many workers get one group per local rank (a "column" across
-        the hosts); otherwise one group of the hosts' leaders.
-        """
-        group = self._control.group
-        order = list(dict.fromkeys(self._hosts))  # hosts in the order of their first rank
-        members = {host: [r for r, h in enumerate(self._hosts) if h == host] for host in order}
-        timeout = datetime.timedelta(seconds=group.timeout)
-        mine = self._hosts[group.rank]
-        for host in order:
-            ranks = members[host]
-            handle = dist.new_group(ranks, timeout=timeout, backend=group.backend)
-            if host == mine:
-                self._local = WorkerControl(_subgroup(group, handle, ranks), self._control.device)
-        sizes = {len(ranks) for ranks in members.values()}
-        columns = ([[members[host][j] for host in order] for j in range(sizes.pop())] if len(sizes) == 1
-                   else [[members[host][0] for host in order]])  # fmt: skip
-        for ranks in columns:
-            handle = dist.new_group(ranks, timeout=timeout, backend=group.backend)
-            if group.rank in ranks:
-                control = WorkerControl(_subgroup(group, handle, ranks), self._control.device)
-                if len(columns) > 1:
-                    self._column = control
-                else:
-                    self._leaders = control
-
-    @property
-    def _host(self) -> WorkerControl:
-        """This host's workers' plumbing (the groups form on first use)."""
-        if self._local is None:
-            self._groups()
-        return typing.cast(WorkerControl, self._local)  # every worker belongs to its host's group
+        self.share = HostsShare(control, hosts)
 
     @property
     def shared_memory(self) -> SharedMemoryAllReduce:
         """The engine of this host's workers (made on first use, when the group forms)."""
-        if self._engine is None:
-            local, control = self._host, self._control
-            self._engine = SharedMemoryAllReduce(
-                local.rank, local.world_size, lambda: local.barrier(f"{_OPERATION} (host)"),
-                lambda values: local.broadcast_ints(values, "shared-memory setup"),
-                lambda value: control.agree_min(value, "shared-memory setup"),  # all hosts, or none
-                after_sums=self._add_across_hosts, signal_group=lambda: local.group,
-            )
-        return self._engine
+        return self.share.shared_memory
 
     def bucket_transport(self) -> BucketTransport:
-        return PipelinedHostBuckets(self._control, self)
-
-    @property
-    def slices_cross_hosts(self) -> bool:
-        """Whether each worker adds its own slice across hosts (equal hosts: columns), not leaders.
-
-        Forms the groups on first use (a collective: every worker asks at the same point).
-        """
-        self._host  # noqa: B018 - the groups exist from here on
-        return self._column is not None
-
-    def start_across_hosts(self, segment: SharedSegment) -> list[Any]:
-        """Starts adding this worker's summed slice of ``segment`` across hosts (columns only).
-
-        Returns the collective's works; ``finish_across_hosts`` waits for them. The
-        gradient buckets call it bucket by bucket while backward goes on, so the trip
-        between hosts overlaps the rest of backward as DDP's all-reduce does.
-        """
-        engine, column = self.shared_memory, self._column
-        assert column is not None, "start_across_hosts needs equal hosts (slices_cross_hosts)"
-        start, end = engine.my_slice(segment.result.numel())
-        if end <= start:
-            return []
-        return [column.launch(_OPERATION, dist.all_reduce, segment.result[start:end])]
-
-    def finish_across_hosts(self, works: list[Any]) -> None:
-        """Waits for the works of ``start_across_hosts``, then until every slice on this host is final."""
-        self._wait_across(works)
-        self.shared_memory.sync(f"{_BUCKETS} (host)")
-
-    def _wait_across(self, works: list[Any]) -> None:
-        column = self._column
-        assert column is not None, "only equal hosts add slices across hosts (slices_cross_hosts)"
-        for work in works:
-            column.wait(work, f"{_OPERATION} (between hosts)")
-
-    def _add_across_hosts(self, segments: list[SharedSegment]) -> None:
-        """Adds the hosts' sums (called by every worker once it summed its slices).
-
-        Columns: this worker all-reduces its own slice of every result with the workers
-        of its local rank on the other hosts. Leaders: once the host's sums are complete,
-        its leader all-reduces them whole. The caller then synchronises the host.
-        """
-        engine, column = self.shared_memory, self._column
-        if column is not None:
-            self._wait_across([work for segment in segments for work in self.start_across_hosts(segment)])
-            return
-        self._host  # noqa: B018 - the groups exist from here on
-        engine.sync(f"{_OPERATION} (host)")
-        leaders = self._leaders
-        if leaders is not None:
-            works = [leaders.launch(_OPERATION, dist.all_reduce, segment.result) for segment in segments]
-            for work in works:
-                leaders.wait(work, f"{_OPERATION} (between hosts)")
-
-    def announce(self, flag: torch.Tensor) -> Any:
-        return _announce(self.shared_memory, lambda: self._host.launch(_BUCKETS, dist.all_reduce, flag))
-
-    def complete(self, segments: list[SharedSegment]) -> None:
-        self._add_across_hosts(segments)
-        self.shared_memory.sync(f"{_BUCKETS} (host)")
+        return PipelinedHostBuckets(self._control, self.share)
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
-        return _through_shared_memory(self.shared_memory, self._fallback, tensors, divisor, check)
+        return _through_shared_memory(self.share.shared_memory, self._fallback, tensors, divisor, check)
 
 
 def _through_shared_memory(engine: SharedMemoryAllReduce, fallback: PackedTransport, tensors: list[torch.Tensor],
@@ -297,33 +168,6 @@ def _through_shared_memory(engine: SharedMemoryAllReduce, fallback: PackedTransp
             return reduced
         return fallback.all_reduce(tensors, divisor, lambda: None)  # the check has run
     return fallback.all_reduce(tensors, divisor, check)
-
-
-class _Posted:
-    """A work handle for 'every worker of the host posted this bucket': waits on the shared counters."""
-
-    def __init__(self, engine: SharedMemoryAllReduce, count: int):
-        self._engine, self._count = engine, count
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        signals = self._engine.signals
-        assert signals is not None
-        signals.wait(WRITTEN, self._count, timeout.total_seconds() if timeout is not None else None)
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether every worker of the host posted this bucket (without waiting), as a work's ``is_completed``."""
-        signals = self._engine.signals
-        assert signals is not None
-        return signals.reached(WRITTEN, self._count)
-
-
-def _announce(engine: SharedMemoryAllReduce, through_group: Callable[[], Any]) -> Any:
-    """Says that this worker's slot of the next bucket is written: a shared counter, else a tiny collective."""
-    signals = engine.signals
-    if signals is None:
-        return through_group()
-    return _Posted(engine, signals.post(WRITTEN))
 
 
 @typing.final
@@ -381,12 +225,6 @@ class PowerSGDTransport(_OverTheGroup):
 
 def _checked() -> None:
     """The per-call check already ran."""
-
-
-def _subgroup(group: WorkerGroup, handle: Any, ranks: list[int]) -> WorkerGroup:
-    """A WorkerGroup for a subgroup of ``group``: its own rank, names and process group handle."""
-    return WorkerGroup(handle, None, ranks.index(group.rank), len(ranks), [group.names[r] for r in ranks],
-                       group.backend, group.timeout, group.liveness, group.restart_advice)
 
 
 def choose_transport(control: WorkerControl, options: CommunicationOptions, backend: str,

@@ -38,8 +38,8 @@ wait instead of two (a reduce-scatter's barrier, then the all-gather's), for one
 bytes that fit a core's cache. Above it, each worker sums its slice, so the work divides."""
 
 
-class _SharedFile(typing.Protocol):
-    """What the shared-memory bucket transports need of their cross-worker transport."""
+class _HostShare(typing.Protocol):
+    """What the shared-memory bucket transports are given: the host's files and signals (``host_share.py``)."""
 
     @property
     def shared_memory(self) -> SharedMemoryAllReduce: ...
@@ -73,21 +73,39 @@ class _Halves:
             self.sums.add_(more)
 
 
-def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket], one_shot_bytes: int = 0) -> bool:
-    """Moves every bucket's flat into a slot of a shared file; False (nothing moved) where the workers cannot share one.
+@dataclasses.dataclass(eq=False)
+class _InSharedFile:
+    """A bucket's place in the shared files: its segment, the views of its sums, and the transport's per-step state."""
+
+    segment: SharedSegment
+    results: list[torch.Tensor]  # per parameter, views of the sums (the segment's result, or the halves' sums)
+    halves: _Halves | None = None  # a small bucket summed whole by every worker
+    written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
+    across: list[Any] = dataclasses.field(default_factory=list)  # pipelined: the works adding it across hosts
+
+    @property
+    def sums(self) -> torch.Tensor:
+        """The reduced flat (gradients, then the flags' sums)."""
+        return self.halves.sums if self.halves is not None else self.segment.result
+
+
+def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket],
+                        one_shot_bytes: int = 0) -> dict[GradientBucket, _InSharedFile] | None:
+    """Moves every bucket's flat into a slot of a shared file; None (nothing moved) where the workers cannot share one.
 
     A bucket of at most ``one_shot_bytes`` (on a host of two workers or more) gets two
     slots per worker, used in turn, and is summed whole by each (:class:`_Halves`)."""
     if not engine.available or not buckets or any(not b.flat.is_cpu or b.flat.numel() == 0 for b in buckets):
-        return False
+        return None
     whole = [engine.world_size > 1 and b.flat.numel() * b.flat.element_size() <= one_shot_bytes for b in buckets]
     segments = []
-    for bucket, halves in zip(buckets, whole):
+    for bucket, halves in zip(buckets, whole, strict=True):
         segment = engine.new_segment(bucket.flat.dtype, bucket.flat.numel() * (2 if halves else 1))
         if segment is None:
-            return False  # the workers cannot share memory: every bucket stays on the group
+            return None  # the workers cannot share memory: every bucket stays on the group
         segments.append(segment)
-    for bucket, segment, halves in zip(buckets, segments, whole):
+    placed = {}
+    for bucket, segment, halves in zip(buckets, segments, whole, strict=True):
         slot = engine.my_slot(segment)
         slot.zero_()
         size, numel = bucket.size, bucket.flat.numel()
@@ -95,14 +113,13 @@ def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBuc
             inputs = [[peer[h * numel:(h + 1) * numel] for peer in segment.inputs] for h in (0, 1)]
             mine = [inputs[h][engine.rank] for h in (0, 1)]
             sums = torch.zeros(numel, dtype=bucket.flat.dtype)
-            bucket.halves = _Halves(inputs, mine, [views_of(flat[:size], bucket.params) for flat in mine], sums)
-            bucket.flat, bucket.views, bucket.segment = mine[0], bucket.halves.views[0], segment
-            bucket.results = views_of(sums[:size], bucket.params)
+            pair = _Halves(inputs, mine, [views_of(flat[:size], bucket.params) for flat in mine], sums)
+            bucket.flat, bucket.views = mine[0], pair.views[0]
+            placed[bucket] = _InSharedFile(segment, views_of(sums[:size], bucket.params), pair)
         else:
-            bucket.halves = None
-            bucket.flat, bucket.views, bucket.segment = slot, views_of(slot[:size], bucket.params), segment
-            bucket.results = views_of(segment.result[:size], bucket.params)
-    return True
+            bucket.flat, bucket.views = slot, views_of(slot[:size], bucket.params)
+            placed[bucket] = _InSharedFile(segment, views_of(segment.result[:size], bucket.params))
+    return placed
 
 
 @typing.final
@@ -118,10 +135,11 @@ class SharedMemoryBuckets(BucketTransport):
     :class:`AllReduceBuckets` where the workers cannot share a file.
     """
 
-    def __init__(self, control: WorkerControl, shared: _SharedFile, one_shot_bytes: int = 0):
+    def __init__(self, control: WorkerControl, share: _HostShare, one_shot_bytes: int = 0):
         self._control = control
-        self._shared = shared
+        self._share = share
         self._one_shot_bytes = one_shot_bytes
+        self._placed: dict[GradientBucket, _InSharedFile] = {}
 
     @property
     def overlaps_backward(self) -> bool:
@@ -131,45 +149,57 @@ class SharedMemoryBuckets(BucketTransport):
     def hand_out(self) -> HandOut:
         return HandOut.COPIES  # a peer zeroing its gradients in place must not zero the shared result
 
+    @property
+    def in_shared_memory(self) -> bool:
+        return True
+
     def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
-        if _into_shared_memory(self._shared.shared_memory, buckets, self._one_shot_bytes):
-            return self
-        return AllReduceBuckets(self._control)
+        placed = _into_shared_memory(self._share.shared_memory, buckets, self._one_shot_bytes)
+        if placed is None:
+            return AllReduceBuckets(self._control)
+        self._placed = placed
+        return self
+
+    def adopt(self, placed: dict[GradientBucket, _InSharedFile]) -> SharedMemoryBuckets:
+        """Carries buckets another shared-memory transport already placed (the hierarchical one's fallback)."""
+        self._placed = placed
+        return self
 
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
-        bucket.work = self._shared.announce(bucket.written)
+        bucket.work = self._share.announce(self._placed[bucket].written)
 
     def finish(self, buckets: list[GradientBucket]) -> None:
-        engine = self._shared.shared_memory
+        engine = self._share.shared_memory
         for bucket in buckets:
             self._control.wait(bucket.work, OPERATION)
         sliced = []
         for bucket in buckets:
-            halves = bucket.halves
+            placed = self._placed[bucket]
+            halves = placed.halves
             if halves is None:
-                segment = typing.cast(SharedSegment, bucket.segment)
-                engine.sum_my_slice(segment)
-                sliced.append(segment)
+                engine.sum_my_slice(placed.segment)
+                sliced.append(placed.segment)
             else:
                 halves.add_up()
                 turn = halves.turn = halves.turn ^ 1  # the next step writes the other half
                 bucket.flat, bucket.views = halves.flats[turn], halves.views[turn]
         if sliced:
-            self._shared.complete(sliced)
+            self._share.complete(sliced)
 
     def sums(self, bucket: GradientBucket) -> torch.Tensor:
-        if bucket.halves is not None:
-            return bucket.halves.sums
-        return typing.cast(SharedSegment, bucket.segment).result
+        return self._placed[bucket].sums
+
+    def sum_views(self, bucket: GradientBucket) -> list[torch.Tensor]:
+        return self._placed[bucket].results
 
     @property
     def shared_counters(self) -> bool:
         """Whether the workers signal through counters in the shared file (else tiny collectives; diagnostics)."""
-        return self._shared.shared_memory.signals is not None
+        return self._share.shared_memory.signals is not None
 
 
 class _AcrossHosts(typing.Protocol):
-    """What the hierarchical bucket transport needs: the shared file, and sending a host's slice across hosts."""
+    """What the hierarchical bucket transport is given: the host's files, and sending a slice across hosts."""
 
     @property
     def shared_memory(self) -> SharedMemoryAllReduce: ...
@@ -202,6 +232,7 @@ class PipelinedHostBuckets(BucketTransport):
         self._control = control
         self._hosts = hosts
         self._buckets: list[GradientBucket] = []
+        self._placed: dict[GradientBucket, _InSharedFile] = {}
         self._launched = 0
         self._started = 0
         self.started_during_backward = 0
@@ -215,6 +246,10 @@ class PipelinedHostBuckets(BucketTransport):
     def hand_out(self) -> HandOut:
         return HandOut.COPIES
 
+    @property
+    def in_shared_memory(self) -> bool:
+        return True
+
     def default_bucket_bytes(self) -> int:
         """Smaller buckets where they cross hosts during backward: more of the trip overlaps.
         (Forms the host groups on first use: a collective, asked where the buckets are built.)"""
@@ -223,16 +258,16 @@ class PipelinedHostBuckets(BucketTransport):
     def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
         if not self._hosts.slices_cross_hosts:
             return SharedMemoryBuckets(self._control, self._hosts).plan(buckets)
-        engine = self._hosts.shared_memory
-        if not _into_shared_memory(engine, buckets):
+        placed = _into_shared_memory(self._hosts.shared_memory, buckets)
+        if placed is None:
             return AllReduceBuckets(self._control)
-        if engine.signals is None:
-            return SharedMemoryBuckets(self._control, self._hosts)
-        self._buckets, self._launched, self._started = buckets, 0, 0
+        if self._hosts.shared_memory.signals is None:
+            return SharedMemoryBuckets(self._control, self._hosts).adopt(placed)
+        self._buckets, self._placed, self._launched, self._started = buckets, placed, 0, 0
         return self
 
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
-        bucket.work = self._hosts.announce(bucket.written)
+        bucket.work = self._hosts.announce(self._placed[bucket].written)
         self._launched += 1
 
     def poll(self) -> None:
@@ -243,22 +278,26 @@ class PipelinedHostBuckets(BucketTransport):
             self._start_across(bucket)
 
     def _start_across(self, bucket: GradientBucket) -> None:
-        segment = typing.cast(SharedSegment, bucket.segment)
-        self._hosts.shared_memory.sum_my_slice(segment)
-        bucket.across = self._hosts.start_across_hosts(segment)
+        placed = self._placed[bucket]
+        self._hosts.shared_memory.sum_my_slice(placed.segment)
+        placed.across = self._hosts.start_across_hosts(placed.segment)
         self._started += 1
 
     def finish(self, buckets: list[GradientBucket]) -> None:
         self.started_during_backward = self._started
+        placed = [self._placed[bucket] for bucket in buckets]
         try:
             for bucket in buckets[self._started:]:
                 self._control.wait(bucket.work, OPERATION)
                 self._start_across(bucket)
-            self._hosts.finish_across_hosts([work for bucket in buckets for work in bucket.across])
+            self._hosts.finish_across_hosts([work for one in placed for work in one.across])
         finally:
             self._launched = self._started = 0
-            for bucket in buckets:
-                bucket.across = []
+            for one in placed:
+                one.across = []
 
     def sums(self, bucket: GradientBucket) -> torch.Tensor:
-        return typing.cast(SharedSegment, bucket.segment).result
+        return self._placed[bucket].segment.result
+
+    def sum_views(self, bucket: GradientBucket) -> list[torch.Tensor]:
+        return self._placed[bucket].results

@@ -90,7 +90,7 @@ def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: se
         return
     targets, sources = [], []
     sums: list[float] | None = None
-    for k, (param, result) in enumerate(zip(bucket.params, bucket.results)):
+    for k, (param, result) in enumerate(zip(bucket.params, transport.sum_views(bucket), strict=True)):
         grad = param.grad
         if id(param) in sparse:
             continue

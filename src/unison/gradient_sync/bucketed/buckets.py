@@ -142,7 +142,7 @@ class BucketedGradientSync:
     @property
     def buckets_in_shared_memory(self) -> list[bool]:
         """For each bucket, whether it lives in shared memory (for tests and diagnostics)."""
-        return [bucket.segment is not None for bucket in self._buckets]
+        return [self._transport.in_shared_memory] * len(self._buckets)
 
     @property
     def bucket_transport(self) -> BucketTransport:
