@@ -272,3 +272,39 @@ def test_reduction_to_one_device_packs_a_batch_with_the_same_numbers_as_one_valu
         assert reduced.values[0].data_ptr() != reduced.values[1].data_ptr()  # every destination has its own copy
     # the float32 values travelled in one buffer (the packed path), not one by one
     assert batch[0].values[0].untyped_storage().data_ptr() == batch[2].values[0].untyped_storage().data_ptr()
+
+
+def test_reduction_to_one_device_offers_its_in_place_reduction_only_where_it_equals_its_own():
+    """The in-place replica reduction is the op's own method: offered for CPU replicas with the
+    default sum, never for a sum of the user's, another device, GPUs, or a subclass that
+    reduces its own way (whose reduction must run)."""
+    from unison.collectives.ops.in_place_reduction import InPlaceReduction
+    from unison.collectives.ops.local import ReductionToOneDevice
+    from unison.reduce import ReduceOp
+
+    cpus = ["cpu:0", "cpu:1"]  # canonical, as a strategy passes them
+    assert isinstance(ReductionToOneDevice().in_place_reduction(ReduceOp.MEAN, cpus), InPlaceReduction)
+    assert isinstance(ReductionToOneDevice(reduce_to_device=cpus[1]).in_place_reduction(ReduceOp.SUM, cpus),
+                      InPlaceReduction)
+    assert ReductionToOneDevice(accumulation_fn=sum).in_place_reduction(ReduceOp.MEAN, cpus) is None
+    assert ReductionToOneDevice(reduce_to_device="cpu:7").in_place_reduction(ReduceOp.MEAN, cpus) is None
+    assert unison.AllReduceCrossDeviceOps().in_place_reduction(ReduceOp.MEAN, cpus) is None
+
+    calls = []
+
+    class Counting(ReductionToOneDevice):
+        def _batch_reduce(self, reduce_op, pairs):
+            calls.append(len(pairs))
+            return super()._batch_reduce(reduce_op, pairs)
+
+    assert Counting().in_place_reduction(ReduceOp.MEAN, cpus) is None
+    strategy = unison.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=Counting())
+    with strategy.scope():
+        layer = torch.nn.Linear(3, 2)
+
+    def step(x):
+        layer(x).sum().backward()
+
+    strategy.run(step, args=(unison.PerReplica([torch.ones(2, 3), 2 * torch.ones(2, 3)]),))
+    assert calls, "a subclass's own reduction runs"
+    assert torch.allclose(layer.weight.grad, torch.full((2, 3), 3.0))  # mean of 2 and 4 per element

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from unison.collectives.ops.in_place_reduction import InPlaceReduction
 from unison.devices import canonicalize_all, torch_device
 from unison.reduce import ReduceOp
 from unison.values.values import DistributedValues, Mirrored, PerReplica
@@ -106,6 +107,16 @@ class CrossDeviceOps(abc.ABC):
     def agree(self, local_has_data: bool) -> bool:
         """True only if every worker has data for this step (one worker: the local answer)."""
         return local_has_data
+
+    def in_place_reduction(self, reduce_op: ReduceOp, devices: Sequence[str]) -> InPlaceReduction | None:
+        """A reduction of replicas' gradients into the gradients themselves that equals this op's, or None.
+
+        The replicas on ``devices`` (one worker's, in replica order) share its memory; an
+        op that can reduce their gradients with nothing moved or allocated returns the
+        reduction (``in_place_reduction.py``) that does it with its own arithmetic. None
+        (the default): every reduction goes through :meth:`batch_reduce`.
+        """
+        return None
 
     @abc.abstractmethod
     def _batch_reduce(self, reduce_op: ReduceOp, pairs: list[tuple[PerReplica, Destinations]]) -> list[Any]:

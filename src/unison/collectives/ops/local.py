@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from unison.collectives.ops.base import CrossDeviceOps, Destinations, to_destinations
+from unison.collectives.ops.in_place_reduction import InPlaceReduction
 from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
 from unison.collectives.transport.packing import TensorPacker
 from unison.devices import canonicalize, canonicalize_all, is_cuda, torch_device
@@ -50,6 +51,18 @@ class ReductionToOneDevice(CrossDeviceOps):
                  accumulation_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None):
         self.reduce_to_device = canonicalize(reduce_to_device) if reduce_to_device is not None else None
         self.accumulation_fn = accumulation_fn
+
+    def in_place_reduction(self, reduce_op: ReduceOp, devices: Sequence[str]) -> InPlaceReduction | None:
+        """CPU replicas with the default sum, reduced where they are: replica 0's gradient becomes the
+        sum in replica order (this op's additions), divided for MEAN, copied into the others'.
+
+        None for a sum of the user's (``accumulation_fn``), a device other than the
+        replicas', GPUs, or a subclass with a reduction of its own.
+        """
+        if (self.accumulation_fn is not None or type(self)._batch_reduce is not ReductionToOneDevice._batch_reduce
+                or self.reduce_to_device not in (None, *devices) or any(is_cuda(d) for d in devices)):
+            return None
+        return InPlaceReduction(len(devices), reduce_op is ReduceOp.MEAN)
 
     def _batch_reduce(self, reduce_op: ReduceOp, pairs: list[tuple[PerReplica, Destinations]]) -> list[Any]:
         results: list[Any] = [None] * len(pairs)

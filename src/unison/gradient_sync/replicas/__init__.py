@@ -4,7 +4,7 @@
   replicas merge (a backward pass ends, or a step begins), ``no_sync``, each replica's
   per-step state;
 - ``replica_merge``: ``ReplicaGradientMerge``, the merge itself: every replica's
-  gradients gathered, reduced (in place, ``replica_reduction``, from flat buffers,
+  gradients gathered, reduced (in place, the ops' ``in_place_reduction``, from flat buffers,
   ``replica_grad_buffers``, or through the CrossDeviceOps) and written back;
 - ``replica_optimizers``: ``ReplicaOptimizers``, which optimizer steps each replica's
   components: replica 0 with the user's state (``first_replica_optimizer``), the others

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
+from unison.collectives.ops.in_place_reduction import InPlaceReduction
 from unison.gradient_sync.grad_access import grads_of
 from unison.gradient_sync.grads_as_buffer_views import GradSlots, fits, slot_eligible
-from unison.gradient_sync.replicas.replica_reduction import InPlaceReduction
 
 __all__ = ["ReplicaGradBuffers"]
 

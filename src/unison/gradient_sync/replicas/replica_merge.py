@@ -9,7 +9,7 @@ the result, so code between ``backward()`` and ``opt.step()`` (gradient clipping
 reduced gradients, as with DDP.
 
 CPU replicas with their own storage and the default reduction reduce in place
-(``replica_reduction.py``), their small gradients from one flat buffer per replica and
+(the ops' ``in_place_reduction``), their small gradients from one flat buffer per replica and
 dtype (``replica_grad_buffers.py``); anything else goes through the CrossDeviceOps.
 """
 
@@ -21,10 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from unison.collectives.ops.base import CrossDeviceOps
-from unison.collectives.ops.local import ReductionToOneDevice
-from unison.devices import is_cuda
+from unison.collectives.ops.in_place_reduction import InPlaceReduction
 from unison.gradient_sync.replicas.replica_grad_buffers import ReplicaGradBuffers
-from unison.gradient_sync.replicas.replica_reduction import InPlaceReduction
 from unison.reduce import ReduceOp
 from unison.values.storage import MIRRORED, VariableStorage
 from unison.values.values import Mirrored, PerReplica
@@ -59,11 +57,10 @@ class ReplicaGradientMerge:
         self._cross_device_ops = cross_device_ops
         self._reduce_op = reduce_op
         self._across_workers = across_workers
-        # CPU replicas with their own storage and the default reduction: the gradients are
-        # reduced in place (see _reduce_in_place); anything else goes through the ops.
-        self._in_place = (type(cross_device_ops) is ReductionToOneDevice and cross_device_ops.accumulation_fn is None
-                          and cross_device_ops.reduce_to_device in (None, *self._devices)
-                          and storage is MIRRORED and not any(is_cuda(d) for d in self._devices))
+        # Replicas with their own storage whose ops can reduce in place (CPU replicas, the
+        # default reduction: see _reduce_in_place); anything else goes through the ops.
+        self._in_place = storage is MIRRORED and cross_device_ops.in_place_reduction(ReduceOp.SUM,
+                                                                                     self._devices) is not None
         # ... and their gradients live in one flat buffer per replica and dtype (replica_grad_buffers.py)
         self._buffers = ReplicaGradBuffers(self._num_replicas) if self._in_place else None
 
@@ -93,7 +90,7 @@ class ReplicaGradientMerge:
 
         Reductions in place are collected and run here, or, when they are large, returned
         for every replica to run its slice of after the merge."""
-        reduction = InPlaceReduction(self._num_replicas, self._reduce_op() is ReduceOp.MEAN) if self._in_place else None
+        reduction = self._in_place_reduction() if self._in_place else None
         if self._buffers is not None:
             rest = self._buffers.reduce(variables, key, self._reduce_op() is ReduceOp.MEAN, reduction)
             if rest is not None:
@@ -171,6 +168,12 @@ class ReplicaGradientMerge:
             for i in range(self._num_replicas):
                 param.set_component_grad(i, reduced_grads[i])
 
+    def _in_place_reduction(self) -> InPlaceReduction:
+        """The cross-device ops' in-place reduction for this merge's ReduceOp (``in_place`` only)."""
+        reduction = self._cross_device_ops.in_place_reduction(self._reduce_op(), self._devices)
+        assert reduction is not None, "in place only where the cross-device ops reduce in place"
+        return reduction
+
     def _reduce_in_place(self, per_param: list[tuple[torch.Tensor, ...]],
                          reduction: InPlaceReduction | None = None) -> bool:
         """Reduces CPU replicas' gradients into the gradients themselves; False if it cannot.
@@ -179,7 +182,7 @@ class ReplicaGradientMerge:
         gradient becomes the sum (in replica order, as ReductionToOneDevice adds), is
         divided for MEAN, and is copied into the others' gradients -- three foreach calls
         whatever the number of parameters, no allocation, two passes fewer over the bytes
-        than packing into new buffers (``replica_reduction.py``; as part of ``reduction``
+        than packing into new buffers (``in_place_reduction.py``; as part of ``reduction``
         when one is given). Gradients that require grad (``create_graph``), are sparse or
         not floating point, or share a tensor, take the general path.
         """
@@ -189,8 +192,7 @@ class ReplicaGradientMerge:
             return False
         if len({id(g) for g in grads}) != len(grads):
             return False
-        here = reduction if reduction is not None else InPlaceReduction(self._num_replicas,
-                                                                         self._reduce_op() is ReduceOp.MEAN)
+        here = reduction if reduction is not None else self._in_place_reduction()
         for values in per_param:
             here.add(values)
         if reduction is None:

@@ -28,11 +28,11 @@ import torch
 
 from unison._state import STATE
 from unison.collectives.ops.base import CrossDeviceOps
+from unison.collectives.ops.in_place_reduction import InPlaceReduction
 from unison.devices import is_cuda
 from unison.errors import GradientSyncError
 from unison.gradient_sync.replicas.replica_merge import ReplicaGradientMerge
 from unison.gradient_sync.replicas.replica_optimizers import ReplicaOptimizers
-from unison.gradient_sync.replicas.replica_reduction import InPlaceReduction
 from unison.gradient_sync.waiting_parameters import DormantParameters
 from unison.interpose.torch_private import current_graph_task_id, queue_end_of_backward
 from unison.reduce import ReduceOp
@@ -224,7 +224,7 @@ class ReplicaGradientSync:
     def _end_of_backward(self, context: ReplicaMeeting, state: _ReplicaStepState) -> None:
         state.backward_sync_queued = False
         reduction = context.merge_call(self._merge_registered, args=(self._live_variables(),))
-        if reduction is not None:  # large gradients: every replica reduces its slice (replica_reduction.py)
+        if reduction is not None:  # large gradients: every replica reduces its slice (in_place_reduction.py)
             reduction.run(context.local_replica_id)
             context.merge_call(_every_slice_reduced)
         state.grads_reduced = True
