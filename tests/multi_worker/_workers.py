@@ -133,7 +133,7 @@ def killed_mid_training(rank: int, world: int, timeout: float, implementation: s
         model = make_mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sync = strategy.extended.components.gradient_sync
-    shared = all(b.segment is not None for b in sync._buckets)
+    shared = all(sync.buckets_in_shared_memory)
     signals = getattr(sync.bucket_transport, "shared_counters", False)
     for step, (x, y) in enumerate(global_batches(steps=1000)):
         if rank == 1 and step == 5:
@@ -175,9 +175,8 @@ def grad_accumulation_and_unused(rank: int, world: int, implementation: str = "A
         (nn.functional.cross_entropy(model(halves[0][0]), halves[0][1]) / 2).backward()
     (nn.functional.cross_entropy(model(halves[1][0]), halves[1][1]) / 2).backward()
     opt.step()
-    buckets = strategy.extended.components.gradient_sync._buckets
     return ([p.detach().clone() for p in model.parameters()], unused.weight.grad is None,
-            all(b.segment is not None for b in buckets))
+            all(strategy.extended.components.gradient_sync.buckets_in_shared_memory))
 
 
 def sparse_embedding(rank: int, world: int):

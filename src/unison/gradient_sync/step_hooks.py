@@ -1,18 +1,17 @@
 """Optimizer step hooks: ``opt.step()`` on a strategy's model first completes its gradient sync.
 
-PyTorch's global optimizer step pre/post hooks are installed once per process. A
-parameter created in a strategy's scope is marked with that strategy's gradient
+A parameter created in a strategy's scope is marked with that strategy's gradient
 synchroniser in a side table (``attach``/``sync_of``, keyed weakly by the tensor's
-identity; nothing is stashed on the tensor, so a pickled parameter carries none of it);
-the hook looks it up for the optimizer's first parameter and lets it finish the
-reduction (and, with several local replicas, redirect replica ``i`` to its own shadow
-optimizer). Optimizers whose parameters belong to no strategy pay one lookup per step.
+identity; nothing is stashed on the tensor, so a pickled parameter carries none of it).
+This module is one owner of the process's optimizer step hook (``interpose/optimizer_hooks.py``):
+once per optimizer and set of parameters its planner checks that one strategy owns them
+all and names that synchroniser, whose ``pre_step`` finishes the reduction (and, with
+several local replicas, redirects replica ``i`` to its own shadow optimizer) and whose
+``post_step`` runs after. Optimizers whose parameters belong to no strategy pay one lookup
+of their plan per step.
 """
 
 from __future__ import annotations
-
-import weakref
-from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -20,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from unison._state import STATE
 from unison.errors import UsageError
 from unison.gradient_sync.contract import StepSync
-from unison.interpose.optimizer_hooks import sync_step_hooks
+from unison.interpose.optimizer_hooks import StepWork, add_step_planner
 from unison.values.variables import DistributedVariable
 
 __all__ = ["attach", "install_step_hooks", "sync_of"]
@@ -28,8 +27,6 @@ __all__ = ["attach", "install_step_hooks", "sync_of"]
 # parameter -> the gradient synchroniser of its strategy (weak in the parameter, by identity)
 _SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-# optimizer -> (its parameter count when their owners were last checked, its synchroniser this step)
-_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, Any]] = weakref.WeakKeyDictionary()
 
 
 def attach(param: torch.Tensor, gradient_sync: StepSync) -> None:
@@ -92,28 +89,21 @@ def _check_owners(optimizer: torch.optim.Optimizer) -> None:
     )
 
 
-def _on_step_pre(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+def _plan_step(optimizer: torch.optim.Optimizer) -> StepWork | None:
+    """What the gradient sync does at ``optimizer``'s steps: refuses parameters of no or another
+    strategy; else its synchroniser's ``pre_step`` and ``post_step`` (None where it has none)."""
+    _check_owners(optimizer)
     sync = _gradient_sync_of(optimizer)
-    count = _param_count(optimizer)
-    known = _CHECKED.get(optimizer)
-    if known is None or known[0] != count:  # once per optimizer and set of parameters
-        _check_owners(optimizer)
-    if known is None or known[0] != count or known[1] is not sync:
-        _CHECKED[optimizer] = (count, sync)  # the post-hook's, without a second lookup (a new weak key only then)
-    return None if sync is None else sync.pre_step(optimizer, args, kwargs)
-
-
-def _on_step_post(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    known = _CHECKED.get(optimizer)
-    sync = known[1] if known is not None else _gradient_sync_of(optimizer)
-    if sync is not None:
-        sync.post_step(optimizer)
+    return None if sync is None else StepWork(pre=sync.pre_step, post=sync.post_step)
 
 
 def install_step_hooks() -> None:
-    """Installs the global optimizer step hooks (once; ``interpose/optimizer_hooks.py``).
+    """Makes ``opt.step()`` find the gradient sync (once; ``interpose/optimizer_hooks.py``).
 
-    ``strategy.run`` calls it every step: once installed it costs one attribute read, not
-    the handlers' keyword dict and its comparison (about 0.2 us a step more)."""
-    if not sync_step_hooks.installed:
-        sync_step_hooks(pre=_on_step_pre, post=_on_step_post)
+    ``strategy.run`` calls it every step: once installed it costs one attribute read."""
+    if not _INSTALLED:
+        add_step_planner(_plan_step)
+        _INSTALLED.append(True)
+
+
+_INSTALLED: list[bool] = []

@@ -1,13 +1,16 @@
-"""The registry of what unison changes in PyTorch: each change installed once, on first use.
+"""The kinds of change unison makes to PyTorch: each defined in ``unison.interpose`` and listed.
 
 Every global change unison makes to torch (registration hooks, optimizer step hooks,
 wrapped methods of Optimizer, GradScaler, LR schedulers and AveragedModel, a replaced
-``nn.Parameter.__deepcopy__``) is an :class:`Interposition` defined in ``unison.interpose``:
-what it is, what in torch it changes, why, and whether it is installed yet. The behaviour
-a hook runs stays with the package that owns it (the gradient synchroniser's step hooks,
+``nn.Parameter.__deepcopy__``) is an :class:`Interposition`; one made for a ``with`` block
+is a :class:`ScopedInterposition`; one made to a user's object (an optimizer's own
+``zero_grad``, a module's parameter dict) is an :class:`InstanceInterposition`. Each says
+what it is, what in torch it changes, why, and whether it is in effect. The behaviour a
+hook runs stays with the package that owns it (the gradient synchroniser's step hooks,
 the ps optimizer-state wrappers), which hands its handlers to the interposition when it
 first needs it. Installed on first use, never at import: importing unison changes
-nothing for code that never uses it (``tests/architecture/test_interpositions.py``).
+nothing for code that never uses it. ``every_change.INTERPOSITIONS`` lists them all, as
+a literal tuple (``tests/architecture/test_interpositions.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["INTERPOSITIONS", "Interposition", "ScopedInterposition"]
+__all__ = ["Interposition", "ScopedInterposition", "InstanceInterposition"]
 
 
 @typing.final
@@ -38,7 +41,6 @@ class Interposition:
         self._lock = threading.Lock()
         self._done = False
         self._handlers: dict[str, Callable[..., Any]] = {}
-        INTERPOSITIONS.append(self)
 
     @property
     def installed(self) -> bool:
@@ -83,7 +85,6 @@ class ScopedInterposition:
         self._context = context
         self._lock = threading.Lock()
         self._active = 0
-        INTERPOSITIONS.append(self)
 
     @property
     def installed(self) -> bool:
@@ -107,5 +108,37 @@ class ScopedInterposition:
         return f"ScopedInterposition({self.what!r} on {self.target}, {state})"
 
 
-INTERPOSITIONS: list[Interposition | ScopedInterposition] = []
-"""Every interposition defined by an imported unison module, in definition order."""
+@typing.final
+class InstanceInterposition:
+    """A change unison makes to one object of the user's (an optimizer, a module), and listed.
+
+    The class stays as torch made it; the change lives on the instance that the owner
+    hands over, so other instances of the class are untouched.
+
+    Args:
+        what, target, why: as for :class:`Interposition`.
+        action: makes the change, given the instance and the owner's handlers.
+    """
+
+    def __init__(self, what: str, target: str, why: str, action: Callable[..., None]):
+        self.what, self.target, self.why = what, target, why
+        self._action = action
+        self._count = 0
+
+    @property
+    def installed(self) -> bool:
+        """Whether it was made to some instance in this process."""
+        return self._count > 0
+
+    @property
+    def instances(self) -> int:
+        """How many instances it was made to in this process (diagnostics)."""
+        return self._count
+
+    def __call__(self, instance: Any, **handlers: Any) -> None:
+        """Makes the change to ``instance``, with the owner's ``handlers``."""
+        self._action(instance, **handlers)
+        self._count += 1
+
+    def __repr__(self) -> str:
+        return f"InstanceInterposition({self.what!r} on {self.target}, made to {self._count} instances)"

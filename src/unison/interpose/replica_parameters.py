@@ -52,9 +52,10 @@ from torch import nn
 
 from unison._state import STATE
 from unison.errors import UsageError
+from unison.interpose.registry import InstanceInterposition
 from unison.values.variables import DistributedVariable, MirroredVariable
 
-__all__ = ["ReplicaParameters", "resolve_in_replicas"]
+__all__ = ["ReplicaParameters", "replica_parameter_dicts", "resolve_in_replicas"]
 
 _eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
@@ -174,13 +175,26 @@ def _replica_of(variable: DistributedVariable) -> int | None:
     return None
 
 
-def resolve_in_replicas(module: nn.Module) -> None:
-    """Makes ``module``'s mirrored parameters and distributed buffers resolve to the replica's
-    component when read in a replica thread (once per module; its own dict types are kept
-    where they are not dicts)."""
+def _replace_dicts(module: nn.Module) -> None:
     parameters = module.__dict__.get("_parameters")
     if type(parameters) is dict:
         module._parameters = ReplicaParameters(parameters)
     buffers = module.__dict__.get("_buffers")
     if type(buffers) is dict:
         module._buffers = ReplicaParameters(buffers)
+
+
+replica_parameter_dicts = InstanceInterposition(
+    "a module's _parameters and _buffers dicts answering a replica with its component",
+    "nn.Module instances built in a multi-replica strategy's scope (the instance's two dicts)",
+    "every operation on a mirrored variable in a replica goes through __torch_function__; a lookup that gives the "
+    "replica's plain component resolves it once per read instead of once per operation",
+    _replace_dicts)
+
+
+def resolve_in_replicas(module: nn.Module) -> None:
+    """Makes ``module``'s mirrored parameters and distributed buffers resolve to the replica's
+    component when read in a replica thread (once per module; its own dict types are kept
+    where they are not dicts)."""
+    if type(module.__dict__.get("_parameters")) is dict or type(module.__dict__.get("_buffers")) is dict:
+        replica_parameter_dicts(module)

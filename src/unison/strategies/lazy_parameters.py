@@ -29,7 +29,9 @@ from unison.errors import UsageError
 
 __all__ = ["defer_until_materialized"]
 
-_PENDING = "_unison_lazy_tensors"
+_PENDING: weakref.WeakKeyDictionary[nn.Module, _Pending] = weakref.WeakKeyDictionary()
+"""Each lazy module built in scope -> its tensors waiting for its first forward (a side table:
+nothing is stashed on the user's module)."""
 
 
 @typing.final
@@ -69,7 +71,7 @@ class _Pending:
         if not self.names:
             self.guard.remove()
             self.finisher.remove()
-            del module.__dict__[_PENDING]
+            _PENDING.pop(module, None)  # a deep copy carries its own (through its hooks), not listed
 
 
 def _tensor(module: nn.Module, name: str, kind: str) -> Any:
@@ -86,7 +88,7 @@ def _register_again(module: nn.Module, name: str, kind: str) -> None:
 
 def defer_until_materialized(module: nn.Module, name: str, kind: str, strategy: Any) -> None:
     """Leaves lazy parameter or buffer ``name`` of ``module`` to be made ``strategy``'s at its first forward."""
-    pending = module.__dict__.get(_PENDING)
+    pending = _PENDING.get(module)
     if pending is None:
-        pending = module.__dict__[_PENDING] = _Pending(module, strategy)
+        pending = _PENDING[module] = _Pending(module, strategy)
     pending.names[name] = kind

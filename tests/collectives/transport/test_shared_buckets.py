@@ -53,7 +53,7 @@ def _several_steps(rank: int, world: int, steps: int, shapes: list, lag: bool):
             flat = torch.zeros(size + len(params))
             buckets.append(GradientBucket(params, views_of(flat[:size], params), flat))
         carrier = transport.plan(buckets)
-        summed_whole = [carrier._placed[bucket].halves is not None for bucket in buckets]
+        summed_whole = [carrier._placed[id(bucket)].halves is not None for bucket in buckets]
         sums = []
         for step in range(steps):
             for b, bucket in enumerate(buckets):

@@ -71,7 +71,8 @@ class GradientBucket:
     """One bucket: its parameters, their gradients' views of ``flat``, and the synchroniser's record of it.
 
     What a transport keeps per bucket (a shared segment, a compressed copy) is its own,
-    keyed by the bucket (``plan`` starts it afresh whenever the buckets are rebuilt).
+    keyed by ``id(bucket)`` so it never keeps a dropped model's parameters alive (``plan``
+    starts it afresh whenever the buckets are rebuilt).
 
     ``flat`` holds the gradients' elements, then one flag per parameter (1 where this worker
     has a gradient for it), summed with them: a parameter whose flags sum to zero got no
@@ -191,7 +192,7 @@ class CompressedBuckets(BucketTransport):
     def __init__(self, control: WorkerControl, compressor: Compressor):
         self._control = control
         self._compressor = compressor
-        self._wires: dict[GradientBucket, torch.Tensor] = {}  # what travels: the flat in the half type, reused
+        self._wires: dict[int, torch.Tensor] = {}  # id(bucket) -> what travels (flat in the half type), reused
 
     @property
     def overlaps_backward(self) -> bool:
@@ -206,15 +207,15 @@ class CompressedBuckets(BucketTransport):
         if not compressor.compresses(flat):
             bucket.work = self._control.launch(OPERATION, dist.all_reduce, flat)
             return
-        wire = self._wires.get(bucket)
+        wire = self._wires.get(id(bucket))
         if wire is None:
-            wire = self._wires[bucket] = torch.empty(flat.shape, dtype=compressor.wire_dtype, device=flat.device)
+            wire = self._wires[id(bucket)] = torch.empty(flat.shape, dtype=compressor.wire_dtype, device=flat.device)
         bucket.work = self._control.launch(OPERATION, dist.all_reduce, compressor.to_wire(flat, out=wire))
 
     def finish(self, buckets: list[GradientBucket]) -> None:
         for bucket in buckets:
             self._control.wait(bucket.work, OPERATION)
-            wire = self._wires.get(bucket)
+            wire = self._wires.get(id(bucket))
             if wire is None or not self._compressor.compresses(bucket.flat):
                 continue
             if self._compressor.overflowed(wire):  # every worker holds this very sum: all redo it

@@ -75,7 +75,10 @@ class _Halves:
 
 @dataclasses.dataclass(eq=False)
 class _InSharedFile:
-    """A bucket's place in the shared files: its segment, the views of its sums, and the transport's per-step state."""
+    """A bucket's place in the shared files: its segment, the views of its sums, and the transport's per-step state.
+
+    Kept by ``id`` of the bucket, never the bucket itself: a rebuild must find a dropped
+    model's parameters unreferenced (``BucketedGradientSync.finalize``)."""
 
     segment: SharedSegment
     results: list[torch.Tensor]  # per parameter, views of the sums (the segment's result, or the halves' sums)
@@ -90,7 +93,7 @@ class _InSharedFile:
 
 
 def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket],
-                        one_shot_bytes: int = 0) -> dict[GradientBucket, _InSharedFile] | None:
+                        one_shot_bytes: int = 0) -> dict[int, _InSharedFile] | None:
     """Moves every bucket's flat into a slot of a shared file; None (nothing moved) where the workers cannot share one.
 
     A bucket of at most ``one_shot_bytes`` (on a host of two workers or more) gets two
@@ -115,10 +118,10 @@ def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBuc
             sums = torch.zeros(numel, dtype=bucket.flat.dtype)
             pair = _Halves(inputs, mine, [views_of(flat[:size], bucket.params) for flat in mine], sums)
             bucket.flat, bucket.views = mine[0], pair.views[0]
-            placed[bucket] = _InSharedFile(segment, views_of(sums[:size], bucket.params), pair)
+            placed[id(bucket)] = _InSharedFile(segment, views_of(sums[:size], bucket.params), pair)
         else:
             bucket.flat, bucket.views = slot, views_of(slot[:size], bucket.params)
-            placed[bucket] = _InSharedFile(segment, views_of(segment.result[:size], bucket.params))
+            placed[id(bucket)] = _InSharedFile(segment, views_of(segment.result[:size], bucket.params))
     return placed
 
 
@@ -139,7 +142,7 @@ class SharedMemoryBuckets(BucketTransport):
         self._control = control
         self._share = share
         self._one_shot_bytes = one_shot_bytes
-        self._placed: dict[GradientBucket, _InSharedFile] = {}
+        self._placed: dict[int, _InSharedFile] = {}
 
     @property
     def overlaps_backward(self) -> bool:
@@ -160,13 +163,13 @@ class SharedMemoryBuckets(BucketTransport):
         self._placed = placed
         return self
 
-    def adopt(self, placed: dict[GradientBucket, _InSharedFile]) -> SharedMemoryBuckets:
+    def adopt(self, placed: dict[int, _InSharedFile]) -> SharedMemoryBuckets:
         """Carries buckets another shared-memory transport already placed (the hierarchical one's fallback)."""
         self._placed = placed
         return self
 
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
-        bucket.work = self._share.announce(self._placed[bucket].written)
+        bucket.work = self._share.announce(self._placed[id(bucket)].written)
 
     def finish(self, buckets: list[GradientBucket]) -> None:
         engine = self._share.shared_memory
@@ -174,7 +177,7 @@ class SharedMemoryBuckets(BucketTransport):
             self._control.wait(bucket.work, OPERATION)
         sliced = []
         for bucket in buckets:
-            placed = self._placed[bucket]
+            placed = self._placed[id(bucket)]
             halves = placed.halves
             if halves is None:
                 engine.sum_my_slice(placed.segment)
@@ -187,10 +190,10 @@ class SharedMemoryBuckets(BucketTransport):
             self._share.complete(sliced)
 
     def sums(self, bucket: GradientBucket) -> torch.Tensor:
-        return self._placed[bucket].sums
+        return self._placed[id(bucket)].sums
 
     def sum_views(self, bucket: GradientBucket) -> list[torch.Tensor]:
-        return self._placed[bucket].results
+        return self._placed[id(bucket)].results
 
     @property
     def shared_counters(self) -> bool:
@@ -231,9 +234,8 @@ class PipelinedHostBuckets(BucketTransport):
     def __init__(self, control: WorkerControl, hosts: _AcrossHosts):
         self._control = control
         self._hosts = hosts
-        self._buckets: list[GradientBucket] = []
-        self._placed: dict[GradientBucket, _InSharedFile] = {}
-        self._launched = 0
+        self._placed: dict[int, _InSharedFile] = {}
+        self._launched: list[GradientBucket] = []  # this backward's, in launch order (the buckets' order)
         self._started = 0
         self.started_during_backward = 0
         """How many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
@@ -263,41 +265,41 @@ class PipelinedHostBuckets(BucketTransport):
             return AllReduceBuckets(self._control)
         if self._hosts.shared_memory.signals is None:
             return SharedMemoryBuckets(self._control, self._hosts).adopt(placed)
-        self._buckets, self._placed, self._launched, self._started = buckets, placed, 0, 0
+        self._placed, self._launched, self._started = placed, [], 0
         return self
 
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
-        bucket.work = self._hosts.announce(self._placed[bucket].written)
-        self._launched += 1
+        bucket.work = self._hosts.announce(self._placed[id(bucket)].written)
+        self._launched.append(bucket)
 
     def poll(self) -> None:
-        while self._started < self._launched:
-            bucket = self._buckets[self._started]
+        while self._started < len(self._launched):
+            bucket = self._launched[self._started]
             if not bucket.work.is_completed():
                 return
             self._start_across(bucket)
 
     def _start_across(self, bucket: GradientBucket) -> None:
-        placed = self._placed[bucket]
+        placed = self._placed[id(bucket)]
         self._hosts.shared_memory.sum_my_slice(placed.segment)
         placed.across = self._hosts.start_across_hosts(placed.segment)
         self._started += 1
 
     def finish(self, buckets: list[GradientBucket]) -> None:
         self.started_during_backward = self._started
-        placed = [self._placed[bucket] for bucket in buckets]
+        placed = [self._placed[id(bucket)] for bucket in buckets]
         try:
             for bucket in buckets[self._started:]:
                 self._control.wait(bucket.work, OPERATION)
                 self._start_across(bucket)
             self._hosts.finish_across_hosts([work for one in placed for work in one.across])
         finally:
-            self._launched = self._started = 0
+            self._launched, self._started = [], 0
             for one in placed:
                 one.across = []
 
     def sums(self, bucket: GradientBucket) -> torch.Tensor:
-        return self._placed[bucket].segment.result
+        return self._placed[id(bucket)].segment.result
 
     def sum_views(self, bucket: GradientBucket) -> list[torch.Tensor]:
-        return self._placed[bucket].results
+        return self._placed[id(bucket)].results

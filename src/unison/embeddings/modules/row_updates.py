@@ -1,10 +1,11 @@
 """How an optimizer's ``step()`` trains the rows of the ``DynamicEmbedding`` modules it holds.
 
 Rows are not parameters a ``torch.optim`` optimizer can hold (they come and go): each
-module registers one empty parameter, ``weight``, as a handle. The process-wide optimizer
-step pre-hook installed here (once; ``interpose/optimizer_hooks.py``) finds the handles
-among the optimizer's param groups and has each module apply its recorded row gradients
-with the row optimizer that equals that group's (:func:`row_optimizer_for`).
+module registers one empty parameter, ``weight``, as a handle. This module is one owner of
+the process's optimizer step hook (``interpose/optimizer_hooks.py``): once per optimizer and
+set of parameters its planner finds the handles among the param groups; at each step each
+module then applies its recorded row gradients with the row optimizer that equals its
+group's (:func:`row_optimizer_for`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from unison.embeddings.optim.from_torch import row_optimizer_for
-from unison.interpose.optimizer_hooks import row_update_hook
+from unison.interpose.optimizer_hooks import StepWork, add_step_planner
 
 if TYPE_CHECKING:
     from unison.embeddings.modules.dynamic_embedding import DynamicEmbedding
@@ -26,32 +27,26 @@ __all__ = ["install_row_updates", "register_table_module"]
 _OWNER = WeakIdKeyDictionary()
 """Each module's ``weight`` handle -> a weak reference to the module (a dropped model leaves)."""
 
-_HOLDERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]] = weakref.WeakKeyDictionary()
-"""Per optimizer: (how many param groups it had, its (handle, group) pairs), found once."""
-
-
 def register_table_module(module: DynamicEmbedding) -> None:
     """Makes ``module.weight`` a handle: an optimizer holding it trains the module's rows."""
     _OWNER[module.weight] = weakref.ref(module)
 
 
-def _handles_of(optimizer: torch.optim.Optimizer) -> list:
-    groups = optimizer.param_groups
-    known = _HOLDERS.get(optimizer)
-    if known is not None and known[0] == len(groups):
-        return known[1]
-    found = [(p, group) for group in groups for p in group["params"] if p in _OWNER]
-    _HOLDERS[optimizer] = (len(groups), found)
-    return found
+def _plan_rows(optimizer: torch.optim.Optimizer) -> StepWork | None:
+    """The row updates at ``optimizer``'s steps: None unless it holds some module's handle."""
+    found = [(p, group) for group in optimizer.param_groups for p in group["params"] if p in _OWNER]
+    if not found:
+        return None
 
+    def apply_rows_before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
+        for handle, group in found:
+            module = _OWNER[handle]()
+            if module is not None:
+                module.apply_row_gradients(row_optimizer_for(optimizer, group, row_wise=module.row_wise_adagrad))
 
-def _apply_rows_before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
-    for handle, group in _handles_of(optimizer):
-        module = _OWNER[handle]()
-        if module is not None:
-            module.apply_row_gradients(row_optimizer_for(optimizer, group, row_wise=module.row_wise_adagrad))
+    return StepWork(pre=apply_rows_before_step)
 
 
 def install_row_updates() -> None:
-    """Installs the step pre-hook that applies row gradients (once; ``interpose/optimizer_hooks.py``)."""
-    row_update_hook(pre=_apply_rows_before_step)
+    """Makes ``opt.step()`` train the rows of the modules it holds (once; ``interpose/optimizer_hooks.py``)."""
+    add_step_planner(_plan_rows)

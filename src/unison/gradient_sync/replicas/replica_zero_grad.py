@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from unison.gradient_sync.grad_access import clear_grads
+from unison.interpose.optimizer_hooks import replica_zero_grad
 from unison.values.variables import DistributedVariable
 
 __all__ = ["install_replica_zero_grad"]
@@ -64,7 +65,7 @@ def install_replica_zero_grad(optimizer: torch.optim.Optimizer,
 
     zero_grad.__doc__ = original.__doc__
     setattr(zero_grad, _MARK, True)
-    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    replica_zero_grad(optimizer, zero_grad=zero_grad)  # the instance's own (interpose/optimizer_hooks.py)
 
 
 def _zero_other_replicas_grads(optimizer: torch.optim.Optimizer) -> None:
