@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import unison
+from unison.embeddings import DynamicEmbedding
 from unison.optim import Ftrl
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,6 +61,8 @@ TF_SPARSE = {
            "linear": [[-2.2424088, 0.93404377], [0.0, 0.0], [0.18947558, -3.9091668], [-10.234565, 0.42028606],
                       [0.9, -2.480469]]},
 }
+# the table's rows 0..4 as DynamicEmbedding ids (any int64)
+TABLE_IDS = torch.tensor([2**62 + 5, -3, 0, 2**40, -(2**63)])
 POWERS = sorted(TF_DENSE)
 
 
@@ -99,6 +102,40 @@ def test_sparse_gradients_step_the_named_rows_as_tf_sparse_ftrl(lr_power):
     _close(opt.state[table.weight]["linear"], TF_SPARSE[lr_power]["linear"])
 
 
+def _table_holding(rows: list, **kwargs) -> DynamicEmbedding:
+    """A DynamicEmbedding whose ids ``TABLE_IDS`` hold ``rows`` (loaded as a checkpoint would be)."""
+    emb = DynamicEmbedding(2, **kwargs)
+    state = emb.state_dict()
+    order = TABLE_IDS.argsort()
+    state.update(ids=TABLE_IDS[order], rows=torch.tensor(rows)[order], counts=torch.zeros(5, dtype=torch.int64),
+                 last_seen=torch.zeros(5, dtype=torch.int64))
+    emb.load_state_dict(state)
+    return emb
+
+
+def _by_table_row(emb: DynamicEmbedding, key: str) -> torch.Tensor:
+    """A state_dict entry of ``emb`` in the order of the table rows (``TABLE_IDS``)."""
+    state = emb.state_dict()
+    return state[key][torch.searchsorted(state["ids"], TABLE_IDS)]
+
+
+@pytest.mark.parametrize("lr_power", POWERS)
+def test_dynamic_embedding_rows_step_as_tf_sparse_ftrl_with_state_beside_each_row(lr_power):
+    emb = _table_holding(SPARSE_START)
+    head = nn.Parameter(torch.tensor(DENSE_START))  # a dense parameter in the same optimizer
+    opt = unison.optim.Ftrl([*emb.parameters(), head], lr_power=lr_power, **HYPER)
+    for step, ((ids, grads), dense_grad) in enumerate(zip(SPARSE_STEPS, DENSE_GRADS), 1):
+        opt.zero_grad()
+        (_sparse_loss(emb(TABLE_IDS[ids]), grads) + (head * torch.tensor(dense_grad)).sum()).backward()
+        opt.step()
+        if f"step {step}" in TF_SPARSE[lr_power]:
+            _close(_by_table_row(emb, "rows"), TF_SPARSE[lr_power][f"step {step}"])
+    _close(_by_table_row(emb, "state.accumulator"), TF_SPARSE[lr_power]["accumulator"])
+    _close(_by_table_row(emb, "state.linear"), TF_SPARSE[lr_power]["linear"])
+    _close(head, TF_DENSE[lr_power][-1])
+    assert emb.num_rows == 5
+
+
 @pytest.mark.parametrize("field, value, fix", [
     ("lr", 0.0, "> 0"), ("lr", -0.1, "> 0"), ("lr_power", 0.5, "<= 0"),
     ("initial_accumulator_value", -0.1, ">= 0"), ("l1", -1e-3, ">= 0"), ("l2", -1.0, ">= 0"),
@@ -107,6 +144,20 @@ def test_sparse_gradients_step_the_named_rows_as_tf_sparse_ftrl(lr_power):
 def test_bad_hyper_parameters_are_refused_naming_the_field_and_value(field, value, fix):
     with pytest.raises(ValueError, match=rf"`{field}`.*must be.*{re.escape(fix)}.*{re.escape(repr(value))}.*fix:"):
         Ftrl([nn.Parameter(torch.zeros(2))], **{field: value})
+
+
+def test_a_setting_made_bad_after_construction_is_refused_at_step_and_nothing_moves():
+    emb = _table_holding(SPARSE_START)
+    head = nn.Parameter(torch.tensor(DENSE_START))
+    opt = Ftrl([{"params": [head]}, {"params": emb.parameters()}], **HYPER)
+    before = emb.state_dict()
+    opt.param_groups[1]["lr"] = 0.0  # e.g. a scheduler that reached 0
+    (emb(TABLE_IDS).sum() + head.sum()).backward()
+    with pytest.raises(ValueError, match="`lr`.*0.0"):
+        opt.step()
+    assert torch.equal(head, torch.tensor(DENSE_START)) and not opt.state
+    after = emb.state_dict()
+    assert torch.equal(after["rows"], before["rows"]) and "state.linear" not in after
 
 
 def test_defaults_and_names_are_tensorflows():

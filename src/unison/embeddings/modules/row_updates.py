@@ -46,10 +46,13 @@ def _handles_of(optimizer: torch.optim.Optimizer) -> list:
 
 
 def _apply_rows_before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
-    for handle, group in _handles_of(optimizer):
-        module = _OWNER[handle]()
-        if module is not None:
-            module.apply_row_gradients(row_optimizer_for(optimizer, group, row_wise=module.row_wise_adagrad))
+    modules = [(module, group) for handle, group in _handles_of(optimizer)
+               if (module := _OWNER[handle]()) is not None]
+    # every module's row optimizer first: a refused setting raises before any row (or parameter) moves
+    updates = [(module, row_optimizer_for(optimizer, group, row_wise=module.row_wise_adagrad))
+               for module, group in modules]
+    for module, row_optimizer in updates:
+        module.apply_row_gradients(row_optimizer)
 
 
 def install_row_updates() -> None:
