@@ -166,3 +166,15 @@ def test_defaults_and_names_are_tensorflows():
         "lr": 0.001, "lr_power": -0.5, "initial_accumulator_value": 0.1, "l1": 0.0, "l2": 0.0,
         "l2_shrinkage": 0.0, "beta": 0.0}
     assert unison.optim.Ftrl is Ftrl and "Ftrl" in unison.optim.__all__
+
+
+def test_a_copy_unpickled_on_a_worker_steps_as_the_original():
+    """torch's ``__setstate__`` adds keys (``differentiable``) to the defaults: Ftrl reads only its own."""
+    import pickle
+
+    weight = nn.Parameter(torch.tensor(DENSE_START))
+    opt = pickle.loads(pickle.dumps(Ftrl([weight], lr_power=-0.5, **HYPER)))
+    weight = opt.param_groups[0]["params"][0]
+    weight.grad = torch.tensor(DENSE_GRADS[0])
+    opt.step()
+    _close(weight, TF_DENSE[-0.5][0])

@@ -18,7 +18,10 @@ from typing import Any, final
 
 import torch
 
-__all__ = ["Ftrl", "ftrl_update", "checked_ftrl_arguments"]
+__all__ = ["Ftrl", "ftrl_update", "checked_ftrl_arguments", "FTRL_FIELDS"]
+
+FTRL_FIELDS = ("lr", "lr_power", "initial_accumulator_value", "l1", "l2", "l2_shrinkage", "beta")
+"""The hyper-parameters of a param group of :class:`Ftrl` (TensorFlow's, in its order)."""
 
 
 def checked_ftrl_arguments(owner: str, *, lr: Any, lr_power: Any, initial_accumulator_value: Any, l1: Any, l2: Any,
@@ -127,7 +130,7 @@ class Ftrl(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            hyper = checked_ftrl_arguments("Ftrl", **{name: group[name] for name in self.defaults})
+            hyper = checked_ftrl_arguments("Ftrl", **{name: group[name] for name in FTRL_FIELDS})
             del hyper["initial_accumulator_value"]
             for param in group["params"]:
                 if param.grad is None:

@@ -26,11 +26,9 @@ from unison.embeddings.optim.row_optimizers import (
     RowSparseAdam,
     RowWiseAdagrad,
 )
-from unison.optim.ftrl import Ftrl
+from unison.optim.ftrl import FTRL_FIELDS, Ftrl
 
 __all__ = ["plain_sgd", "row_optimizer_for"]
-
-_FTRL_FIELDS = ("lr", "lr_power", "initial_accumulator_value", "l1", "l2", "l2_shrinkage", "beta")
 
 
 def plain_sgd(cls: type, hyper: Mapping[str, Any]) -> bool:
@@ -64,7 +62,7 @@ def row_optimizer_for(
         return RowSparseAdam(lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
                              maximize=bool(group.get("maximize", False)))
     if cls is Ftrl:
-        return RowFtrl(**{name: group[name] for name in _FTRL_FIELDS})
+        return RowFtrl(**{name: group[name] for name in FTRL_FIELDS})
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         raise ValueError(
             f"DynamicEmbedding rows cannot be trained by {cls.__name__} with {settings}: its dense step would move "
