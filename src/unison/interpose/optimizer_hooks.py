@@ -42,14 +42,22 @@ sync_step_hooks = Interposition(
 
 
 def _register_row_updates(pre: StepHook) -> None:
-    torch_optimizer.register_optimizer_step_pre_hook(pre)
+    handle = torch_optimizer.register_optimizer_step_pre_hook(pre)
+    # First of the global pre-hooks, whenever installed: the row update is chosen (or refused) before a
+    # gradient sync hook pushes or applies any dense gradient, so a refused optimizer changes nothing.
+    hooks = torch_optimizer._global_optimizer_pre_hooks
+    others = [(key, hook) for key, hook in hooks.items() if key != handle.id]
+    hooks.clear()
+    hooks[handle.id] = pre
+    hooks.update(others)
 
 
 row_update_hook = Interposition(
-    "a global optimizer step pre-hook that applies DynamicEmbedding row gradients",
+    "a global optimizer step pre-hook, run first, that applies DynamicEmbedding row gradients",
     "torch.optim.Optimizer (all instances)",
     "rows are not parameters an optimizer can hold; the optimizer that holds a module's weight handle "
-    "updates the rows its batches touched, with its own hyper-parameters",
+    "updates the rows its batches touched, with its own hyper-parameters, and refuses one whose rule no "
+    "row update equals before any gradient sync moves a dense parameter",
     _register_row_updates)
 
 
