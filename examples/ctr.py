@@ -17,6 +17,17 @@ from a hidden model. The model (``dlrm.py``) is a DLRM: bottom MLP, one
 alone, so no vocabulary is fixed in advance), pairwise dot interaction, top MLP; Adagrad,
 whose state for each row sits beside it on the ps. Every strategy prints the held-out
 AUC and samples/s; the same code trains on a laptop and on a cluster.
+
+``--optimizer`` picks how the rows train (their state sits beside each row):
+``adagrad`` (the default) and ``rowwise_adagrad`` (one accumulator per row) train the
+whole model with ``torch.optim.Adagrad``; ``sparse_adam`` trains the rows with
+``torch.optim.SparseAdam`` (only touched rows move) and the dense layers with
+``torch.optim.Adam``, its dense twin; ``ftrl`` trains the rows with ``unison.optim.Ftrl``
+(TensorFlow's FTRL-Proximal, the classic optimizer of CTR models' sparse weights) and the
+dense layers with Adagrad: FTRL's weights follow its linear terms alone, so a layer's
+random start is forgotten at its first step, and an MLP stepped by it from its first step
+collapses to a symmetric one (AUC 0.5 here); it suits the wide, sparse part, as in
+TensorFlow's wide-and-deep models.
 """
 
 from __future__ import annotations
@@ -45,16 +56,35 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256, help="per worker (one device: per step)")
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adagrad",
+                        help="how the rows train (the dense layers: Adam beside sparse_adam, else Adagrad)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the result here (the benchmark reads it)")
     parser.add_argument("--shard", default="0/1", help="one device: train on shard I of N of the samples (I/N)")
     return parser.parse_args(argv)
 
 
-def _model(args: argparse.Namespace) -> tuple[DLRM, torch.optim.Optimizer]:
+OPTIMIZERS = ("adagrad", "rowwise_adagrad", "sparse_adam", "ftrl")
+
+
+def _model(args: argparse.Namespace) -> tuple[DLRM, list[torch.optim.Optimizer]]:
     torch.manual_seed(args.seed)
-    model = DLRM(dynamic_table(args.dim, seed=args.seed), embedding_dim=args.dim, bottom=(64, args.dim))
-    return model, torch.optim.Adagrad(model.parameters(), lr=args.lr)
+    table = dynamic_table(args.dim, seed=args.seed, row_wise_adagrad=args.optimizer == "rowwise_adagrad")
+    model = DLRM(table, embedding_dim=args.dim, bottom=(64, args.dim))
+    return model, _optimizers(model, args.optimizer, args.lr)
+
+
+def _optimizers(model: DLRM, name: str, lr: float) -> list[torch.optim.Optimizer]:
+    """The optimizers of one step: Adagrad for the whole model, or the rows' optimizer beside the dense
+    layers' (SparseAdam takes sparse gradients only, and Adam over the rows is refused, naming SparseAdam;
+    FTRL forgets a dense layer's random start: see the module)."""
+    if name in ("adagrad", "rowwise_adagrad"):  # the table keeps one accumulator per row or per value
+        return [torch.optim.Adagrad(model.parameters(), lr=lr)]
+    rows = list(model.embeddings.parameters())
+    dense = [p for p in model.parameters() if all(p is not r for r in rows)]
+    if name == "sparse_adam":
+        return [torch.optim.SparseAdam(rows, lr=lr), torch.optim.Adam(dense, lr=lr)]
+    return [unison.optim.Ftrl(rows, lr=lr), torch.optim.Adagrad(dense, lr=lr)]
 
 
 def _evaluate(model: DLRM, test: CtrData) -> float:
@@ -67,20 +97,22 @@ def _evaluate(model: DLRM, test: CtrData) -> float:
 
 def _report(args: argparse.Namespace, strategy: str, samples: int, seconds: float, test: CtrData, score: float,
             extra: dict | None = None) -> None:
-    result = {"strategy": strategy, "samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
-              "auc": score, "bayes_auc": bayes_auc(test), **(extra or {})}
+    result = {"strategy": strategy, "optimizer": args.optimizer, "samples": samples, "seconds": seconds,
+              "samples_per_s": samples / seconds, "auc": score, "bayes_auc": bayes_auc(test), **(extra or {})}
     print(f"[{strategy}] trained on {samples} samples in {seconds:.1f} s ({samples / seconds:.0f} samples/s); "
           f"held-out AUC {score:.4f} (Bayes-optimal {result['bayes_auc']:.4f})")
     if args.json is not None:
         args.json.write_text(json.dumps(result))
 
 
-def _step(model: DLRM, optimizer: torch.optim.Optimizer):
+def _step(model: DLRM, optimizers: list[torch.optim.Optimizer]):
     def step(dense: torch.Tensor, sparse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = F.binary_cross_entropy_with_logits(model(dense, sparse), labels)
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         loss.backward()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
         return loss.detach()
     return step
 
@@ -89,8 +121,8 @@ def one_device(args: argparse.Namespace) -> None:
     index, count = (int(part) for part in args.shard.split("/"))
     train = make_ctr_data(args.train, seed=args.seed).shard(index, count)
     test = make_ctr_data(args.test, seed=args.seed + 1)
-    model, optimizer = _model(args)
-    step = _step(model, optimizer)
+    model, optimizers = _model(args)
+    step = _step(model, optimizers)
     start, samples = time.perf_counter(), 0
     for dense, sparse, labels in train.batches(args.batch_size):
         step(dense, sparse, labels)
@@ -110,8 +142,8 @@ def hybrid(args: argparse.Namespace) -> None:
     steps = len(data) // workers // args.batch_size  # the same count on every worker
     train = data.shard(rank, workers)
     with strategy.scope():
-        model, optimizer = _model(args)
-    step = _step(model, optimizer)
+        model, optimizers = _model(args)
+    step = _step(model, optimizers)
     batches = train.batches(args.batch_size)
     start = time.perf_counter()
     for _ in range(steps):
@@ -135,8 +167,8 @@ def parameter_server(args: argparse.Namespace) -> None:
     strategy = unison.ParameterServerStrategy(resolver)
     coordinator = unison.ClusterCoordinator(strategy)
     with strategy.scope():
-        model, optimizer = _model(args)
-    step = _step(model, optimizer)
+        model, optimizers = _model(args)
+    step = _step(model, optimizers)
     workers = len(strategy.ps_cluster.workers)
     batch, seed, total = args.batch_size, args.seed, args.train
 

@@ -1,7 +1,7 @@
 """Types of unison's public API, for type checkers; at run time ``__init__.py`` loads each name
 on first use (``lazy_loader.attach_stub`` reads this file's imports)."""
 
-from . import checkpoint, cluster, collectives, embeddings, errors, partitioners, placement
+from . import checkpoint, cluster, collectives, embeddings, errors, optim, partitioners, placement
 from .checkpoint import (
     BackupAndRestore,
     PreemptionCheckpointHandler,
@@ -105,6 +105,7 @@ __all__ = [
     "ShardedVariable",
     "partitioners",
     "embeddings",
+    "optim",
     "ClusterResolver",
     "UnionResolver",
     "KubernetesClusterResolver",

@@ -11,7 +11,7 @@ are independent of each other):
     coordinator | collectives | input
     embeddings.tables (the Table contract, the local table that ps tasks run too)
     embeddings.optim (row optimizers)
-    interpose (everything unison changes in torch, and the private torch it reads)
+    interpose (everything unison changes in torch, and the private torch it reads) | optim (Ftrl)
     context
     values | cluster
     reduce | devices | errors | _state
@@ -62,7 +62,7 @@ LAYERS = (
     ("coordinator", "collectives", "input"),
     ("embeddings.tables",),
     ("embeddings.optim",),
-    ("interpose",),
+    ("interpose", "optim"),
     ("context",),
     ("values", "cluster"),
     ("reduce", "devices", "errors", "_state"),

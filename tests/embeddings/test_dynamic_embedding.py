@@ -148,7 +148,7 @@ def test_bad_input_and_unsupported_optimizers_are_refused_with_the_fix():
         emb(torch.tensor([1, 2]), torch.tensor([0]))
     with pytest.raises(ValueError, match="`mode`"):
         DynamicEmbedding(DIM, mode="max")
-    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    opt = torch.optim.RMSprop(emb.parameters(), lr=0.1)
     emb(torch.tensor([1])).sum().backward()
     with pytest.raises(ValueError, match="Adagrad"):
         opt.step()
@@ -198,3 +198,97 @@ def test_row_wise_adagrad_keeps_one_accumulator_per_row():
     accumulator = grad.square().mean()
     torch.testing.assert_close(state["state.rowwise_sum"], accumulator.reshape(1, 1))
     torch.testing.assert_close(state["rows"], -0.5 * grad / (accumulator.sqrt() + 1e-10))
+
+
+def _plain_sparse(emb: DynamicEmbedding, vocabulary: torch.Tensor) -> nn.Embedding:
+    """An ``nn.Embedding(sparse=True)`` holding the initial rows of ``vocabulary``."""
+    plain = nn.Embedding(len(vocabulary), DIM, sparse=True)
+    with torch.no_grad():
+        plain.weight.copy_(emb.table.lookup(vocabulary, create=False))
+    return plain
+
+
+def _late_batches() -> list[torch.Tensor]:
+    """Batches in which some ids first appear at a later step and some steps leave ids out."""
+    return [torch.tensor(ids) for ids in ([[7, -1], [7, 7]], [[INT64_MAX, 7]], [[3, 3]],
+                                          [[INT64_MIN, -1], [3, 7]], [[INT64_MAX, INT64_MAX]], [[-1, 5]])]
+
+
+def test_sparse_adam_rows_equal_sparse_adam_on_a_sparse_embedding():
+    batches = _late_batches()
+    emb = DynamicEmbedding(DIM)
+    vocabulary = torch.unique(torch.cat([b.reshape(-1) for b in batches]))
+    plain = _plain_sparse(emb, vocabulary)
+    head, plain_head = nn.Linear(DIM, 1), nn.Linear(DIM, 1)
+    plain_head.load_state_dict(head.state_dict())
+    hyper = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}
+    rows_opt, dense_opt = torch.optim.SparseAdam(emb.parameters(), **hyper), torch.optim.Adam(head.parameters())
+    plain_opts = torch.optim.SparseAdam(plain.parameters(), **hyper), torch.optim.Adam(plain_head.parameters())
+    for ids in batches:
+        for opt in (rows_opt, dense_opt, *plain_opts):
+            opt.zero_grad()
+        head(emb(ids)).pow(3).mean().backward()
+        plain_head(plain(_indices(vocabulary, ids))).pow(3).mean().backward()
+        for opt in (rows_opt, dense_opt, *plain_opts):
+            opt.step()
+    state, moments = emb.state_dict(), plain_opts[0].state[plain.weight]
+    assert torch.equal(state["ids"], vocabulary) and moments["step"] == len(batches)
+    torch.testing.assert_close(state["rows"], plain.weight.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(state["state.exp_avg"], moments["exp_avg"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(state["state.exp_avg_sq"], moments["exp_avg_sq"], rtol=0, atol=1e-6)
+    assert state["_extra_state"]["step"] == len(batches)  # t, one per opt.step(), kept by the table
+    torch.testing.assert_close(head.weight, plain_head.weight, rtol=0, atol=1e-6)
+
+
+def test_a_row_made_again_after_eviction_starts_with_zero_moments_at_the_current_step():
+    emb = DynamicEmbedding(DIM, eviction=EvictUnseen(1))
+    vocabulary = torch.tensor([1, 2])
+    plain = _plain_sparse(emb, vocabulary)
+    opt, plain_opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1), torch.optim.SparseAdam(plain.parameters(),
+                                                                                              lr=0.1)
+    for step, ids in enumerate(([1, 2], [2], [2], [1, 2], [1, 2]), 1):
+        if step == 4:  # id 1 was evicted after step 2: it comes back as a new row, its moments zero
+            assert emb.table.export()["ids"].tolist() == [2]
+            with torch.no_grad():
+                plain.weight[0] = emb.table.lookup(torch.tensor([1]), create=False)[0]
+                for name in ("exp_avg", "exp_avg_sq"):
+                    plain_opt.state[plain.weight][name][0] = 0.0
+        grad = torch.arange(1.0, DIM * len(ids) + 1).reshape(len(ids), DIM) / step
+        opt.zero_grad(), plain_opt.zero_grad()
+        (emb(torch.tensor(ids)) * grad).sum().backward()
+        (plain(_indices(vocabulary, torch.tensor(ids))) * grad).sum().backward()
+        opt.step(), plain_opt.step()
+    assert emb.num_rows == 2
+    torch.testing.assert_close(emb.table.lookup(vocabulary, create=False), plain.weight.detach(), rtol=0, atol=1e-6)
+
+
+def test_sparse_adam_goes_on_from_a_checkpoint_with_its_step_count(tmp_path):
+    batches = _late_batches()
+    emb = DynamicEmbedding(DIM)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    for ids in batches[:3]:
+        opt.zero_grad(), emb(ids).pow(2).sum().backward(), opt.step()
+    torch.save(emb.state_dict(), tmp_path / "emb.pt")
+    restored = DynamicEmbedding(DIM)
+    restored.load_state_dict(torch.load(tmp_path / "emb.pt", weights_only=False))
+    assert restored.table.current_step == 3
+    restored_opt = torch.optim.SparseAdam(restored.parameters(), lr=0.1)  # a new optimizer: t is the table's
+    for ids in batches[3:]:
+        for module, optimizer in ((emb, opt), (restored, restored_opt)):
+            optimizer.zero_grad(), module(ids).pow(2).sum().backward(), optimizer.step()
+    ours, theirs = restored.state_dict(), emb.state_dict()
+    for key in ("ids", "rows", "state.exp_avg", "state.exp_avg_sq"):
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+@pytest.mark.parametrize("dense_adam", [torch.optim.Adam, torch.optim.AdamW])
+def test_adam_over_a_table_is_refused_naming_sparse_adam_and_nothing_moves(dense_adam):
+    emb, head = DynamicEmbedding(DIM), nn.Linear(DIM, 1)
+    opt = dense_adam([*head.parameters(), *emb.parameters()], lr=0.1)
+    head(emb(torch.tensor([4, 5]))).sum().backward()
+    before, head_before = emb.state_dict(), head.weight.detach().clone()
+    with pytest.raises(ValueError, match=rf"{dense_adam.__name__}.*did not touch.*fix: .*torch\.optim\.SparseAdam"):
+        opt.step()
+    after = emb.state_dict()
+    assert torch.equal(after["rows"], before["rows"]) and after["_extra_state"]["step"] == 0
+    assert torch.equal(head.weight, head_before) and not opt.state

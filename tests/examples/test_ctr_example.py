@@ -36,3 +36,23 @@ def test_the_hybrid_job_learns_as_one_device_does(tmp_path):
     assert hybrid["samples"] == alone["samples"] == 16384
     assert hybrid["auc"] > 0.58 and alone["auc"] > 0.58, (hybrid, alone)  # untrained: 0.49-0.51
     assert abs(hybrid["auc"] - alone["auc"]) < 0.03, (hybrid, alone)  # the global batch is 512 in both
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "sparse_adam", "ftrl"])
+def test_every_row_optimizer_trains_the_example_on_one_device(optimizer, tmp_path):
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import ctr
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    out = tmp_path / "result.json"
+    ctr.main(["--strategy", "one_device", "--train", "2048", "--test", "512", "--batch-size", "256",
+              "--optimizer", optimizer, "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["optimizer"] == optimizer and result["samples"] == 2048 and result["rows"] > 0
+    model, optimizers = ctr._model(ctr._parse(["--optimizer", optimizer]))
+    names = [type(o).__name__ for o in optimizers]
+    assert names == {"adagrad": ["Adagrad"], "rowwise_adagrad": ["Adagrad"], "sparse_adam": ["SparseAdam", "Adam"],
+                     "ftrl": ["Ftrl", "Adagrad"]}[optimizer]
+    assert model.embeddings.row_wise_adagrad == (optimizer == "rowwise_adagrad")

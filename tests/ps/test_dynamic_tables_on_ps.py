@@ -18,6 +18,7 @@ from unison import DynamicEmbedding
 from unison.embeddings.tables.eviction import EvictBelowCount, EvictUnseen
 from unison.embeddings.tables.id_hashing import shard_of
 from unison.errors import ParameterServerError
+from unison.optim import Ftrl
 
 DIM = 4
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -281,4 +282,89 @@ def test_a_fixed_table_marked_for_the_ps_keeps_its_rows_there():
         got = [coordinator.schedule(step, args=batch).fetch() for batch in batches]
         torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(model.state_dict()["0.rows"], local.state_dict()["0.rows"], rtol=1e-4, atol=1e-5)
+        coordinator.shutdown()
+
+
+def _steps_with(model, optimizers):
+    """A training step stepping several optimizers (SparseAdam's rows beside Adam's dense layers)."""
+    def step(ids, target):
+        loss = F.mse_loss(model(ids), target)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+        return loss.detach()
+    return step
+
+
+ROW_OPTIMIZERS = {
+    "sparse_adam": lambda model: [torch.optim.SparseAdam(model.rows.parameters(), lr=0.05, betas=(0.8, 0.95)),
+                                  torch.optim.Adam(model.head.parameters(), lr=0.05)],
+    "ftrl": lambda model: [Ftrl(model.parameters(), lr=0.2, lr_power=-0.6, initial_accumulator_value=0.05,
+                                l1=0.002, l2=0.01, l2_shrinkage=0.005, beta=0.1)],
+}
+ROW_STATE = {"sparse_adam": ("exp_avg", "exp_avg_sq"), "ftrl": ("accumulator", "linear")}
+
+
+def _ftrl_with_lr_zero(model):
+    optimizer = Ftrl(model.parameters())
+    optimizer.param_groups[0]["lr"] = 0.0  # as a scheduler could set it
+    return [optimizer]
+
+
+BAD_OPTIMIZERS = {  # refused on the worker, naming the fix
+    "sparse_adam": (lambda model: [torch.optim.Adam(model.parameters(), lr=0.1)], "SparseAdam"),
+    "ftrl": (_ftrl_with_lr_zero, "`lr`.* must be > 0, got 0.0"),
+}
+
+
+def _assert_same_model(ours, theirs, name):
+    assert torch.equal(ours["rows.ids"], theirs["rows.ids"])
+    assert ours["rows._extra_state"]["step"] == theirs["rows._extra_state"]["step"]  # SparseAdam's t
+    for key in ("rows.rows", *(f"rows.state.{s}" for s in ROW_STATE[name]), "head.weight", "head.bias"):
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(ROW_OPTIMIZERS))
+def test_sparse_adam_and_ftrl_rows_on_two_ps_train_as_one_device_and_their_checkpoint_round_trips(name):
+    batches = _batches(9, seed=6, bag=1, batch=2)
+    # pushes whose ids all live on one ps task: the other shard's step count t advances all the same
+    assert any(shard_of(ids.reshape(-1), 2).unique().numel() == 1 for ids, _ in batches[:6])
+    torch.manual_seed(0)
+    reference = Ranker()
+    reference_step = _steps_with(reference, ROW_OPTIMIZERS[name](reference))
+    want = [reference_step(*batch) for batch in batches]
+    with ps_cluster(1, 2) as cluster:
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 2), timeout_seconds=30)
+        coordinator = unison.ClusterCoordinator(strategy)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = Ranker()
+            optimizers = ROW_OPTIMIZERS[name](model)
+        step = _steps_with(model, optimizers)
+        got = [coordinator.schedule(step, args=batch).fetch() for batch in batches[:6]]
+        torch.testing.assert_close(torch.stack(got), torch.stack(want[:6]), rtol=1e-4, atol=1e-5)
+        saved, saved_optimizers = model.state_dict(), [optimizer.state_dict() for optimizer in optimizers]
+        assert saved["rows._extra_state"]["step"] == 6
+
+        # train on, then restore the checkpoint (rows, row state, t on every shard, dense state) and train again
+        on = [coordinator.schedule(step, args=batch).fetch() for batch in batches[6:]]
+        trained_on = model.state_dict()
+        model.load_state_dict(saved)
+        for optimizer, state in zip(optimizers, saved_optimizers):
+            optimizer.load_state_dict(state)
+        again = [coordinator.schedule(step, args=batch).fetch() for batch in batches[6:]]
+        torch.testing.assert_close(torch.stack(again), torch.stack(on), rtol=0, atol=0)
+        _assert_same_model(model.state_dict(), trained_on, name)
+        torch.testing.assert_close(torch.stack(on), torch.stack(want[6:]), rtol=1e-4, atol=1e-5)
+        _assert_same_model(model.state_dict(), reference.state_dict(), name)
+
+        # bad input (Adam over the table, Ftrl with lr 0) is refused on the worker before anything moves
+        before = model.state_dict()
+        make_bad, message = BAD_OPTIMIZERS[name]
+        with pytest.raises(ValueError, match=message):
+            coordinator.schedule(_steps_with(model, make_bad(model)), args=batches[0]).fetch()
+        _assert_same_model(model.state_dict(), before, name)
         coordinator.shutdown()

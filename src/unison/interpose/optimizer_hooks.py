@@ -107,16 +107,17 @@ def _on_step_post(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -
             post(optimizer)
 
 
-def add_step_planner(planner: StepPlanner) -> None:
+def add_step_planner(planner: StepPlanner, *, first: bool = False) -> None:
     """Adds an owner's planner (once per owner) and installs the step pre-hook if it is not yet.
 
-    Optimizers planned before see the new owner at their next change of parameters; an
-    owner is added before the first step it acts on (when its first parameter or module
-    is made), so none is missed."""
+    An owner is added before the first step it acts on (when its first parameter or module
+    is made); every optimizer then asks every owner again. ``first``: its work runs before
+    every other owner's (the row updates: a refused row optimizer raises before any
+    gradient sync moves a dense parameter)."""
     with _PLANNERS_LOCK:
         if planner not in _PLANNERS:
-            _PLANNERS.append(planner)
-            _PLANS.clear()  # every optimizer asks every owner again
+            _PLANNERS.insert(0 if first else len(_PLANNERS), planner)
+            _PLANS.clear()
     step_hooks(pre=_on_step_pre)
 
 

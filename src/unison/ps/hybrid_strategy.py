@@ -18,7 +18,9 @@ Semantics:
   dense all-reduce of step ``t - 1`` holds every worker within a step of the others).
   ``join_pushes()`` waits for every worker's pushes (before a checkpoint or evaluation).
   Eviction counts pushes, as on one device it counts steps: with ``W`` workers a shard's
-  clock advances ``W`` times per global step (``EvictUnseen(n)``: unseen for ``n`` pushes).
+  clock advances ``W`` times per global step (``EvictUnseen(n)``: unseen for ``n`` pushes),
+  and so does SparseAdam's step count ``t`` (its bias correction fades ``W`` times sooner
+  than on one device on the global batch; the order pushes land in decides each one's ``t``).
   With the mean reduction (the default) a worker's
   row gradients are divided by ``num_replicas_in_sync``, so when workers touch
   different rows the update is the one a single device would make on the global batch.

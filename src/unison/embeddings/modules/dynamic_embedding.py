@@ -14,12 +14,22 @@ records each batch's row gradients (summed per id, across backward passes until 
 step, as gradients accumulate), and the ``step()`` of an optimizer whose param groups
 hold the handle applies them with that group's hyper-parameters (a process-wide
 optimizer step pre-hook, installed with the first module: ``row_updates.py``). ``SGD`` (plain: no momentum,
-weight decay, or maximize) and ``Adagrad`` (no ``lr_decay``/weight decay) map to the
-row updates ``RowSGD`` and ``RowAdagrad``, which equal theirs on a sparse gradient;
-others are refused with the fix. Other parameters of the same optimizer step as usual.
+weight decay, or maximize), ``Adagrad`` (no ``lr_decay``/weight decay), ``SparseAdam`` and
+``unison.optim.Ftrl`` map to the row updates ``RowSGD``, ``RowAdagrad``, ``RowSparseAdam``
+and ``RowFtrl``, which equal theirs on a sparse gradient (``nn.Embedding(sparse=True)``;
+Ftrl: TensorFlow's sparse FTRL): only the rows a batch touched move. ``Adam``/``AdamW`` are
+refused naming ``SparseAdam`` (their dense step would move untouched rows), others with
+the fix. Other parameters of the same optimizer step as usual.
+
+SparseAdam's bias correction needs the step count ``t`` it keeps per parameter: here the
+table keeps it, as its clock (one per optimizer step, the rows touched or not; a row made
+at step ``t`` starts with zero moments there) and checkpoints it in ``_extra_state``. On
+ps tasks every push advances every shard's ``t``, so one function at a time trains as
+one device; under the hybrid strategy each worker's push is a step (``t`` advances once
+per worker per synchronous step).
 
 Checkpoints: ``state_dict()`` holds the rows that exist (ids, rows, their optimizer
-state, touch counts) and no capacity; ``load_state_dict`` restores them.
+state, touch counts), the table's step count, and no capacity; ``load_state_dict`` restores them.
 
 Where the rows live is the strategy's choice (its ``tables`` component; the module tests
 no types): on one device (no strategy, ``OneDeviceStrategy``) in this

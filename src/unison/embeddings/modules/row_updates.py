@@ -39,14 +39,17 @@ def _plan_rows(optimizer: torch.optim.Optimizer) -> StepWork | None:
         return None
 
     def apply_rows_before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
-        for handle, group in found:
-            module = _OWNER[handle]()
-            if module is not None:
-                module.apply_row_gradients(row_optimizer_for(optimizer, group, row_wise=module.row_wise_adagrad))
+        modules = [(module, group) for handle, group in found if (module := _OWNER[handle]()) is not None]
+        # every module's row optimizer first: a refused setting raises before any row (or parameter) moves
+        updates = [(module, row_optimizer_for(optimizer, group, row_wise=module.row_wise_adagrad))
+                   for module, group in modules]
+        for module, row_optimizer in updates:
+            module.apply_row_gradients(row_optimizer)
 
     return StepWork(pre=apply_rows_before_step)
 
 
 def install_row_updates() -> None:
-    """Makes ``opt.step()`` train the rows of the modules it holds (once; ``interpose/optimizer_hooks.py``)."""
-    add_step_planner(_plan_rows)
+    """Makes ``opt.step()`` train the rows of the modules it holds (once; ``interpose/optimizer_hooks.py``):
+    before every other owner's work at the step, so a refused row optimizer changes nothing."""
+    add_step_planner(_plan_rows, first=True)

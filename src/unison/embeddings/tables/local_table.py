@@ -107,7 +107,8 @@ class LocalTable:
 
     @property
     def current_step(self) -> int:
-        """How many times :meth:`step` was called (carried over by export and import)."""
+        """How many times :meth:`step` was called (carried over by export and import): the optimizer
+        steps the table has taken, so a row optimizer's step count ``t`` is this plus one."""
         return self._step
 
     @property
@@ -213,7 +214,9 @@ class LocalTable:
         spec = optimizer.state_per_row(self._dim)
         self._ensure_state(spec, f"optimizer {optimizer!r}")
         state = {name: self._state[name].index_select(0, slots) for name in spec}
-        rows, state = optimizer.update(self._rows.index_select(0, slots), grads.to(self._dtype), state)
+        # t of the step being applied: this one, not yet counted by the clock (push advances it after)
+        rows, state = optimizer.update(self._rows.index_select(0, slots), grads.to(self._dtype), state,
+                                       self._step + 1)
         self._rows.index_copy_(0, slots, rows.to(self._dtype))
         for name in spec:
             self._state[name].index_copy_(0, slots, state[name].to(self._dtype))

@@ -6,8 +6,8 @@ k`` in a :class:`~unison.embeddings.tables.local_table.LocalTable`. Workers ask 
 their batch (made on first touch, from the id alone, so which worker asks first never
 changes a value) and push summed row gradients with the row optimizer the worker's
 ``torch.optim`` optimizer maps to; the optimizer state sits beside each row here. Every
-push reaches every shard, empty or not, so each shard's clock (the unit of eviction)
-advances with the optimizer steps, as the one-device table's does.
+push reaches every shard, empty or not, so each shard's clock (the unit of eviction, and
+SparseAdam's step count ``t``) advances with the optimizer steps, as the one-device table's does.
 
 Each table has its own lock: requests on different tables, or from different workers,
 interleave, and each is applied whole.

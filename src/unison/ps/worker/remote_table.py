@@ -4,7 +4,7 @@ Row ``id`` lives on ps task ``shard_of(id, num_shards)`` (a hash of the id, so h
 cold ids spread evenly, negative ids included). A lookup sends each ps task the distinct
 ids it owns, one request per ps task, all in flight together; a push sends every ps task
 its ids' summed gradients (an empty push too: it advances that shard's clock, so eviction
-counts optimizer steps on every shard alike). Nothing of the table is kept here between
+and SparseAdam's step count ``t`` count optimizer steps on every shard alike). Nothing of the table is kept here between
 calls: a worker holds only the rows of its batch.
 
 The connections are handed to it: on the chief (or a hybrid worker), the strategy's
