@@ -94,7 +94,7 @@ def _warm_memory_kb() -> dict[str, int]:
 
 def _memory_kb() -> dict[str, int]:
     """This process's current and peak resident set (VmRSS, VmHWM) in kB."""
-    from unison.ps.worker.runtime import RUNTIME
+    from unison._ps.worker.runtime import RUNTIME
 
     out = {"worker": RUNTIME.current.worker_index}
     with open("/proc/self/status") as f:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from unison.embeddings.tables.id_hashing import splitmix64
+from unison._embeddings.tables.id_hashing import splitmix64
 
 __all__ = ["NUM_DENSE", "NUM_SPARSE", "CtrData", "vocab_sizes", "make_ctr_data", "hashed_to_rows", "auc",
            "bayes_auc"]

@@ -173,11 +173,11 @@ def main(argv: list[str] | None = None) -> dict:
         state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "accuracy": accuracy}
         unison.save_checkpoint(state, args.checkpoint, strategy)
-        unison.checkpoint.save_step_checkpoint(state, args.eval_dir, epoch + 1, strategy)
+        unison.save_step_checkpoint(state, args.eval_dir, epoch + 1, strategy)
         if chief:
             print(f"epoch {epoch + 1:2d}: loss {sum(losses) / max(len(losses), 1):.4f}  test accuracy {accuracy:.4f}",
                   flush=True)
-    unison.checkpoint.mark_final(args.eval_dir, args.epochs, strategy)
+    unison.mark_final(args.eval_dir, args.epochs, strategy)
     elapsed = time.perf_counter() - started
     summary = {
         "accuracy": accuracy, "samples_per_second": seen / elapsed, "replicas": strategy.num_replicas_in_sync,

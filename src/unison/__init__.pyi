@@ -2,7 +2,7 @@
 on first use (``lazy_loader.attach_stub`` reads this file's imports)."""
 
 from . import checkpoint, cluster, collectives, embeddings, errors, optim, partitioners, placement
-from .checkpoint import (
+from ._checkpoint import (
     BackupAndRestore,
     PreemptionCheckpointHandler,
     SidecarEvaluator,
@@ -10,7 +10,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .cluster import (
+from ._cluster import (
     ClusterResolver,
     ClusterSpec,
     KubernetesClusterResolver,
@@ -23,26 +23,26 @@ from .cluster import (
     UnionResolver,
     detect_cluster_resolver,
 )
-from .collectives.ops.base import CrossDeviceOps
-from .collectives.ops.collective import CollectiveAllReduce
-from .collectives.ops.local import (
+from ._collectives.ops.base import CrossDeviceOps
+from ._collectives.ops.collective import CollectiveAllReduce
+from ._collectives.ops.local import (
     AllReduceCrossDeviceOps,
     HierarchicalCopyAllReduce,
     NcclAllReduce,
     ReductionToOneDevice,
     select_cross_device_ops,
 )
-from .collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
-from .context import ReplicaContext
-from .coordinator import (
+from ._collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
+from ._context import ReplicaContext
+from ._coordinator import (
     CoordinatorMode,
     WorkerContext,
     get_current_worker_context,
     run_distribute_coordinator,
     run_standard_server,
 )
-from .embeddings.modules.dynamic_embedding import DynamicEmbedding
-from .input import (
+from ._embeddings.modules.dynamic_embedding import DynamicEmbedding
+from ._input import (
     AutoShardPolicy,
     DistributedDataset,
     DistributedDatasetsFromFunction,
@@ -53,17 +53,17 @@ from .input import (
     OptionalValue,
     ValueContext,
 )
-from .ps.chief.cluster_coordinator import ClusterCoordinator
-from .ps.chief.remote_values import PerWorkerValues, RemoteValue
-from .ps.hybrid_strategy import HybridParameterServerStrategy
-from .ps.remote_variables.ps_variables import ShardedVariable
-from .ps.strategy import ParameterServerStrategy
-from .ps.task_server import Server
-from .reduce import ReduceOp
-from .strategies.base import Strategy, StrategyExtended
-from .strategies.central_storage import CentralStorageStrategy
-from .strategies.creation import Variable
-from .strategies.current import (
+from ._ps.chief.cluster_coordinator import ClusterCoordinator
+from ._ps.chief.remote_values import PerWorkerValues, RemoteValue
+from ._ps.hybrid_strategy import HybridParameterServerStrategy
+from ._ps.remote_variables.ps_variables import ShardedVariable
+from ._ps.strategy import ParameterServerStrategy
+from ._ps.task_server import Server
+from ._reduce import ReduceOp
+from ._strategies.base import Strategy, StrategyExtended
+from ._strategies.central_storage import CentralStorageStrategy
+from ._strategies.creation import Variable
+from ._strategies.current import (
     experimental_set_strategy,
     get_cross_replica_context,
     get_replica_context,
@@ -71,12 +71,12 @@ from .strategies.current import (
     has_strategy,
     in_cross_replica_context,
 )
-from .strategies.mirrored import MirroredStrategy
-from .strategies.multi_worker import CollectiveAllReduceStrategy, MultiWorkerMirroredStrategy
-from .strategies.one_device import OneDeviceStrategy
-from .values.aggregation import VariableAggregation, VariableSynchronization
-from .values.values import DistributedValues, Mirrored, PerReplica
-from .values.variables import MirroredVariable, SyncOnReadVariable
+from ._strategies.mirrored import MirroredStrategy
+from ._strategies.multi_worker import CollectiveAllReduceStrategy, MultiWorkerMirroredStrategy
+from ._strategies.one_device import OneDeviceStrategy
+from ._values.aggregation import VariableAggregation, VariableSynchronization
+from ._values.values import DistributedValues, Mirrored, PerReplica
+from ._values.variables import MirroredVariable, SyncOnReadVariable
 
 __version__: str
 

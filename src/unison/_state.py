@@ -64,7 +64,7 @@ class ProcessState:
     Attributes:
         own_component_writes: per thread, whether an optimizer step is writing this
             replica's own components (:class:`OwnComponentWrites`). Here, below both
-            ``unison.values`` (which reads it) and ``unison.gradient_sync`` (which sets
+            ``unison._values`` (which reads it) and ``unison._gradient_sync`` (which sets
             it), so neither owns a module global for the other to change.
         busy_replica_threads: the replica threads running a step now; a thread that is
             not in it waits for its next step. Weak, so a finished thread drops out. Set
@@ -95,7 +95,7 @@ class ProcessState:
     @property
     def reference_resolver(self) -> Any:
         """The resolver of the worker-side unpickling in progress on this thread, or None
-        (``unison.ps.wire.worker_references.loads_on_worker`` sets it for one call)."""
+        (``unison._ps.wire.worker_references.loads_on_worker`` sets it for one call)."""
         return getattr(self._local, "reference_resolver", None)
 
     @reference_resolver.setter

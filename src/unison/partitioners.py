@@ -1,10 +1,10 @@
 """``unison.partitioners``: tf.distribute.experimental.partitioners' spelling of the ps partitioners.
 
-The partitioners live with the parameter servers (``unison.ps.remote_variables.shard_partitioners``); this
+The partitioners live with the parameter servers (``unison._ps.remote_variables.shard_partitioners``); this
 module re-exports the public ones under the name TensorFlow users write.
 """
 
-from unison.ps.remote_variables.shard_partitioners import (
+from unison._ps.remote_variables.shard_partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,

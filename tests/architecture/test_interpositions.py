@@ -1,14 +1,14 @@
-"""What unison changes in PyTorch lives in ``unison.interpose``, listed in one literal tuple; importing changes nothing.
+"""What unison changes in PyTorch lives in ``unison._interpose``, listed in one literal tuple; importing changes nothing.
 
 Every change (hooks, wrapped methods, a replaced ``__deepcopy__``, a mode pushed for a
 block, an attribute replaced on a user's optimizer or module) is an ``Interposition``,
-``ScopedInterposition`` or ``InstanceInterposition`` defined in ``unison.interpose`` and
-listed in ``unison.interpose.every_change.INTERPOSITIONS``, installed on first use. A
+``ScopedInterposition`` or ``InstanceInterposition`` defined in ``unison._interpose`` and
+listed in ``unison._interpose.every_change.INTERPOSITIONS``, installed on first use. A
 fresh interpreter that imports every unison module must find torch as it was; one that
 builds a model in a multi-replica scope and steps it finds the changes installed. No
-module outside ``unison.interpose`` changes torch's classes, global hooks, or the
+module outside ``unison._interpose`` changes torch's classes, global hooks, or the
 methods and internal dicts of a torch object it was handed, or reads the private torch
-functions ``interpose/torch_private.py`` names.
+functions ``_interpose/torch_private.py`` names.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _PROBE = textwrap.dedent('''
     for info in pkgutil.walk_packages(unison.__path__, "unison."):
         if "_testing" not in info.name and not info.name.endswith("__main__"):
             importlib.import_module(info.name)
-    from unison.interpose.every_change import INTERPOSITIONS
+    from unison._interpose.every_change import INTERPOSITIONS
     report = {"after_import": torch_state(),
               "registry": [[i.what, i.target, i.why, i.installed] for i in INTERPOSITIONS]}
     if sys.argv[1] == "use":
@@ -101,7 +101,7 @@ def test_using_a_strategy_installs_its_changes():
 
 
 _SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "unison"
-_INTERPOSE = _SRC / "interpose"
+_INTERPOSE = _SRC / "_interpose"
 
 
 def _modules_outside_interpose() -> list[pathlib.Path]:
@@ -112,13 +112,13 @@ def test_the_list_is_a_literal_tuple_of_every_interposition_the_interpose_module
     import importlib
     import pkgutil
 
-    import unison.interpose
-    from unison.interpose import registry
-    from unison.interpose.every_change import INTERPOSITIONS
+    import unison._interpose
+    from unison._interpose import registry
+    from unison._interpose.every_change import INTERPOSITIONS
 
     kinds = (registry.Interposition, registry.ScopedInterposition, registry.InstanceInterposition)
     defined = {}
-    for info in pkgutil.iter_modules(unison.interpose.__path__, "unison.interpose."):
+    for info in pkgutil.iter_modules(unison._interpose.__path__, "unison._interpose."):
         module = importlib.import_module(info.name)
         defined.update({f"{info.name}.{name}": value for name, value in vars(module).items()
                         if isinstance(value, kinds) and name in getattr(module, "__all__", [name])})
@@ -143,11 +143,11 @@ def test_every_interposition_is_defined_in_the_interpose_package():
             if (isinstance(node, ast.Call)
                     and getattr(node.func, "id", None) in ("Interposition", "ScopedInterposition")):
                 defined_outside.append(f"{path.relative_to(_SRC)}:{node.lineno}")
-    assert not defined_outside, f"interpositions defined outside unison/interpose: {defined_outside}"
+    assert not defined_outside, f"interpositions defined outside unison/_interpose: {defined_outside}"
 
 
 # What changes torch for everyone: global hooks, class attributes assigned, the private
-# functions named once in interpose/torch_private.py.
+# functions named once in _interpose/torch_private.py.
 _TORCH_CHANGES = re.compile(
     r"register_module_(module|parameter|buffer)_registration_hook|register_optimizer_step_(pre|post)_hook"
     r"|setattr\((torch|nn)\.|^\s*(torch|nn)\.[\w.]+\s*=[^=]"
@@ -172,7 +172,7 @@ def test_no_module_outside_interpose_changes_torch_or_reads_its_private_function
         for match in [*_TORCH_CHANGES.finditer(path.read_text()), *_INSTANCE_CHANGES.finditer(path.read_text())]:
             line = path.read_text()[:match.start()].count("\n") + 1
             found.append(f"{path.relative_to(_SRC)}:{line}: {match.group(0).strip()}")
-    assert not found, ("changes to torch outside unison/interpose (move them there, with a registry entry):\n"
+    assert not found, ("changes to torch outside unison/_interpose (move them there, with a registry entry):\n"
                        + "\n".join(found))
 
 
@@ -190,4 +190,4 @@ def test_the_checks_above_find_what_they_look_for():
     assert not _INSTANCE_CHANGES.search("        self._buffers = ReplicaGradBuffers(self._num_replicas)")
     assert not _INSTANCE_CHANGES.search("            self._recent.__dict__[key] = (ids, slots)")
     assert not _INSTANCE_CHANGES.search("        if optimizer.zero_grad == other:")
-    assert list(_INTERPOSE.glob("*.py")), "unison/interpose has no modules"
+    assert list(_INTERPOSE.glob("*.py")), "unison/_interpose has no modules"

@@ -37,7 +37,7 @@ so the worker group and the transports never import the ops that drive them. Ins
 
 and inside ``embeddings``: ``modules`` above ``tables`` above ``optim``. And
 ``compat`` is imported by no module but the package's ``__init__`` (which re-exports its
-public names; everyone else, ``unison.ps`` included, imports them from there).
+public names; everyone else, ``unison._ps`` included, imports them from there).
 
 Imports made inside functions count (grimp reads them), so a hidden upward call through
 a lazy import fails here as well; imports only made for type checking do not run and
@@ -54,31 +54,31 @@ import pytest
 import unison
 
 LAYERS = (
-    ("launch", "partitioners", "embeddings.modules"),
-    ("placement", "checkpoint"),
-    ("ps",),
-    ("strategies",),
-    ("gradient_sync",),
-    ("coordinator", "collectives", "input"),
-    ("embeddings.tables",),
-    ("embeddings.optim",),
-    ("interpose", "optim"),
-    ("context",),
-    ("values", "cluster"),
-    ("reduce", "devices", "errors", "_state"),
+    ("_launch", "partitioners", "_embeddings.modules"),
+    ("_placement", "_checkpoint"),
+    ("_ps",),
+    ("_strategies",),
+    ("_gradient_sync",),
+    ("_coordinator", "_collectives", "_input"),
+    ("_embeddings.tables",),
+    ("_embeddings.optim",),
+    ("_interpose", "optim"),
+    ("_context",),
+    ("_values", "_cluster"),
+    ("_reduce", "_devices", "errors", "_state"),
     ("_enums",),
 )
 
-#: The layers inside ``unison.collectives``, top to bottom, named relative to it.
+#: The layers inside ``unison._collectives``, top to bottom, named relative to it.
 COLLECTIVES_LAYERS = (
     ("ops", "compat"),
     ("transport",),
     ("group",),
     ("options",),
 )
-COLLECTIVES = "unison.collectives"
+COLLECTIVES = "unison._collectives"
 
-#: The layers inside ``unison.ps``, top to bottom, by role and process.
+#: The layers inside ``unison._ps``, top to bottom, by role and process.
 PS_LAYERS = (
     ("chief", "task_server"),
     ("strategy", "hybrid_strategy"),
@@ -87,18 +87,18 @@ PS_LAYERS = (
     ("task",),
     ("wire",),
 )
-PS = "unison.ps"
+PS = "unison._ps"
 
 #: The layers inside ``unison.embeddings``.
 EMBEDDINGS_LAYERS = (("modules",), ("tables",), ("optim",))
-EMBEDDINGS = "unison.embeddings"
+EMBEDDINGS = "unison._embeddings"
 
-#: At most this many modules directly in ``unison.ps`` (more means a role needs its own package).
+#: At most this many modules directly in ``unison._ps`` (more means a role needs its own package).
 MAX_PS_TOP_MODULES = 10
 
 #: One meaning per name: at most one module of each of these names in all of ``unison``.
 AMBIGUOUS_NAMES = ("store", "server", "coordinator", "values", "variables", "dataset", "placement", "partitioners")
-COMPAT = "unison.collectives.compat"
+COMPAT = "unison._collectives.compat"
 
 
 def _layers() -> list:
@@ -147,9 +147,9 @@ def test_no_module_imports_a_higher_layer(graph):
 
 def test_the_check_catches_an_added_upward_import():
     graph = grimp.build_graph("unison", exclude_type_checking_imports=True)
-    graph.add_import(importer="unison.values.variables", imported="unison.strategies.base")
+    graph.add_import(importer="unison._values.variables", imported="unison._strategies.base")
     illegal = graph.find_illegal_dependencies_for_layers(layers=_layers(), containers=set())
-    assert any(d.importer == "unison.values" and d.imported == "unison.strategies" for d in illegal), illegal
+    assert any(d.importer == "unison._values" and d.imported == "unison._strategies" for d in illegal), illegal
 
 
 def test_no_import_cycles_between_modules(graph):
@@ -181,15 +181,15 @@ def test_compat_is_imported_only_by_the_collectives_package(graph):
 
 def test_the_collectives_checks_catch_added_imports():
     graph = grimp.build_graph("unison", exclude_type_checking_imports=True)
-    graph.add_import(importer="unison.collectives.group.worker_control", imported="unison.collectives.ops.base")
-    graph.add_import(importer="unison.collectives.transport.packing", imported="unison.collectives.ops.local")
-    graph.add_import(importer="unison.collectives.ops.local", imported="unison.collectives.compat.tensorpack")
-    graph.add_import(importer="unison.strategies.base", imported="unison.collectives.compat.placement")
+    graph.add_import(importer="unison._collectives.group.worker_control", imported="unison._collectives.ops.base")
+    graph.add_import(importer="unison._collectives.transport.packing", imported="unison._collectives.ops.local")
+    graph.add_import(importer="unison._collectives.ops.local", imported="unison._collectives.compat.tensorpack")
+    graph.add_import(importer="unison._strategies.base", imported="unison._collectives.compat.placement")
     illegal = {(d.importer, d.imported) for d in _illegal_inside_collectives(graph)}
-    assert {("unison.collectives.group", "unison.collectives.ops"),
-            ("unison.collectives.transport", "unison.collectives.ops"),
-            ("unison.collectives.ops", "unison.collectives.compat")} <= illegal, illegal
-    assert _compat_importers(graph) == ["unison.collectives.ops.local", "unison.strategies.base"]
+    assert {("unison._collectives.group", "unison._collectives.ops"),
+            ("unison._collectives.transport", "unison._collectives.ops"),
+            ("unison._collectives.ops", "unison._collectives.compat")} <= illegal, illegal
+    assert _compat_importers(graph) == ["unison._collectives.ops.local", "unison._strategies.base"]
 
 
 def _sub_layers(layers: tuple) -> list:
@@ -216,15 +216,15 @@ def test_inside_ps_and_embeddings_no_module_imports_a_higher_layer(graph, contai
 
 def test_the_ps_checks_catch_added_imports():
     graph = grimp.build_graph("unison", exclude_type_checking_imports=True)
-    graph.add_import(importer="unison.ps.wire.client", imported="unison.ps.task.parameter_store")
-    graph.add_import(importer="unison.ps.task.table_shards", imported="unison.ps.worker.remote_table")
-    graph.add_import(importer="unison.embeddings.tables.local_table", imported="unison.embeddings.modules.row_updates")
+    graph.add_import(importer="unison._ps.wire.client", imported="unison._ps.task.parameter_store")
+    graph.add_import(importer="unison._ps.task.table_shards", imported="unison._ps.worker.remote_table")
+    graph.add_import(importer="unison._embeddings.tables.local_table", imported="unison._embeddings.modules.row_updates")
     illegal = {(d.importer, d.imported) for d in graph.find_illegal_dependencies_for_layers(
         layers=_sub_layers(PS_LAYERS), containers={PS})}
-    assert {("unison.ps.wire", "unison.ps.task"), ("unison.ps.task", "unison.ps.worker")} <= illegal, illegal
+    assert {("unison._ps.wire", "unison._ps.task"), ("unison._ps.task", "unison._ps.worker")} <= illegal, illegal
     illegal = {(d.importer, d.imported) for d in graph.find_illegal_dependencies_for_layers(
         layers=_sub_layers(EMBEDDINGS_LAYERS), containers={EMBEDDINGS})}
-    assert ("unison.embeddings.tables", "unison.embeddings.modules") in illegal, illegal
+    assert ("unison._embeddings.tables", "unison._embeddings.modules") in illegal, illegal
 
 
 def test_ps_keeps_at_most_ten_modules_at_its_top(graph):

@@ -1,9 +1,9 @@
 """The public face, in the manner of PyTorch's ``test_public_bindings.py``.
 
 A public namespace is ``unison``, ``unison.coordinator`` and, recursively, every module a
-public namespace lists in its ``__all__`` (``unison.cluster``, ``unison.cluster.env``, ...),
+public namespace lists in its ``__all__`` (``unison._cluster``, ``unison._cluster.env``, ...),
 each named by the dotted path a user writes (``unison.partitioners``, though that module
-is ``unison.ps.remote_variables.shard_partitioners``). Rules:
+is ``unison._ps.remote_variables.shard_partitioners``). Rules:
 
 - a leading underscore means private: no exported path has a segment that starts with
   one, and no ``__all__`` lists such a name. The rule reads the *exported* path, so a
@@ -34,7 +34,7 @@ import pytest
 
 import unison
 
-ROOTS = ("unison", "unison.coordinator")
+ROOTS = ("unison", "unison._coordinator")
 
 
 def _namespaces() -> dict[str, types.ModuleType]:
@@ -90,7 +90,7 @@ def _documented_constant(name: str, value: Any) -> bool:
 
 def test_the_namespaces_found_include_those_the_readme_documents():
     """Guards the walk itself: a broken walk would make every rule below pass on nothing."""
-    assert {"unison", "unison.checkpoint", "unison.cluster", "unison.cluster.multi_worker_util", "unison.collectives",
+    assert {"unison", "unison._checkpoint", "unison._cluster", "unison._cluster.multi_worker_util", "unison._collectives",
             "unison.coordinator", "unison.errors", "unison.partitioners", "unison.placement"} <= set(_namespaces())
 
 
@@ -111,7 +111,7 @@ def test_every_namespace_lists_its_names_once_and_each_resolves():
 
 
 def test_no_exported_path_has_a_private_segment():
-    """The underscore rule: ``unison.cluster.env`` is fine, ``unison._state.X`` or ``unison.cluster._x`` is not.
+    """The underscore rule: ``unison._cluster.env`` is fine, ``unison._state.X`` or ``unison._cluster._x`` is not.
 
     The exported path is what a user writes; a class defined in a private module and
     re-exported under a public name passes."""

@@ -32,7 +32,7 @@ KNOWN_UNDOCUMENTED: set[str] = set()
 
 
 def test_public_members_of_core_classes_are_documented():
-    from unison.values.variables import DistributedVariable
+    from unison._values.variables import DistributedVariable
 
     missing = set()
     for cls in (unison.Strategy, unison.StrategyExtended, unison.ReplicaContext, unison.DistributedValues,
@@ -46,7 +46,7 @@ def test_public_members_of_core_classes_are_documented():
     assert missing == KNOWN_UNDOCUMENTED
 
 
-LAZY_PACKAGES = ["unison", "unison.checkpoint", "unison.cluster", "unison.coordinator"]
+LAZY_PACKAGES = ["unison", "unison._checkpoint", "unison._cluster", "unison._coordinator"]
 
 
 @pytest.mark.parametrize("package", LAZY_PACKAGES)
@@ -75,14 +75,14 @@ def test_import_unison_costs_no_torch_until_a_name_is_used():
         assert done.returncode == 0, done.stderr
         return done.stdout.splitlines()
 
-    assert fresh("import sys, unison, unison.checkpoint, unison.cluster, unison.coordinator\n"
+    assert fresh("import sys, unison, unison._checkpoint, unison._cluster, unison.coordinator\n"
                  "print('torch' in sys.modules)\n"
                  "name = type(unison.MirroredStrategy()).__name__\n"
                  "print('torch' in sys.modules, name)\n"
-                 "import unison.partitioners as p, unison.ps.remote_variables.shard_partitioners as q\n"
+                 "import unison.partitioners as p, unison._ps.remote_variables.shard_partitioners as q\n"
                  "print(p is unison.partitioners and p.FixedShardsPartitioner is q.FixedShardsPartitioner)\n"
                  ) == ["False", "True MirroredStrategy", "True"]
     # the namespaces the README documents, reached first thing in a fresh process
     assert fresh("import unison\nprint(issubclass(unison.errors.PeerLostError, unison.errors.UnisonError))") == ["True"]
-    assert fresh("import unison\nprint(callable(unison.collectives.allreduce_grads), "
-                 "callable(unison.cluster.multi_worker_util.is_chief))") == ["True True"]
+    assert fresh("import unison\nprint(callable(unison.tensorpack.allreduce_grads), "
+                 "callable(unison._cluster.multi_worker_util.is_chief))") == ["True True"]

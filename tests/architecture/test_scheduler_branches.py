@@ -1,7 +1,7 @@
 """Each scheduler's knowledge lives in its class: nothing outside the resolvers asks for it by name.
 
 A scheduler's conventions (local rank, rendezvous token and kind, CPU share, restart
-advice) are methods of its ``unison.cluster.scheduler.Scheduler``, named by its resolver
+advice) are methods of its ``unison._cluster.scheduler.Scheduler``, named by its resolver
 and carried by the resolved cluster. A branch on the environment's name elsewhere
 (``if environment == "slurm"``, ``{"torchrun": ...}.get(environment)``) spreads one
 scheduler over several modules again; this check finds such branches by reading every
@@ -21,9 +21,9 @@ NAMES = frozenset({"slurm", "torchrun", "tf_config", "sagemaker"})
 #: The modules where a name may pick a scheduler: the resolvers, the detection walk, the
 #: scheduler contract and its lookup by name.
 ALLOWED = frozenset({
-    "unison.cluster.torchrun", "unison.cluster.slurm", "unison.cluster.sagemaker", "unison.cluster.tf_config",
-    "unison.cluster.simple", "unison.cluster.kubernetes", "unison.cluster.union", "unison.cluster.detect",
-    "unison.cluster.scheduler", "unison.cluster.known_schedulers",
+    "unison._cluster.torchrun", "unison._cluster.slurm", "unison._cluster.sagemaker", "unison._cluster.tf_config",
+    "unison._cluster.simple", "unison._cluster.kubernetes", "unison._cluster.union", "unison._cluster.detect",
+    "unison._cluster.scheduler", "unison._cluster.known_schedulers",
 })
 
 

@@ -14,8 +14,8 @@ import pathlib
 
 import pytest
 
-import unison.gradient_sync
-from unison.collectives.transport import bucket_transports, cross_worker, shared_buckets
+import unison._gradient_sync
+from unison._collectives.transport import bucket_transports, cross_worker, shared_buckets
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -40,7 +40,7 @@ def test_the_concrete_transports_are_found():
 
 def test_gradient_sync_names_no_transport_class():
     offenders = []
-    paths = sorted(pathlib.Path(unison.gradient_sync.__file__).parent.rglob("*.py"))  # subpackages too
+    paths = sorted(pathlib.Path(unison._gradient_sync.__file__).parent.rglob("*.py"))  # subpackages too
     assert {"buckets.py", "replica_merge.py"} <= {path.name for path in paths}, paths
     for path in paths:
         named = _names(path) & set(CONCRETE)

@@ -1,4 +1,4 @@
-"""Outside ``unison.values``, a variable's strategy is read through ``distribute_strategy``.
+"""Outside ``unison._values``, a variable's strategy is read through ``distribute_strategy``.
 
 ``DistributedVariable._strategy`` is the variable's own state; other packages read the
 public property (TensorFlow's ``Variable.distribute_strategy``), so the variable can change
@@ -25,7 +25,7 @@ def _private_strategy_reads(tree: ast.AST) -> list[int]:
 
 def test_no_module_outside_values_reads_a_variables_private_strategy():
     found = {path.relative_to(ROOT).as_posix(): lines for path in ROOT.rglob("*.py")
-             if path.relative_to(ROOT).parts[0] != "values"
+             if path.relative_to(ROOT).parts[0] != "_values"
              and (lines := _private_strategy_reads(ast.parse(path.read_text())))}
     assert not found, f"read variable.distribute_strategy instead of variable._strategy: {found}"
 

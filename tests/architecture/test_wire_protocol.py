@@ -1,7 +1,7 @@
 """The ps wire is typed: request kinds are an enum, each header a frozen dataclass, one dispatch table.
 
 A request added on one side only, a kind without a handler, or a string-keyed
-``kind == "..."`` branch creeping back into ``unison.ps`` fails here; so does a
+``kind == "..."`` branch creeping back into ``unison._ps`` fails here; so does a
 malformed request or a peer of another protocol version getting further than an error
 naming it.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 import unison
-from unison.ps.task import sessions
-from unison.ps.wire import protocol as wire
+from unison._ps.task import sessions
+from unison._ps.wire import protocol as wire
 
-PS_ROOT = Path(unison.__file__).parent / "ps"
+PS_ROOT = Path(unison.__file__).parent / "_ps"
 
 
 def _request_classes() -> list[type]:
@@ -52,7 +52,7 @@ def _string_kind_branches(tree: ast.AST) -> list[int]:
 def test_no_string_keyed_request_branches_in_ps():
     found = {path.relative_to(PS_ROOT).as_posix(): lines for path in PS_ROOT.rglob("*.py")
              if (lines := _string_kind_branches(ast.parse(path.read_text())))}
-    assert not found, f"string-keyed request branches (use unison.ps.wire.protocol's types): {found}"
+    assert not found, f"string-keyed request branches (use unison._ps.wire.protocol's types): {found}"
 
 
 def test_the_branch_scan_catches_one():
@@ -96,9 +96,9 @@ def _example(cls: type):
     """One instance of each message class, with fields of the kinds that travel."""
     import torch
 
-    from unison.embeddings.optim.row_optimizers import RowSGD
-    from unison.embeddings.tables.initializers import normal
-    from unison.embeddings.tables.table import TableConfig
+    from unison._embeddings.optim.row_optimizers import RowSGD
+    from unison._embeddings.tables.initializers import normal
+    from unison._embeddings.tables.table import TableConfig
 
     values = {
         "keys": ("a", "b"), "places": (None,), "segments": (("seg", 16),), "entries":

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import unison
-from unison.checkpoint import PREEMPTED_EXIT_CODE
+from unison._checkpoint import PREEMPTED_EXIT_CODE
 
 
 def main() -> None:

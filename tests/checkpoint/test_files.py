@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import unison
-from unison.checkpoint import atomic_save, load_checkpoint, save_checkpoint
+from unison import load_checkpoint, save_checkpoint
+from unison._checkpoint import atomic_save
 from unison.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,7 @@ BIG = 50_000_000  # float32 elements: 200 MB
 
 WRITER = f"""
 import os, sys, torch
-from unison.checkpoint import atomic_save
+from unison._checkpoint import atomic_save
 torch.set_num_threads(1)  # no OpenMP team before a fork
 big = torch.ones({BIG})
 for line in sys.stdin:  # one forked writer per line: torch is imported once, not once per try

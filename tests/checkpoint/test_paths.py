@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import unison
-from unison.checkpoint import remove_temp_dir_with_filepath, remove_temp_dirpath, write_dirpath, write_filepath
+from unison import remove_temp_dir_with_filepath, remove_temp_dirpath, write_dirpath, write_filepath
 
 
 def _worker(task_type: str, task_id: int) -> unison.MultiWorkerMirroredStrategy:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import unison
-from unison.checkpoint import mark_final, save_step_checkpoint
+from unison import mark_final, save_step_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import time
 
 import unison
 from tests.multi_worker._workers import global_batches, mlp_and_step
-from unison.collectives.group.store_connect import OWNER_KEY
+from unison._collectives.group.store_connect import OWNER_KEY
 from unison.errors import ClusterError
 
 

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unison.cluster import ClusterSpec, split_address
+from unison import ClusterSpec
+from unison._cluster import split_address
 
 
 def test_list_and_dict_forms_are_equal():
@@ -105,7 +106,7 @@ def test_one_endpoint_spelled_two_ways_is_refused_naming_both_tasks(cluster, fir
 
 
 def test_this_machines_name_is_loopback_when_it_resolves_to_loopback(monkeypatch):
-    from unison.cluster import spec as spec_module
+    from unison._cluster import spec as spec_module
 
     monkeypatch.setattr(spec_module.socket, "gethostname", lambda: "trainbox")
     monkeypatch.setattr(spec_module, "_resolves_to_loopback", lambda name: name == "trainbox")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from unison.cluster import ClusterSpec
-from unison.cluster import multi_worker_util as mwu
+from unison import ClusterSpec
+from unison._cluster import multi_worker_util as mwu
 
 WITH_CHIEF = {"chief": ["c:1"], "worker": ["w0:1", "w1:1", "w2:1"], "ps": ["p0:1", "p1:1"], "evaluator": ["e:1"]}
 NO_CHIEF = {"worker": ["w0:1", "w1:1"], "ps": ["p0:1"]}
@@ -39,7 +39,7 @@ def test_is_chief(cluster, task_type, task_id, expected):
 
 
 def test_is_chief_inside_a_worker_context_answers_for_it():
-    from unison.coordinator.worker_context import WorkerContext
+    from unison._coordinator.worker_context import WorkerContext
 
     with WorkerContext(None, NO_CHIEF, "worker", 1):
         assert mwu.is_chief() is False

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import unison
-from unison.cluster import (
+from unison import (
     KubernetesClusterResolver,
     SageMakerClusterResolver,
     SimpleClusterResolver,
@@ -19,9 +19,9 @@ from unison.cluster import (
     TorchrunClusterResolver,
     UnionResolver,
     detect_cluster_resolver,
-    merge_clusters,
 )
-from unison.cluster.resolved import RendezvousKind
+from unison._cluster import merge_clusters
+from unison._cluster.resolved import RendezvousKind
 
 # --- UnionResolver ------------------------------------------------------------------------
 
@@ -241,5 +241,5 @@ def test_detect_order_tf_config_torchrun_slurm_sagemaker_local():
 
 def test_new_resolvers_are_public_with_docstrings():
     for name in ("UnionResolver", "KubernetesClusterResolver", "SageMakerClusterResolver"):
-        assert name in unison.__all__ and name in unison.cluster.__all__
+        assert name in unison.__all__ and name in unison._cluster.__all__
         assert getattr(unison, name).__doc__

@@ -7,12 +7,12 @@ import json
 import pytest
 
 import unison
-from unison.cluster import multi_worker_util, tf_config
-from unison.cluster.resolved import RendezvousKind, ResolvedCluster
-from unison.cluster.scheduler import LAUNCH
-from unison.cluster.slurm import SLURM
-from unison.cluster.spec import ClusterSpec
-from unison.cluster.torchrun import TORCHRUN
+from unison._cluster import multi_worker_util, tf_config
+from unison._cluster.resolved import RendezvousKind, ResolvedCluster
+from unison._cluster.scheduler import LAUNCH
+from unison._cluster.slurm import SLURM
+from unison._cluster.spec import ClusterSpec
+from unison._cluster.torchrun import TORCHRUN
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:2000", "127.0.0.1:2001"]}, "task": {"type": "worker", "index": 1}}
 
@@ -101,7 +101,7 @@ def test_a_malformed_restart_count_names_the_variable():
 
 
 def test_nothing_outside_cluster_reads_cluster_variables():
-    """Only ``unison.cluster`` reads TF_CONFIG, torchrun/SLURM variables and unison's own."""
+    """Only ``unison._cluster`` reads TF_CONFIG, torchrun/SLURM variables and unison's own."""
     import pathlib
     import re
 
@@ -116,6 +116,6 @@ def test_nothing_outside_cluster_reads_cluster_variables():
 
 @pytest.mark.parametrize("value, shared", [(None, True), ("1", True), ("0", False), (" 0 ", False)])
 def test_ps_shared_memory_is_on_unless_the_variable_says_0(value, shared):
-    from unison.cluster.env import ps_shared_memory
+    from unison._cluster.env import ps_shared_memory
 
     assert ps_shared_memory({} if value is None else {"UNISON_PS_SHARED_MEMORY": value}) is shared

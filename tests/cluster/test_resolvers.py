@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unison.cluster import (
+from unison import (
     ClusterResolver,
     ClusterSpec,
     SimpleClusterResolver,
@@ -12,9 +12,8 @@ from unison.cluster import (
     TFConfigClusterResolver,
     TorchrunClusterResolver,
     detect_cluster_resolver,
-    expand_hostlist,
-    expand_tasks_per_node,
 )
+from unison._cluster import expand_hostlist, expand_tasks_per_node
 from unison.errors import ClusterError
 
 TORCHRUN = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}

@@ -11,8 +11,8 @@ import pytest
 
 from tests.cluster import _slurm_workers as sw
 from tests.multi_worker._workers import single_device_weights
+from unison._cluster.slurm import rendezvous_port
 from unison._testing import run_workers
-from unison.cluster.slurm import rendezvous_port
 
 TIMEOUT_S = 8.0  # the strategies' timeout_seconds
 

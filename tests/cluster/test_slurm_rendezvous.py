@@ -16,12 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import unison
-from unison.cluster import known_schedulers, sagemaker, slurm, union
-from unison.cluster.resolved import RendezvousKind
-from unison.cluster.slurm import PORT_LOW, PORT_SLOTS, PORT_STRIDE, SlurmClusterResolver, rendezvous_port
-from unison.cluster.threads import ThreadDefault, ThreadsDefaultWarning, cpu_share
-from unison.cluster.torchrun import TorchrunClusterResolver
-from unison.collectives.group.process_group import WorkerGroup, store_prefix
+from unison._cluster import known_schedulers, sagemaker, slurm, union
+from unison._cluster.resolved import RendezvousKind
+from unison._cluster.slurm import PORT_LOW, PORT_SLOTS, PORT_STRIDE, SlurmClusterResolver, rendezvous_port
+from unison._cluster.threads import ThreadDefault, ThreadsDefaultWarning, cpu_share
+from unison._cluster.torchrun import TorchrunClusterResolver
+from unison._collectives.group.process_group import WorkerGroup, store_prefix
 from unison.errors import ClusterError
 
 # What `srun -N 2 -n 4` sets in task 3 (job 4242, its first step).
@@ -200,7 +200,7 @@ def test_a_leader_name_that_does_not_resolve_is_named_with_the_override(monkeypa
     """The resolver says no at once here (no network, no DNS server that may be slow or
     unreachable); the rendezvous must then fail on that first answer, not retry until
     its 30 s timeout."""
-    from unison.collectives.group.store_connect import join_rendezvous
+    from unison._collectives.group.store_connect import join_rendezvous
 
     lookups = []
     real_getaddrinfo = socket.getaddrinfo

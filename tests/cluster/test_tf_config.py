@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unison.cluster import ClusterSpec, TFConfigClusterResolver, parse_tf_config, read_tf_config
+from unison import ClusterSpec, TFConfigClusterResolver
+from unison._cluster import parse_tf_config, read_tf_config
 
 CLUSTER = {"chief": ["c:2222"], "worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222"]}
 

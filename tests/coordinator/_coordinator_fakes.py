@@ -1,6 +1,6 @@
 """A test-local strategy implementing exactly the contract the coordinator relies on."""
 
-from unison.cluster import multi_worker_util
+from unison._cluster import multi_worker_util
 
 
 class FakeExtended:

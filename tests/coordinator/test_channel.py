@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from unison._coordinator.channel import ChannelListener, connect, require_authkey
 from unison.coordinator import StandardServer, generate_authkey, read_authkey
-from unison.coordinator.channel import ChannelListener, connect, require_authkey
 from unison.errors import AuthenticationError, ClusterError
 
 KEY = bytes(range(32))
@@ -168,8 +168,8 @@ def test_standard_server_refuses_wrong_key_and_keeps_serving(tmp_path):
     cluster = {"worker": [f"127.0.0.1:{port}"]}
     with StandardServer(cluster, "worker", 0, authkey=KEY) as server:
         assert server.address == f"127.0.0.1:{port}"  # its own cluster address, not 0.0.0.0
-        from unison.coordinator.distribute_coordinator import _drive_task
-        from unison.coordinator.standard_server import RunRequest
+        from unison._coordinator.distribute_coordinator import _drive_task
+        from unison._coordinator.standard_server import RunRequest
 
         request = RunRequest(lambda s: marker.write_text("x"), None, cluster, "worker", 0, "tcp", use_barrier=False)
         with pytest.raises(AuthenticationError):
@@ -190,9 +190,9 @@ def test_connect_gives_up_with_a_cluster_error():
 
 def test_run_standard_server_without_a_task_names_the_value_and_the_fix(monkeypatch):
     """Unreachable through parse_tf_config(require_task=True), but a clear message if it ever is."""
-    from unison.cluster.spec import ClusterSpec
-    from unison.cluster.tf_config import TFConfig
-    from unison.coordinator import standard_server as server_module
+    from unison._cluster.spec import ClusterSpec
+    from unison._cluster.tf_config import TFConfig
+    from unison._coordinator import standard_server as server_module
 
     monkeypatch.setattr(server_module, "read_tf_config",
                         lambda environ, require_task: TFConfig(ClusterSpec({"worker": ["127.0.0.1:1"]})))
@@ -210,7 +210,7 @@ def test_handshake_timeout_must_be_positive():
 @pytest.mark.timeout(30)
 def test_listener_keeps_accepting_when_no_thread_can_be_started(monkeypatch, caplog):
     """Out of threads ("can't start new thread"): one warning, a back-off, then service again."""
-    from unison.coordinator import channel as channel_module
+    from unison._coordinator import channel as channel_module
 
     real_thread = threading.Thread
     failures = {"left": 3}

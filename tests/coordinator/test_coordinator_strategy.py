@@ -13,8 +13,8 @@ import cloudpickle
 import pytest
 
 import unison
+from unison._launch.procs import reserve_ports
 from unison.coordinator import generate_authkey, stop_standard_servers
-from unison.launch.procs import reserve_ports
 
 REPO = Path(__file__).resolve().parents[2]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -23,7 +23,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def train_and_describe(strategy):
     import torch
 
-    context = unison.get_current_worker_context()
+    context = unison.coordinator.get_current_worker_context()
     with strategy.scope():
         torch.manual_seed(context.task_id)  # different local init: the chief's must win
         model = torch.nn.Linear(4, 2)
@@ -41,7 +41,7 @@ def train_and_describe(strategy):
 @pytest.mark.timeout(120)
 def test_standalone_client_trains_on_two_standard_servers(tmp_path):
     script = tmp_path / "server.py"
-    script.write_text("import sys\nfrom unison.launch.cli import main\nsys.exit(main(['server']))\n")
+    script.write_text("import sys\nfrom unison._launch.cli import main\nsys.exit(main(['server']))\n")
     ports = reserve_ports(2)
     spec = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     key = generate_authkey()
@@ -55,8 +55,8 @@ def test_standalone_client_trains_on_two_standard_servers(tmp_path):
             unison.SimpleClusterResolver(unison.ClusterSpec({})),
             unison.CommunicationOptions(timeout_seconds=30),
         )
-        results = unison.run_distribute_coordinator(
-            train_and_describe, strategy, mode=unison.CoordinatorMode.STANDALONE_CLIENT,
+        results = unison.coordinator.run_distribute_coordinator(
+            train_and_describe, strategy, mode=unison.coordinator.CoordinatorMode.STANDALONE_CLIENT,
             cluster_spec=spec, authkey=key, environ={},
         )
         first, second = results["worker"]
@@ -79,7 +79,7 @@ def test_independent_workers_and_evaluator_under_the_launcher(tmp_path):
         import torch, unison
 
         def worker_fn(strategy):
-            context = unison.get_current_worker_context()
+            context = unison.coordinator.get_current_worker_context()
             with strategy.scope():
                 torch.manual_seed(context.task_id)
                 model = torch.nn.Linear(3, 1)
@@ -92,11 +92,11 @@ def test_independent_workers_and_evaluator_under_the_launcher(tmp_path):
                   [round(v, 6) for v in model.weight.detach().flatten().tolist()], flush=True)
 
         def eval_fn(strategy):
-            print("evaluated", unison.get_current_worker_context().task_type, flush=True)
+            print("evaluated", unison.coordinator.get_current_worker_context().task_type, flush=True)
 
-        unison.run_distribute_coordinator(
+        unison.coordinator.run_distribute_coordinator(
             worker_fn, unison.MultiWorkerMirroredStrategy(unison.SimpleClusterResolver(unison.ClusterSpec({}))),
-            eval_fn=eval_fn, mode=unison.CoordinatorMode.INDEPENDENT_WORKER)
+            eval_fn=eval_fn, mode=unison.coordinator.CoordinatorMode.INDEPENDENT_WORKER)
     """))
     done = subprocess.run([sys.executable, "-m", "unison.launch", "--workers", "2", "--evaluator", str(script)],
                           cwd=REPO, capture_output=True, text=True, timeout=100)

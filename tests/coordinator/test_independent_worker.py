@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from _coordinator_procs import Processes
 
-from unison.launch.cli import main
-from unison.launch.procs import reserve_ports
+from unison._launch.cli import main
+from unison._launch.procs import reserve_ports
 
 HERE = Path(__file__).resolve().parent
 

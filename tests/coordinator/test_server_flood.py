@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from unison.coordinator import channel as channel_module
-from unison.coordinator.channel import MAX_HANDSHAKES, connect
+from unison._coordinator import channel as channel_module
+from unison._coordinator.channel import MAX_HANDSHAKES, connect
 from unison.errors import ClusterError
 
 KEY = bytes(range(32))
@@ -47,10 +47,10 @@ class Server:
         environ.pop("UNISON_AUTHKEY_FILE", None)
         # Without /proc (count_descriptors=False) only a failing accept() tells the server.
         blind = ("" if count_descriptors
-                 else "import unison.coordinator.admission as a; a._open_descriptors = lambda: None; ")
+                 else "import unison._coordinator.admission as a; a._open_descriptors = lambda: None; ")
         command = [
             sys.executable, "-c",
-            blind + "import sys; from unison.launch.cli import main; sys.exit(main(sys.argv[1:]))",
+            blind + "import sys; from unison._launch.cli import main; sys.exit(main(sys.argv[1:]))",
             "server", "--bind", "127.0.0.1:0", "--handshake-timeout", str(handshake_timeout),
         ]  # fmt: skip
 

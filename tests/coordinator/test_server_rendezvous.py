@@ -11,12 +11,12 @@ import pytest
 from _coordinator_fakes import FakeStrategy
 
 import unison
-from unison.cluster import ClusterSpec
-from unison.cluster.resolved import RendezvousKind
+from unison import ClusterSpec
+from unison._cluster.resolved import RendezvousKind
+from unison._coordinator.channel import connect
+from unison._coordinator.standard_server import RunRequest, StandardServer
+from unison._coordinator.worker_context import run_in_worker_context
 from unison.coordinator import generate_authkey
-from unison.coordinator.channel import connect
-from unison.coordinator.standard_server import RunRequest, StandardServer
-from unison.coordinator.worker_context import run_in_worker_context
 
 CLUSTER = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
 STORE = "127.0.0.1:5555"

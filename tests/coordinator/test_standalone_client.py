@@ -15,6 +15,7 @@ import pytest
 from _coordinator_fakes import FakeStrategy
 from _coordinator_procs import Processes, alive
 
+from unison._launch.procs import reserve_ports
 from unison.coordinator import (
     generate_authkey,
     get_current_worker_context,
@@ -22,13 +23,12 @@ from unison.coordinator import (
     stop_standard_servers,
 )
 from unison.errors import AuthenticationError, ClusterError
-from unison.launch.procs import reserve_ports
 
 # The servers cannot import this test module: send its functions (and the fake) by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(_coordinator_fakes)
 
-SERVER_SCRIPT = "import sys\nfrom unison.launch.cli import main\nsys.exit(main(['server']))\n"
+SERVER_SCRIPT = "import sys\nfrom unison._launch.cli import main\nsys.exit(main(['server']))\n"
 
 
 @pytest.fixture(scope="module")

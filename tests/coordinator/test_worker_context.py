@@ -5,7 +5,7 @@ import json
 import pytest
 from _coordinator_fakes import FakeStrategy
 
-from unison.cluster import ClusterSpec
+from unison import ClusterSpec
 from unison.coordinator import (
     CoordinatorMode,
     WorkerContext,

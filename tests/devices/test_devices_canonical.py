@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unison
-from unison.devices import canonicalize, canonicalize_all, torch_device
+from unison._devices import canonicalize, canonicalize_all, torch_device
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import unison
-from unison.embeddings import DynamicEmbedding, EvictUnseen, Normal
+from unison import DynamicEmbedding
+from unison.embeddings import EvictUnseen, Normal
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -188,7 +189,7 @@ def test_a_row_counts_every_occurrence_of_its_id_in_a_batch():
 
 
 def test_row_wise_adagrad_keeps_one_accumulator_per_row():
-    emb = DynamicEmbedding(4, row_wise_adagrad=True, initializer=unison.embeddings.tables.initializers.zeros())
+    emb = DynamicEmbedding(4, row_wise_adagrad=True, initializer=unison._embeddings.tables.initializers.zeros())
     opt = torch.optim.Adagrad(emb.parameters(), lr=0.5)
     grad = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     (emb(torch.tensor([9])) * grad).sum().backward()

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import unison
-from unison.embeddings import DynamicEmbedding, on_ps, tables_on_ps
+from unison import DynamicEmbedding
+from unison.embeddings import on_ps, tables_on_ps
 
 
 def _train(module, batches, **bag):

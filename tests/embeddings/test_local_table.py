@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.embeddings.optim.row_optimizers import RowAdagrad, RowSGD, RowWiseAdagrad
-from unison.embeddings.tables.eviction import EvictBelowCount, EvictionPolicy, EvictUnseen
-from unison.embeddings.tables.id_hashing import splitmix64
-from unison.embeddings.tables.id_index import IdIndex
-from unison.embeddings.tables.initializers import Initializer, initializer_from_config, normal, uniform, zeros
-from unison.embeddings.tables.local_table import LocalTable, shard_of
+from unison._embeddings.optim.row_optimizers import RowAdagrad, RowSGD, RowWiseAdagrad
+from unison._embeddings.tables.eviction import EvictBelowCount, EvictionPolicy, EvictUnseen
+from unison._embeddings.tables.id_hashing import splitmix64
+from unison._embeddings.tables.id_index import IdIndex
+from unison._embeddings.tables.initializers import Initializer, initializer_from_config, normal, uniform, zeros
+from unison._embeddings.tables.local_table import LocalTable, shard_of
 
 pytestmark = pytest.mark.timeout(120)
 

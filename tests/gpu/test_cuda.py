@@ -203,8 +203,8 @@ def test_a_checkpoint_saved_from_the_gpu_loads_on_the_cpu(tmp_path):
     strategy = unison.OneDeviceStrategy("cuda:0")
     model = _train_in_process(strategy)
     path = tmp_path / "model.pt"
-    assert unison.checkpoint.save_checkpoint({"model": model.state_dict()}, path, strategy)
-    state = unison.checkpoint.load_checkpoint(path)
+    assert unison.save_checkpoint({"model": model.state_dict()}, path, strategy)
+    state = unison.load_checkpoint(path)
     assert all(t.device.type == "cpu" for t in state["model"].values())
     cpu_model = make_mlp(2, 16)
     cpu_model.load_state_dict(state["model"])

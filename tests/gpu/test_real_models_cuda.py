@@ -7,7 +7,7 @@ it where a GPU is lent. One worker process trains every case (compilation domina
 
 First run (H200, torch 2.11): GPT-2 built in a GPU scope started from other weights than
 plain PyTorch's (Transformers swaps ``nn.init``'s functions while it builds a model, and
-the swapped ones drew from the GPU's generator; ``interpose/initial_draws.py``).
+the swapped ones drew from the GPU's generator; ``_interpose/initial_draws.py``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from unison.values.values import PerReplica
+from unison._values.values import PerReplica
 
 
 def replica_components(step: Any, num_replicas: int) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from unison.input import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
+from unison import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
 
 
 def test_defaults_are_one_pipeline_one_replica():

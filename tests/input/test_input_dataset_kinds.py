@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unison
-from unison.input import DistributedDataset, DistributedDatasetsFromFunction, InputOptions
+from unison import DistributedDataset, DistributedDatasetsFromFunction, InputOptions
 
 STRATEGIES = {
     "one_device": lambda: unison.OneDeviceStrategy("cpu:0"),

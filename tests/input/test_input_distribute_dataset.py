@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.input import AutoShardPolicy, DistributedDataset, InputOptions
-from unison.values.values import PerReplica
+from unison import AutoShardPolicy, DistributedDataset, InputOptions
+from unison._values.values import PerReplica
 
 
 def global_batches(sizes):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from unison.input import DistributedDatasetsFromFunction, InputContext, InputOptions
-from unison.values.values import PerReplica
+from unison import DistributedDatasetsFromFunction, InputContext, InputOptions
+from unison._values.values import PerReplica
 
 
 def per_replica_batches(ctx, total=12, per_replica=2):

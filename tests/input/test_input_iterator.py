@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from unison.input import DistributedDataset, DistributedDatasetsFromFunction, InputOptions, OptionalValue
+from unison import DistributedDataset, DistributedDatasetsFromFunction, InputOptions, OptionalValue
 
 
 def batches(*sizes):

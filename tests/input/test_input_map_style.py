@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from unison.input import AutoShardPolicy, DistributedDataset, InputOptions, ShardedBatchSampler
+from unison import AutoShardPolicy, DistributedDataset, InputOptions
+from unison._input import ShardedBatchSampler
 
 
 class Ids(Dataset):

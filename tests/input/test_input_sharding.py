@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.input.sharding import (
+from unison._input.sharding import (
     epoch_order,
     exposes_files,
     num_steps,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from unison.input import DistributedDataset, InputOptions
+from unison import DistributedDataset, InputOptions
 
 
 def run(data, **kwargs):

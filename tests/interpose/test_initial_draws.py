@@ -1,4 +1,4 @@
-"""Random fills of GPU variables in a scope draw from the CPU generator (``interpose/initial_draws.py``).
+"""Random fills of GPU variables in a scope draw from the CPU generator (``_interpose/initial_draws.py``).
 
 Without a GPU, a ``meta`` tensor stands in for one: it is off the CPU and holds no
 values, so what these tests see is which generator the fill consumed.
@@ -12,8 +12,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import unison
+from unison._interpose.initial_draws import RANDOM_FILLS, CpuDrawnFills
 from unison._state import STATE
-from unison.interpose.initial_draws import RANDOM_FILLS, CpuDrawnFills
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,7 +107,7 @@ def test_a_fill_a_library_swapped_into_nn_init_is_redirected_too(monkeypatch):
 
 
 def test_a_swapped_fill_that_skips_a_tensor_leaves_it_and_draws_nothing(monkeypatch):
-    from unison.interpose import initial_draws
+    from unison._interpose import initial_draws
 
     original = nn.init.normal_
     monkeypatch.setattr(nn.init, "normal_", _guarded(original))
@@ -153,7 +153,7 @@ def test_every_fill_of_a_transformers_model_in_a_gpu_scope_is_drawn_on_the_cpu(m
     GPU ones (the mode is told they are off the CPU): no fill may reach a parameter itself,
     and the weights are plain PyTorch's."""
     from tests.real_models import _harness as h
-    from unison.interpose import initial_draws
+    from unison._interpose import initial_draws
 
     if h.importlib.util.find_spec("transformers") is None:
         pytest.skip(f"transformers not installed: {h.INSTALL_HINT}")

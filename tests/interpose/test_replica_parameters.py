@@ -1,4 +1,4 @@
-"""Inside a replica a module's mirrored parameters are plain tensors (``interpose/replica_parameters.py``).
+"""Inside a replica a module's mirrored parameters are plain tensors (``_interpose/replica_parameters.py``).
 
 A replica's step (forward, backward, ``zero_grad``, ``step``) makes no call to the
 variables' ``__torch_function__``; everything that iterates a module still sees the
@@ -17,7 +17,7 @@ from torch import nn
 
 import unison
 from tests.strategies._training import assert_trains_as_on_one_device
-from unison.values.variables import DistributedVariable
+from unison._values.variables import DistributedVariable
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from unison.launch.kept_ps import keeps_ps_tasks
-from unison.launch.procs import Task
+from unison._launch.kept_ps import keeps_ps_tasks
+from unison._launch.procs import Task
 
 SCRIPT = textwrap.dedent('''
     import os

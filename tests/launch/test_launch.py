@@ -11,9 +11,9 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from unison.launch.cli import main
-from unison.launch.interrupts import Interrupted
-from unison.launch.procs import Task, plan_tasks
+from unison._launch.cli import main
+from unison._launch.interrupts import Interrupted
+from unison._launch.procs import Task, plan_tasks
 
 # Shared by the scripts below: who am I, and where do I write.
 PRELUDE = """
@@ -262,7 +262,7 @@ def test_python_m_unison_launch_and_ctrl_c_stops_every_task(write_script, out):
 
 def test_console_script_is_unison_launch_cli_main():
     (script,) = entry_points(group="console_scripts", name="unison")
-    assert script.value == "unison.launch.cli:main"
+    assert script.value == "unison._launch.cli:main"
     assert script.load() is main
 
 
@@ -313,7 +313,7 @@ def test_a_one_node_launch_never_imports_torch_in_the_launcher(tmp_path):
     import torch for their TCPStore rendezvous)."""
     script = tmp_path / "task.py"
     script.write_text("print('task ran')\n")
-    code = ("import sys\nfrom unison.launch.cli import launch_main\n"
+    code = ("import sys\nfrom unison._launch.cli import launch_main\n"
             f"code = launch_main(['--workers', '2', '--chief', {str(script)!r}])\n"
             "print('launcher imported torch:', 'torch' in sys.modules)\nsys.exit(code)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
@@ -363,7 +363,7 @@ def test_a_sigkilled_launcher_takes_its_silent_workers_with_it(write_script, out
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_task_whose_launcher_died_before_it_started_kills_itself(tmp_path):
     """The launcher can die between fork and prctl: the task then finds another parent."""
-    from unison.launch.procs import die_with_launcher
+    from unison._launch.procs import die_with_launcher
 
     marker = tmp_path / "ran"
     command = die_with_launcher([sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
@@ -378,7 +378,7 @@ def test_a_signal_before_a_tasks_output_pumps_start_still_stops_every_task(monke
     pumps start; the stop that follows must end the task, not fail joining an unstarted pump."""
     import io
 
-    from unison.launch import procs
+    from unison._launch import procs
 
     def interrupted(self):  # the launcher's SIGTERM handler raising at this very point
         raise Interrupted(signal.SIGTERM)

@@ -311,7 +311,7 @@ def packed_batch_reduce(rank: int, world: int, implementation: str = "AUTO"):
 
     AUTO: through shared memory (the workers share a host); RING: gloo, two concurrent packs.
     """
-    from unison.collectives.transport.packed_all_reduce import LANE_SPLIT_BYTES
+    from unison._collectives.transport.packed_all_reduce import LANE_SPLIT_BYTES
 
     strategy = strategy_for(rank, world, timeout_seconds=30, implementation=implementation)
 

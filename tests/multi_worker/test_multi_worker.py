@@ -7,8 +7,8 @@ import torch
 
 import unison
 from tests.multi_worker import _workers as w
+from unison._collectives.transport import shm_signals
 from unison._testing import run_workers
-from unison.collectives.transport import shm_signals
 
 
 @pytest.mark.timeout(120)

@@ -2,7 +2,7 @@
 
 With one device per worker the parameters are plain tensors, so Dynamo sees a plain
 module (no graph break); gradients are all-reduced from ``register_post_accumulate_grad_hook``
-hooks (``gradient_sync/bucketed/buckets.py``). AOTAutograd runs the compiled region's backward as one
+hooks (``_gradient_sync/bucketed/buckets.py``). AOTAutograd runs the compiled region's backward as one
 autograd node, and the parameters' AccumulateGrad nodes (with their hooks) still run one by
 one after it: these tests check that every hook fires, that every bucket is launched from
 them before the end-of-backward callback (flat gloo), and that the compiled model trains

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from unison.launch.cli import main
-from unison.launch.multinode import job_cluster, plan_node
-from unison.launch.node_address import address_toward, interface_of
-from unison.launch.node_rendezvous import NodeTasks
+from unison._launch.cli import main
+from unison._launch.multinode import job_cluster, plan_node
+from unison._launch.node_address import address_toward, interface_of
+from unison._launch.node_rendezvous import NodeTasks
 
 # Records each task's TF_CONFIG and restart count; worker:3 fails in the first generation.
 SCRIPT = """

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import unison
-from unison.embeddings import DynamicEmbedding
+from unison import DynamicEmbedding
 from unison.optim import Ftrl
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unison.placement import PlacementConfig, ReplicationStrategy, RoundRobinStrategy, round_robin
+from unison._placement import round_robin
+from unison.placement import PlacementConfig, ReplicationStrategy, RoundRobinStrategy
 
 SUBNETWORK_COUNTS = (1, 3, 5)
 WORKER_COUNTS = range(1, 9)

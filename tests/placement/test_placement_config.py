@@ -7,7 +7,7 @@ import re
 import pytest
 
 import unison
-from unison.coordinator.worker_context import WorkerContext
+from unison._coordinator.worker_context import WorkerContext
 from unison.placement import PlacementConfig
 
 CLUSTER = {

@@ -7,8 +7,8 @@ import doctest
 
 import pytest
 
-from unison.placement import config, parameter_servers, strategies
-from unison.ps.remote_variables import name_placement as ps_placement
+from unison._placement import config, parameter_servers, strategies
+from unison._ps.remote_variables import name_placement as ps_placement
 
 
 @pytest.mark.parametrize("module", [config, parameter_servers, strategies, ps_placement], ids=lambda m: m.__name__)

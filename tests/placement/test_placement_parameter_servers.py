@@ -13,14 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import unison
+from unison._placement import ParameterPlacementHook, PsGroupAssigner, array_split
 from unison.placement import (
     OpNameHashStrategy,
-    ParameterPlacementHook,
     PlacementConfig,
-    PsGroupAssigner,
     ReplicationStrategy,
     RoundRobinStrategy,
-    array_split,
     subnetwork_ps_group,
 )
 
@@ -124,7 +122,7 @@ class FakePsStrategy:
 @pytest.fixture
 def fake_ps_strategy(monkeypatch):
     strategy = FakePsStrategy()
-    monkeypatch.setattr(unison.strategies.current, "get_strategy", lambda: strategy)
+    monkeypatch.setattr(unison._strategies.current, "get_strategy", lambda: strategy)
     return strategy
 
 

@@ -21,7 +21,7 @@ class Ranker(nn.Module):
     def __init__(self):
         super().__init__()
         self.rows = DynamicEmbedding(DIM, mode="sum", seed=5,
-                                     initializer=unison.embeddings.tables.initializers.uniform(-0.5, 0.5))
+                                     initializer=unison._embeddings.tables.initializers.uniform(-0.5, 0.5))
         self.dense = nn.Linear(3, DIM)
         self.head = nn.Linear(DIM, 1)
 

@@ -18,9 +18,9 @@ from torch import nn
 
 import unison
 from tests.ps._cluster import ps_cluster
-from unison.ps.remote_variables.ps_variables import _RemoteParameter
-from unison.ps.wire.shared_arena import SharedArena
-from unison.ps.worker.runtime import RUNTIME
+from unison._ps.remote_variables.ps_variables import _RemoteParameter
+from unison._ps.wire.shared_arena import SharedArena
+from unison._ps.worker.runtime import RUNTIME
 
 
 def _make():

@@ -15,8 +15,8 @@ from torch import nn
 import unison
 from tests.ps._cluster import ps_cluster
 from unison import DynamicEmbedding
-from unison.embeddings.tables.eviction import EvictBelowCount, EvictUnseen
-from unison.embeddings.tables.id_hashing import shard_of
+from unison._embeddings.tables.eviction import EvictBelowCount, EvictUnseen
+from unison._embeddings.tables.id_hashing import shard_of
 from unison.errors import ParameterServerError
 from unison.optim import Ftrl
 
@@ -30,7 +30,7 @@ class Ranker(nn.Module):
     def __init__(self, eviction=None):
         super().__init__()
         self.rows = DynamicEmbedding(DIM, mode="sum", eviction=eviction, seed=3,
-                                     initializer=unison.embeddings.tables.initializers.uniform(-0.5, 0.5))
+                                     initializer=unison._embeddings.tables.initializers.uniform(-0.5, 0.5))
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, ids):
@@ -156,7 +156,7 @@ def test_eviction_on_the_ps_removes_exactly_the_rows_the_policy_names(eviction, 
 
 def _slow_step(model, optimizer):
     def step(ids, target):
-        from unison.ps.worker.runtime import RUNTIME  # the worker's, not a pickled copy of ours
+        from unison._ps.worker.runtime import RUNTIME  # the worker's, not a pickled copy of ours
 
         time.sleep(0.02)
         loss = F.mse_loss(model(ids), target)
@@ -197,7 +197,7 @@ class MultiHot(nn.Module):
     def __init__(self, mode):
         super().__init__()
         self.rows = DynamicEmbedding(DIM, mode=mode, seed=11,
-                                     initializer=unison.embeddings.tables.initializers.uniform(-0.5, 0.5))
+                                     initializer=unison._embeddings.tables.initializers.uniform(-0.5, 0.5))
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, ids, offsets=None, weights=None):

@@ -75,7 +75,7 @@ def test_worker_killed_mid_training_then_back_is_reused():
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
         def step(it):
-            from unison.ps.worker.runtime import RUNTIME
+            from unison._ps.worker.runtime import RUNTIME
 
             time.sleep(0.02)
             x, y = next(it)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import unison
-from unison.ps.remote_variables.ps_variables import PSVariable
+from unison._ps.remote_variables.ps_variables import PSVariable
 
 
 @pytest.fixture
@@ -150,8 +150,8 @@ def test_server_needs_a_job_name_and_refuses_a_wrong_key():
     server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=secrets.token_bytes(32),
                            bind_address="127.0.0.1:0")
     try:
+        from unison._ps.wire.client import PSClient
         from unison.errors import AuthenticationError
-        from unison.ps.wire.client import PSClient
 
         client = PSClient([server.address], secrets.token_bytes(32), timeout=5)
         with pytest.raises(unison.errors.ParameterServerError, match="ps:0") as info:

@@ -51,7 +51,7 @@ def test_a_worker_holds_only_its_batch_and_a_ps_task_about_its_rows_and_state():
         coordinator = unison.ClusterCoordinator(strategy)
         with strategy.scope():
             table = DynamicEmbedding(DIM, mode="sum",
-                                     initializer=unison.embeddings.tables.initializers.uniform(-0.1, 0.1))
+                                     initializer=unison._embeddings.tables.initializers.uniform(-0.1, 0.1))
             opt = torch.optim.Adagrad(table.parameters(), lr=0.1)
 
         def step(start):

@@ -9,8 +9,8 @@ from torch import nn
 
 import unison
 from tests.ps._cluster import ps_cluster
+from unison._ps.worker.runtime import RUNTIME
 from unison.errors import UsageError
-from unison.ps.worker.runtime import RUNTIME
 
 
 def _worker_index():

@@ -68,6 +68,6 @@ def thread_baseline() -> Iterator[int]:
 
 
 def _idle(thread: threading.Thread) -> bool:
-    from unison.strategies.replicas import replica_thread_is_idle
+    from unison._strategies.replicas import replica_thread_is_idle
 
     return replica_thread_is_idle(thread)

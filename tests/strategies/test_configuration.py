@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import unison
-from unison.cluster.resolved import ResolvedCluster
-from unison.collectives.group.process_group import choose_backend
+from unison._cluster.resolved import ResolvedCluster
+from unison._collectives.group.process_group import choose_backend
 
 CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
 
@@ -90,14 +90,14 @@ def gpus(monkeypatch):
     (1, ["a", "b"], [("cuda:0",), ("cuda:0",)]),                      # one worker per host
 ])
 def testdefault_devices_split_the_hosts_gpus_between_its_workers(gpus, count, hosts, want):
-    from unison.strategies.multi_worker import default_devices
+    from unison._strategies.multi_worker import default_devices
 
     gpus(count)
     assert [default_devices(_cluster(hosts, r)) for r in range(len(hosts))] == want
 
 
 def test_the_local_rank_picks_one_gpu(gpus):
-    from unison.strategies.multi_worker import default_devices
+    from unison._strategies.multi_worker import default_devices
 
     gpus(2)
     cluster = dataclasses.replace(_cluster(["a", "a", "a"], 2), local_rank=5)
@@ -122,7 +122,7 @@ def test_nccl_with_more_workers_than_gpus_on_a_host_names_the_fix(gpus):
 
 
 def test_gloo_between_gpu_replicas_uses_packed_collectives_not_shared_memory():
-    from unison.collectives.transport.cross_worker import PackedTransport, SharedMemoryTransport, choose_transport
+    from unison._collectives.transport.cross_worker import PackedTransport, SharedMemoryTransport, choose_transport
 
     options = unison.CommunicationOptions()
     assert type(choose_transport(None, options, "gloo", ["a", "a"])) is SharedMemoryTransport

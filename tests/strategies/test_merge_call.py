@@ -11,8 +11,8 @@ import torch
 
 import unison
 from unison import get_replica_context
+from unison._strategies.replicas import replica_thread_is_idle
 from unison.errors import MergeCallError, UnisonError
-from unison.strategies.replicas import replica_thread_is_idle
 
 pytestmark = pytest.mark.timeout(20)  # a hung rendezvous fails the test instead of CI
 

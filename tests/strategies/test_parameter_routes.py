@@ -4,7 +4,7 @@ Routes other than building a module in ``scope()``: deep copies (``nn.Transforme
 clones its layer with ``copy.deepcopy``; EMA and teacher copies), ``load_state_dict(...,
 assign=True)``, ``to_empty()``, ``torch.nn.utils.parametrize`` and ``register_parameter``
 after construction. Each trains like one device, or is refused at its first step. Before
-``strategies/joining.py``, a module deep-copied in scope held plain parameters that both
+``_strategies/joining.py``, a module deep-copied in scope held plain parameters that both
 replica threads trained at once (wrong values, or ``free(): corrupted unsorted chunks``).
 """
 

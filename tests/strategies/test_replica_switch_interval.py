@@ -1,7 +1,7 @@
 """While replica threads run a step, the GIL switch interval is short; the caller's comes back after.
 
 Replica threads contend for the GIL between native ops; the default 5 ms switch interval
-let one thread keep it while another waited (see ``strategies/switch_interval.py``).
+let one thread keep it while another waited (see ``_strategies/switch_interval.py``).
 The interval is process-wide, so it must be the caller's again after every run: after a
 replica raised, with runs of two strategies at once, and a caller's own shorter
 interval is kept.
@@ -15,7 +15,7 @@ import threading
 import pytest
 
 import unison
-from unison.strategies.switch_interval import REPLICA_SWITCH_INTERVAL_S, ShortSwitchInterval
+from unison._strategies.switch_interval import REPLICA_SWITCH_INTERVAL_S, ShortSwitchInterval
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -108,9 +108,9 @@ def test_every_file_that_launches_clusters_runs_in_the_serial_group():
     from tests.conftest import SERIAL_FILES
 
     entry_points = {  # the launcher's functions that run a cluster, and where they live
-        "launch_main": "unison.launch.cli", "run_local_cluster": "unison.launch.local_run",
-        "run_keeping_ps_tasks": "unison.launch.kept_ps", "run_node": "unison.launch.multinode",
-        "launch_nodes": "unison.launch.multinode_flags", "LocalCluster": "unison.launch.procs",
+        "launch_main": "unison._launch.cli", "run_local_cluster": "unison._launch.local_run",
+        "run_keeping_ps_tasks": "unison._launch.kept_ps", "run_node": "unison._launch.multinode",
+        "launch_nodes": "unison._launch.multinode_flags", "LocalCluster": "unison._launch.procs",
     }
     for name, module in entry_points.items():
         assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone: update the guard"
@@ -126,7 +126,7 @@ def test_every_file_that_launches_clusters_runs_in_the_serial_group():
     for pattern, sample in zip(patterns, ways.values()):
         assert pattern.search(sample), (pattern.pattern, sample)
     for prose in ['"""Under ``unison launch --workers 2``."""', 'assert "unison launch --max-restarts" in advice',
-                  'sys.exit(main(["server"]))', "from unison.launch.cli import main"]:
+                  'sys.exit(main(["server"]))', "from unison._launch.cli import main"]:
         assert not any(pattern.search(prose) for pattern in patterns), prose
 
     root = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import unison
-from unison.values.dispatch import is_plain_read
+from unison._values.dispatch import is_plain_read
 
 
 def test_plain_reads_are_told_from_writes():

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import unison
-from unison.values.dispatch import is_grad_access
-from unison.values.variables import DistributedVariable
+from unison._values.dispatch import is_grad_access
+from unison._values.variables import DistributedVariable
 
 pytestmark = pytest.mark.timeout(60)
 

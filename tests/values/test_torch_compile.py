@@ -5,7 +5,7 @@ parameters of the same model run eagerly under the same strategy and of plain Py
 (one device on the global batch; with BatchNorm under MirroredStrategy, a model copy per
 replica on its part of the batch, gradients averaged), with no graph break unison causes. Under
 MirroredStrategy each replica thread reads its own plain components through the module's
-``ReplicaParameters`` (``interpose/replica_parameters.py``): Dynamo traces that lookup, guards
+``ReplicaParameters`` (``_interpose/replica_parameters.py``): Dynamo traces that lookup, guards
 on the replica id and compiles one graph per replica. Where a read cannot be a plain
 tensor (a sync-on-read buffer in replica 0 today, or in cross-replica context) the first
 call raises a UsageError that names the way out, instead of AOTAutograd's "Multiple
@@ -32,8 +32,8 @@ from torch.nn import functional as F
 
 import unison
 from tests._oracles import train_averaged_copies
+from unison._values.variables import DistributedVariable
 from unison.errors import UsageError
-from unison.values.variables import DistributedVariable
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import unison
-from unison.values.values import PerReplica, is_distributed, regroup, select_replica
+from unison._values.values import PerReplica, is_distributed, regroup, select_replica
 
 Point = collections.namedtuple("Point", "x y")
 

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from unison.cluster import env
+from unison._cluster import env
 
 __all__ = [
     "RENDEZVOUS_ENV",

@@ -2,7 +2,7 @@
 
 import sys
 
-from unison.launch.cli import launch_main
+from unison._launch.cli import launch_main
 
 if __name__ == "__main__":
     sys.exit(launch_main())

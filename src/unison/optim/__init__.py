@@ -6,7 +6,7 @@
 
 The row updates of ``DynamicEmbedding`` tables (``torch.optim.SGD``, ``Adagrad``,
 ``SparseAdam`` and :class:`Ftrl` over a table's handle) are in
-``unison.embeddings.optim``.
+``unison._embeddings.optim``.
 """
 
 from unison.optim.ftrl import Ftrl

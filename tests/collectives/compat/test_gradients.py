@@ -1,4 +1,4 @@
-"""Tests for unison.collectives.transport.in_process and unison.collectives.compat.placement."""
+"""Tests for unison._collectives.transport.in_process and unison._collectives.compat.placement."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.collectives.compat.placement import LeastLoadedDeviceSetter
-from unison.collectives.compat.tensorpack import (
+from unison._collectives.compat.placement import LeastLoadedDeviceSetter
+from unison._collectives.compat.tensorpack import (
     OverrideCachingDevice,
     aggregate_grads_colocate,
     allreduce_grads_naive,
     merge_grad_list,
     split_grad_list,
 )
-from unison.collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
+from unison._collectives.transport.in_process import aggregate_grads, allreduce_grads, allreduce_grads_hierarchical
 
 FAST = settings(max_examples=40)
 CPUS = [f"cpu:{i}" for i in range(8)]

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch.distributed as dist
 
-from unison.cluster.env import UNISON_RENDEZVOUS as RENDEZVOUS_ENV
-from unison.cluster.resolved import ResolvedCluster
-from unison.cluster.spec import ClusterSpec
-from unison.collectives.group.process_group import form_worker_group
-from unison.collectives.options import CommunicationOptions
+from unison._cluster.env import UNISON_RENDEZVOUS as RENDEZVOUS_ENV
+from unison._cluster.resolved import ResolvedCluster
+from unison._cluster.spec import ClusterSpec
+from unison._collectives.group.process_group import form_worker_group
+from unison._collectives.options import CommunicationOptions
 from unison.errors import ClusterError
 
 TIMEOUT = 3.0
@@ -92,7 +92,7 @@ def test_a_task_that_never_arrives_is_named_with_the_address(monkeypatch):
 # copying the parent's pages (0.5 s of CPU a child without it, 0.2 s with it).
 _FAILED_RENDEZVOUS_CHILDREN = textwrap.dedent("""
     import gc, os, socket, sys
-    from unison.collectives.group.store_connect import join_rendezvous
+    from unison._collectives.group.store_connect import join_rendezvous
     from unison.errors import ClusterError
 
     RUNS, BATCH = int(sys.argv[1]), int(sys.argv[2])

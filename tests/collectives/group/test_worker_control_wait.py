@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unison.collectives.group.process_group import WorkerGroup
-from unison.collectives.group.worker_control import WorkerControl
+from unison._collectives.group.process_group import WorkerGroup
+from unison._collectives.group.worker_control import WorkerControl
 from unison.errors import PeerLostError
 
 pytestmark = pytest.mark.timeout(30)

@@ -278,9 +278,9 @@ def test_reduction_to_one_device_offers_its_in_place_reduction_only_where_it_equ
     """The in-place replica reduction is the op's own method: offered for CPU replicas with the
     default sum, never for a sum of the user's, another device, GPUs, or a subclass that
     reduces its own way (whose reduction must run)."""
-    from unison.collectives.ops.in_place_reduction import InPlaceReduction
-    from unison.collectives.ops.local import ReductionToOneDevice
-    from unison.reduce import ReduceOp
+    from unison._collectives.ops.in_place_reduction import InPlaceReduction
+    from unison._collectives.ops.local import ReductionToOneDevice
+    from unison._reduce import ReduceOp
 
     cpus = ["cpu:0", "cpu:1"]  # canonical, as a strategy passes them
     assert isinstance(ReductionToOneDevice().in_place_reduction(ReduceOp.MEAN, cpus), InPlaceReduction)

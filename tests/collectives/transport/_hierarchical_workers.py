@@ -16,7 +16,7 @@ from torch import nn
 
 import unison
 from tests.multi_worker._workers import global_batches, mlp_and_step
-from unison.collectives.transport.cross_worker import HierarchicalTransport
+from unison._collectives.transport.cross_worker import HierarchicalTransport
 
 HOSTS = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.2:3", "127.0.0.2:4"]  # never bound: run_workers provides the store
 

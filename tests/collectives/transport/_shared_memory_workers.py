@@ -12,8 +12,8 @@ import torch
 
 import unison
 from tests.multi_worker._workers import global_batches, make_mlp, strategy_for
-from unison.collectives.ops.collective import CollectiveAllReduce
-from unison.collectives.transport import shared_memory
+from unison._collectives.ops.collective import CollectiveAllReduce
+from unison._collectives.transport import shared_memory
 
 BIG = 20_011  # float32 elements; prime, so the workers' slices are uneven
 

@@ -1,4 +1,4 @@
-"""Each bucket transport alone, against a plain sum (``collectives/transport/bucket_transports.py``).
+"""Each bucket transport alone, against a plain sum (``_collectives/transport/bucket_transports.py``).
 
 Two warm pool workers build the transport their strategy's options choose, hand it
 buckets of known values (this worker's gradients already divided, then one flag per
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 import unison
-from unison.collectives.transport.bucket_transports import (
+from unison._collectives.transport.bucket_transports import (
     AllReduceBuckets,
     CompressedBuckets,
     GradientBucket,
     HandOut,
     PowerSGDBuckets,
 )
-from unison.collectives.transport.flat_buffers import views_of
-from unison.collectives.transport.shared_buckets import SharedMemoryBuckets
+from unison._collectives.transport.flat_buffers import views_of
+from unison._collectives.transport.shared_buckets import SharedMemoryBuckets
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -100,7 +100,7 @@ def test_fp16_gradient_buckets_that_overflow_train_exactly():
 
 
 def test_the_overflow_check_sees_inf_and_nan_and_passes_empty_tensors():
-    from unison.collectives.transport.compression import Compressor
+    from unison._collectives.transport.compression import Compressor
 
     fp16, bf16 = Compressor(unison.Compression.FP16), Compressor(unison.Compression.BF16)
     assert fp16.overflowed(torch.tensor([1.0, float("inf")], dtype=torch.float16))

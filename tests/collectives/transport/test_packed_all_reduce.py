@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unison.collectives.group.worker_control import layout_crc as _layout_crc
-from unison.collectives.transport.packed_all_reduce import LANE_SPLIT_BYTES, PackedAllReduce, _lanes
+from unison._collectives.group.worker_control import layout_crc as _layout_crc
+from unison._collectives.transport.packed_all_reduce import LANE_SPLIT_BYTES, PackedAllReduce, _lanes
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Tests for unison.collectives.transport.packing."""
+"""Tests for unison._collectives.transport.packing."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.collectives.compat.tensorpack import GradientPacker
-from unison.collectives.transport.packing import (
+from unison._collectives.compat.tensorpack import GradientPacker
+from unison._collectives.transport.packing import (
     TensorPacker,
     flatten_tensors,
     group_by_size,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import unison
-from unison.collectives.transport.powersgd import PowerSGDReducer
+from unison._collectives.transport.powersgd import PowerSGDReducer
 
 
 def _one_worker(config: unison.PowerSGD) -> PowerSGDReducer:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import unison
-from unison.collectives.transport.bucket_transports import GradientBucket
-from unison.collectives.transport.flat_buffers import views_of
-from unison.collectives.transport.shared_buckets import SharedMemoryBuckets
+from unison._collectives.transport.bucket_transports import GradientBucket
+from unison._collectives.transport.flat_buffers import views_of
+from unison._collectives.transport.shared_buckets import SharedMemoryBuckets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,7 +30,7 @@ def _several_steps(rank: int, world: int, steps: int, shapes: list, lag: bool):
     """Buckets of ``shapes`` through the shared-memory transport for several steps. With
     ``lag``, worker 1 adds up each small bucket (summed whole, from two slots in turn) 50 ms
     late, so worker 0 has written its next step's gradients by then."""
-    from unison.collectives.transport import shared_buckets
+    from unison._collectives.transport import shared_buckets
 
     add_up = shared_buckets._Halves.add_up
     if lag and rank == 1:

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.collectives.transport import shared_memory
+from unison._collectives.transport import shared_memory
 from unison.errors import PeerLostError
 
 

@@ -58,7 +58,7 @@ def test_workers_that_cannot_share_memory_fall_back_together(how, reason, level,
 
 @pytest.mark.timeout(120)
 def test_many_layouts_keep_a_bounded_set_of_mapped_files_and_idle_ones_go():
-    from unison.collectives.transport.shared_memory import MAX_SEGMENTS
+    from unison._collectives.transport.shared_memory import MAX_SEGMENTS
 
     for exact, most_segments, left in run_workers(w.many_sizes, 2, timeout=90):
         assert exact

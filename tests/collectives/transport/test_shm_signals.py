@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from unison.collectives.transport import shm_signals
-from unison.collectives.transport.shm_signals import ARRIVED, SLOTS_PER_WORKER, WRITTEN, SharedSignals
+from unison._collectives.transport import shm_signals
+from unison._collectives.transport.shm_signals import ARRIVED, SLOTS_PER_WORKER, WRITTEN, SharedSignals
 
 pytestmark = pytest.mark.skipif(not shm_signals.supported(), reason="shared counters need Linux on x86-64")
 

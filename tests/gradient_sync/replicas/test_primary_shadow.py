@@ -1,4 +1,4 @@
-"""Replica 0 steps the variables' plain component 0 (``gradient_sync/replicas/first_replica_optimizer.py``).
+"""Replica 0 steps the variables' plain component 0 (``_gradient_sync/replicas/first_replica_optimizer.py``).
 
 The optimizer replica 0 steps sees plain tensors (no ``__torch_function__`` per
 update), keeps its state in the user's optimizer keyed by the variables, follows the
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import unison
-from unison.gradient_sync.replicas.first_replica_optimizer import PrimaryShadow
+from unison._gradient_sync.replicas.first_replica_optimizer import PrimaryShadow
 
 pytestmark = pytest.mark.timeout(60)
 

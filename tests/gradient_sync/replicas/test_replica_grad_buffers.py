@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import unison
-from unison.collectives.ops.local import ReductionToOneDevice
-from unison.gradient_sync.replicas import replica_grad_buffers
+from unison._collectives.ops.local import ReductionToOneDevice
+from unison._gradient_sync.replicas import replica_grad_buffers
 
 pytestmark = pytest.mark.timeout(60)
 

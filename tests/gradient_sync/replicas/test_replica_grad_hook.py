@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import unison
-from unison.gradient_sync.replicas.replica_sync import ReplicaGradientSync
+from unison._gradient_sync.replicas.replica_sync import ReplicaGradientSync
 
 pytestmark = pytest.mark.timeout(60)
 

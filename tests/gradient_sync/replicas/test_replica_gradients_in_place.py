@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import unison
-from unison.collectives.ops import in_place_reduction as replica_reduction
-from unison.collectives.ops.local import ReductionToOneDevice
-from unison.gradient_sync.replicas import replica_grad_buffers
+from unison._collectives.ops import in_place_reduction as replica_reduction
+from unison._collectives.ops.local import ReductionToOneDevice
+from unison._gradient_sync.replicas import replica_grad_buffers
 
 
 def _plain_reduced(model: nn.Module, parts: list[torch.Tensor], loss: Callable, reduce_op: str = "mean"

@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
+from unison._ps.chief.closure_queue import Closure, ClosureQueue
 from unison.errors import FunctionCancelledError, ParameterServerError
-from unison.ps.chief.closure_queue import Closure, ClosureQueue
 
 
 def _closure(name="fn"):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unison.ps.remote_variables.shard_partitioners import (
+from unison._ps.remote_variables.shard_partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from unison.ps.task.parameter_store import ParameterStore
+from unison._ps.task.parameter_store import ParameterStore
 
 
 def test_dense_sgd_momentum_matches_local_optimizer():

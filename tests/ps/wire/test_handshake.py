@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import unison
-from unison.coordinator.channel import connect, generate_authkey
+from unison._coordinator.channel import connect, generate_authkey
+from unison._ps.wire import protocol as wire
+from unison._ps.wire.client import PSClient
+from unison._ps.wire.links import open_link
 from unison.errors import ParameterServerError
-from unison.ps.wire import protocol as wire
-from unison.ps.wire.client import PSClient
-from unison.ps.wire.links import open_link
 
 
 @pytest.fixture()
@@ -51,7 +51,7 @@ def test_another_version_is_refused_at_the_handshake(ps_server, opening):
 
 def test_open_link_names_a_refusal(ps_server, monkeypatch):
     address, key = ps_server
-    monkeypatch.setattr("unison.ps.wire.links.PROTOCOL_VERSION", wire.PROTOCOL_VERSION + 1)
+    monkeypatch.setattr("unison._ps.wire.links.PROTOCOL_VERSION", wire.PROTOCOL_VERSION + 1)
     with pytest.raises(ParameterServerError, match=rf"ps:0 at {address} refused the ps session: .*version "
                                                    rf"{wire.PROTOCOL_VERSION}, the peer {wire.PROTOCOL_VERSION + 1}"):
         open_link(address, key, "ps", "ps:0", 10)
@@ -70,7 +70,7 @@ def test_a_malformed_request_gets_an_error_naming_it(ps_server):
 
 
 def test_a_malformed_worker_request_gets_an_error_naming_it():
-    from unison.ps.task_server import Server
+    from unison._ps.task_server import Server
 
     reply = Server._handle(None, None, {}, ("run", b"payload"))  # an old positional request  # type: ignore[arg-type]
     assert isinstance(reply, wire.FunctionFailed) and not reply.lost_ps

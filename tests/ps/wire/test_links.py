@@ -5,8 +5,8 @@ import threading
 
 import torch
 
-from unison.coordinator.channel import Channel
-from unison.ps.wire.links import TensorLink
+from unison._coordinator.channel import Channel
+from unison._ps.wire.links import TensorLink
 
 
 def _pair():

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import unison
-from unison.ps.remote_variables.variable_specs import Placement, VariableSpec
-from unison.ps.wire import protocol as wire
-from unison.ps.wire.client import PSClient
-from unison.ps.worker.runtime import LAZY_BYTES, WorkerRuntime, WorkerShardedParameter
+from unison._ps.remote_variables.variable_specs import Placement, VariableSpec
+from unison._ps.wire import protocol as wire
+from unison._ps.wire.client import PSClient
+from unison._ps.worker.runtime import LAZY_BYTES, WorkerRuntime, WorkerShardedParameter
 
 
 def _client(shared):
@@ -122,7 +122,7 @@ def test_same_host_worker_moves_dense_values_through_shared_memory(shared_client
 @pytest.mark.timeout(30)
 def test_worker_falls_back_to_sockets_when_the_ps_cannot_map_its_memory(shared_client, monkeypatch):
     client = shared_client
-    from unison.ps.wire.shared_arena import MappedSegments
+    from unison._ps.wire.shared_arena import MappedSegments
 
     monkeypatch.setattr(MappedSegments, "attach", lambda self, infos: False)  # as a ps on another host
     runtime, local = _train_dense(client)
@@ -131,7 +131,7 @@ def test_worker_falls_back_to_sockets_when_the_ps_cannot_map_its_memory(shared_c
 
 
 def test_mapping_checks_the_segment_token():
-    from unison.ps.wire.shared_arena import MappedSegments, SharedArena
+    from unison._ps.wire.shared_arena import MappedSegments, SharedArena
 
     arena = SharedArena()
     t = arena.tensor((4,), torch.float32)

@@ -1,0 +1,305 @@
+"""Bucket transports through the shared memory of a host (the contract: ``bucket_transports.py``).
+
+:class:`SharedMemoryBuckets`: the workers of one host share one file per bucket; each sums
+a slice of everyone's (or, for a small bucket, all of it) when backward ends.
+:class:`PipelinedHostBuckets`: several hosts, each bucket's slices crossing hosts while
+backward runs. Both fall back to ``AllReduceBuckets`` where the workers cannot share a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import torch
+
+from unison._collectives.group.worker_control import WorkerControl
+from unison._collectives.transport.bucket_transports import (
+    DEFAULT_BUCKET_BYTES,
+    OPERATION,
+    AllReduceBuckets,
+    BucketTransport,
+    GradientBucket,
+    HandOut,
+)
+from unison._collectives.transport.flat_buffers import views_of
+from unison._collectives.transport.shared_memory import SharedMemoryAllReduce, SharedSegment
+
+__all__ = ["ONE_SHOT_BYTES", "PIPELINED_BUCKET_BYTES", "PipelinedHostBuckets", "SharedMemoryBuckets"]
+
+PIPELINED_BUCKET_BYTES = 2 * 1024 * 1024
+"""Default bucket size when buckets cross hosts one by one during backward: small enough
+that a model's first buckets leave early, large enough to keep the collectives few."""
+
+ONE_SHOT_BYTES = 64 * 1024
+"""Up to this size a bucket in one host's shared memory is summed whole by every worker: one
+wait instead of two (a reduce-scatter's barrier, then the all-gather's), for one add over
+bytes that fit a core's cache. Above it, each worker sums its slice, so the work divides."""
+
+
+class _HostShare(typing.Protocol):
+    """What the shared-memory bucket transports are given: the host's files and signals (``host_share.py``)."""
+
+    @property
+    def shared_memory(self) -> SharedMemoryAllReduce: ...
+
+    def announce(self, flag: torch.Tensor) -> Any: ...
+
+    def complete(self, segments: list[SharedSegment]) -> None: ...
+
+
+@dataclasses.dataclass(eq=False)
+class _Halves:
+    """A small shared bucket: two input slots per worker, used in turn, summed whole by every worker.
+
+    Every worker adds all the inputs of a finished bucket into its own ``sums`` (in worker
+    order, as a slice's owner would: the same numbers everywhere), so no second barrier
+    ("every slice summed") is needed. The next step writes the other half; a worker writes
+    a half again only two steps later, after every peer announced the step between, which
+    it did after it had read this one.
+    """
+
+    inputs: list[list[torch.Tensor]]  # [half][rank]: that worker's input slot in that half
+    flats: list[torch.Tensor]  # [half]: this worker's slot
+    views: list[list[torch.Tensor]]  # [half]: this worker's per-parameter views of its slot
+    sums: torch.Tensor  # this worker's own: the totals, handed out from here
+    turn: int = 0
+
+    def add_up(self) -> None:
+        inputs = self.inputs[self.turn]
+        torch.add(inputs[0], inputs[1], out=self.sums)
+        for more in inputs[2:]:
+            self.sums.add_(more)
+
+
+@dataclasses.dataclass(eq=False)
+class _InSharedFile:
+    """A bucket's place in the shared files: its segment, the views of its sums, and the transport's per-step state.
+
+    Kept by ``id`` of the bucket, never the bucket itself: a rebuild must find a dropped
+    model's parameters unreferenced (``BucketedGradientSync.finalize``)."""
+
+    segment: SharedSegment
+    results: list[torch.Tensor]  # per parameter, views of the sums (the segment's result, or the halves' sums)
+    halves: _Halves | None = None  # a small bucket summed whole by every worker
+    written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
+    across: list[Any] = dataclasses.field(default_factory=list)  # pipelined: the works adding it across hosts
+
+    @property
+    def sums(self) -> torch.Tensor:
+        """The reduced flat (gradients, then the flags' sums)."""
+        return self.halves.sums if self.halves is not None else self.segment.result
+
+
+def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket],
+                        one_shot_bytes: int = 0) -> dict[int, _InSharedFile] | None:
+    """Moves every bucket's flat into a slot of a shared file; None (nothing moved) where the workers cannot share one.
+
+    A bucket of at most ``one_shot_bytes`` (on a host of two workers or more) gets two
+    slots per worker, used in turn, and is summed whole by each (:class:`_Halves`)."""
+    if not engine.available or not buckets or any(not b.flat.is_cpu or b.flat.numel() == 0 for b in buckets):
+        return None
+    whole = [engine.world_size > 1 and b.flat.numel() * b.flat.element_size() <= one_shot_bytes for b in buckets]
+    segments = []
+    for bucket, halves in zip(buckets, whole, strict=True):
+        segment = engine.new_segment(bucket.flat.dtype, bucket.flat.numel() * (2 if halves else 1))
+        if segment is None:
+            return None  # the workers cannot share memory: every bucket stays on the group
+        segments.append(segment)
+    placed = {}
+    for bucket, segment, halves in zip(buckets, segments, whole, strict=True):
+        slot = engine.my_slot(segment)
+        slot.zero_()
+        size, numel = bucket.size, bucket.flat.numel()
+        if halves:
+            inputs = [[peer[h * numel:(h + 1) * numel] for peer in segment.inputs] for h in (0, 1)]
+            mine = [inputs[h][engine.rank] for h in (0, 1)]
+            sums = torch.zeros(numel, dtype=bucket.flat.dtype)
+            pair = _Halves(inputs, mine, [views_of(flat[:size], bucket.params) for flat in mine], sums)
+            bucket.flat, bucket.views = mine[0], pair.views[0]
+            placed[id(bucket)] = _InSharedFile(segment, views_of(sums[:size], bucket.params), pair)
+        else:
+            bucket.flat, bucket.views = slot, views_of(slot[:size], bucket.params)
+            placed[id(bucket)] = _InSharedFile(segment, views_of(segment.result[:size], bucket.params))
+    return placed
+
+
+@typing.final
+class SharedMemoryBuckets(BucketTransport):
+    """The workers of a host share one file per bucket; each sums a slice of everyone's when backward ends.
+
+    A full bucket only says that this worker's slot is written (a shared counter); when
+    backward ends each worker sums its slice of every bucket and, once every worker has
+    (and, on several hosts, the hosts' sums are added), copies the totals out. A bucket of
+    at most ``one_shot_bytes`` (one host only) is summed whole by every worker instead,
+    from two slots used in turn (:class:`_Halves`): one wait a step rather than two, which
+    is most of the cost of synchronising a small model. Falls back to
+    :class:`AllReduceBuckets` where the workers cannot share a file.
+    """
+
+    def __init__(self, control: WorkerControl, share: _HostShare, one_shot_bytes: int = 0):
+        self._control = control
+        self._share = share
+        self._one_shot_bytes = one_shot_bytes
+        self._placed: dict[int, _InSharedFile] = {}
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return False
+
+    @property
+    def hand_out(self) -> HandOut:
+        return HandOut.COPIES  # a peer zeroing its gradients in place must not zero the shared result
+
+    @property
+    def in_shared_memory(self) -> bool:
+        return True
+
+    def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
+        placed = _into_shared_memory(self._share.shared_memory, buckets, self._one_shot_bytes)
+        if placed is None:
+            return AllReduceBuckets(self._control)
+        self._placed = placed
+        return self
+
+    def adopt(self, placed: dict[int, _InSharedFile]) -> SharedMemoryBuckets:
+        """Carries buckets another shared-memory transport already placed (the hierarchical one's fallback)."""
+        self._placed = placed
+        return self
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        bucket.work = self._share.announce(self._placed[id(bucket)].written)
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        engine = self._share.shared_memory
+        for bucket in buckets:
+            self._control.wait(bucket.work, OPERATION)
+        sliced = []
+        for bucket in buckets:
+            placed = self._placed[id(bucket)]
+            halves = placed.halves
+            if halves is None:
+                engine.sum_my_slice(placed.segment)
+                sliced.append(placed.segment)
+            else:
+                halves.add_up()
+                turn = halves.turn = halves.turn ^ 1  # the next step writes the other half
+                bucket.flat, bucket.views = halves.flats[turn], halves.views[turn]
+        if sliced:
+            self._share.complete(sliced)
+
+    def sums(self, bucket: GradientBucket) -> torch.Tensor:
+        return self._placed[id(bucket)].sums
+
+    def sum_views(self, bucket: GradientBucket) -> list[torch.Tensor]:
+        return self._placed[id(bucket)].results
+
+    @property
+    def shared_counters(self) -> bool:
+        """Whether the workers signal through counters in the shared file (else tiny collectives; diagnostics)."""
+        return self._share.shared_memory.signals is not None
+
+
+class _AcrossHosts(typing.Protocol):
+    """What the hierarchical bucket transport is given: the host's files, and sending a slice across hosts."""
+
+    @property
+    def shared_memory(self) -> SharedMemoryAllReduce: ...
+
+    def announce(self, flag: torch.Tensor) -> Any: ...
+
+    def complete(self, segments: list[SharedSegment]) -> None: ...
+
+    @property
+    def slices_cross_hosts(self) -> bool: ...
+
+    def start_across_hosts(self, segment: SharedSegment) -> list[Any]: ...
+
+    def finish_across_hosts(self, works: list[Any]) -> None: ...
+
+
+@typing.final
+class PipelinedHostBuckets(BucketTransport):
+    """Several hosts with equally many workers: each bucket's slices cross hosts while backward runs.
+
+    Each bucket goes into its slot as soon as it is complete; as soon as every worker of
+    the host wrote it (a look at the shared counters from a later hook, never a wait),
+    this worker sums its slice and starts that slice's all-reduce with the same slice
+    on the other hosts. Where the hosts differ in size (one leader per host adds the
+    sums) or a host has no shared counters, its plan is :class:`SharedMemoryBuckets`
+    (the hosts' sums added when backward ends).
+    """
+
+    def __init__(self, control: WorkerControl, hosts: _AcrossHosts):
+        self._control = control
+        self._hosts = hosts
+        self._placed: dict[int, _InSharedFile] = {}
+        self._launched: list[GradientBucket] = []  # this backward's, in launch order (the buckets' order)
+        self._started = 0
+        self.started_during_backward = 0
+        """How many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return True
+
+    @property
+    def hand_out(self) -> HandOut:
+        return HandOut.COPIES
+
+    @property
+    def in_shared_memory(self) -> bool:
+        return True
+
+    def default_bucket_bytes(self) -> int:
+        """Smaller buckets where they cross hosts during backward: more of the trip overlaps.
+        (Forms the host groups on first use: a collective, asked where the buckets are built.)"""
+        return PIPELINED_BUCKET_BYTES if self._hosts.slices_cross_hosts else DEFAULT_BUCKET_BYTES
+
+    def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
+        if not self._hosts.slices_cross_hosts:
+            return SharedMemoryBuckets(self._control, self._hosts).plan(buckets)
+        placed = _into_shared_memory(self._hosts.shared_memory, buckets)
+        if placed is None:
+            return AllReduceBuckets(self._control)
+        if self._hosts.shared_memory.signals is None:
+            return SharedMemoryBuckets(self._control, self._hosts).adopt(placed)
+        self._placed, self._launched, self._started = placed, [], 0
+        return self
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        bucket.work = self._hosts.announce(self._placed[id(bucket)].written)
+        self._launched.append(bucket)
+
+    def poll(self) -> None:
+        while self._started < len(self._launched):
+            bucket = self._launched[self._started]
+            if not bucket.work.is_completed():
+                return
+            self._start_across(bucket)
+
+    def _start_across(self, bucket: GradientBucket) -> None:
+        placed = self._placed[id(bucket)]
+        self._hosts.shared_memory.sum_my_slice(placed.segment)
+        placed.across = self._hosts.start_across_hosts(placed.segment)
+        self._started += 1
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        self.started_during_backward = self._started
+        placed = [self._placed[id(bucket)] for bucket in buckets]
+        try:
+            for bucket in buckets[self._started:]:
+                self._control.wait(bucket.work, OPERATION)
+                self._start_across(bucket)
+            self._hosts.finish_across_hosts([work for one in placed for work in one.across])
+        finally:
+            self._launched, self._started = [], 0
+            for one in placed:
+                one.across = []
+
+    def sums(self, bucket: GradientBucket) -> torch.Tensor:
+        return self._placed[id(bucket)].segment.result
+
+    def sum_views(self, bucket: GradientBucket) -> list[torch.Tensor]:
+        return self._placed[id(bucket)].results

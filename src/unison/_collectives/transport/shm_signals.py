@@ -1,0 +1,186 @@
+"""Counters in shared memory that the workers of one host synchronise on, instead of gloo.
+
+The shared-memory all-reduce needs only to know when every worker of the host has
+written its slot, and when every worker has summed its slice. A one-element gloo
+all-reduce per such point is a loopback TCP round trip (two of them per training step
+were most of a tiny step's time: ``benchmarks/RESULTS.md``, 'Shared-memory counters
+instead of gloo'); a counter per worker in the shared file costs a store and a few loads.
+
+Each worker owns one cache line of the signal file: its pid and start time (so peers
+can tell when it died) and one monotonically increasing counter per kind of event. A
+worker *posts* an event by storing its next count (only it writes its line), and
+*waits* until every worker's count of that kind has reached its own. Ordering: the
+store of a count comes after the data writes it announces (an opaque library call
+apart, so the compiler keeps the order); x86-64 keeps stores in order and loads in
+order, so a peer that sees the count sees the data. Other architectures reorder
+stores, and Python has no memory fence: :func:`supported` is False there and the
+workers keep the gloo synchronisation.
+
+A peer that dies is noticed within ``_LIVENESS_PERIOD_S`` through ``/proc`` (its pid
+gone, a zombie, or another process with its pid), and a peer that stops posting
+without dying is bounded by the group's timeout, as a gloo collective would be.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import time
+import typing
+from collections.abc import Callable
+
+import torch
+
+from unison._cluster.threads import usable_cpus
+
+__all__ = ["SharedSignals", "make_signals", "supported", "WRITTEN", "ARRIVED", "SLOTS_PER_WORKER"]
+
+SLOTS_PER_WORKER = 8
+"""int64 words per worker: one 64-byte cache line, so workers never write each other's line."""
+_PID, _START = 0, 1
+WRITTEN = 2
+"""Counts 'my input slot of the next gradient bucket is written'."""
+ARRIVED = 3
+"""Counts barriers: 'I am here' (e.g. my slice of every result is summed)."""
+_SPIN_S = 0.002  # poll without sleeping this long (the peers are usually a few microseconds away)
+_SPIN_S_CORE_EACH = 0.01
+"""How long to poll when the host's workers have a core each: a waiting worker then takes no
+core a peer needs, and a sleep overshoots the peer's arrival by up to the sleep (plus the
+kernel's timer slack), which a step that waits for a slower peer pays every time. Bounded,
+since other processes (data loaders) may want the core after all."""
+_MAX_SLEEP_S = 0.0002
+_LIVENESS_PERIOD_S = 0.05
+
+
+def supported() -> bool:
+    """Whether shared-memory counters are safe here: Linux on x86-64 (ordered stores, ``/proc``)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/proc/self")
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks (``/proc/<pid>/stat`` field 22), or None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(b")") + 2:].split()  # after the command name, which may hold spaces
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+@typing.final
+class SharedSignals:
+    """One host's workers' event counters in a shared int64 tensor.
+
+    Every worker must post the same events in the same order (as for collectives).
+
+    Args:
+        words: ``world_size * SLOTS_PER_WORKER`` shared int64 elements, zeroed, mapped
+            by every worker of the host (kept alive here).
+        rank, world_size: this worker's place among them.
+        timeout: seconds a wait may last before it fails.
+        names: the workers' task names by rank, for error messages.
+
+    Call :meth:`introduce` on every worker, then a barrier, then :meth:`watch_peers`.
+    """
+
+    def __init__(self, words: torch.Tensor, rank: int, world_size: int, timeout: float, names: list[str]):
+        if words.dtype != torch.int64 or words.numel() < world_size * SLOTS_PER_WORKER:
+            raise ValueError(f"signal words must be >= {world_size * SLOTS_PER_WORKER} int64, got {words.dtype} "
+                             f"x {words.numel()}")
+        self._words = words  # keeps the mapping alive
+        self._cells = (ctypes.c_int64 * words.numel()).from_address(words.data_ptr())
+        self._rank, self._world_size = rank, world_size
+        self._timeout = timeout
+        self._names = names
+        self._counts = [0] * SLOTS_PER_WORKER
+        self._spin_s = _SPIN_S_CORE_EACH if world_size <= usable_cpus() else _SPIN_S
+        self._watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, start time) of peers /proc can see
+
+    def introduce(self) -> None:
+        """Writes this worker's pid and start time into its line."""
+        pid = os.getpid()
+        base = self._rank * SLOTS_PER_WORKER
+        self._cells[base + _START] = _start_time(pid) or 0
+        self._cells[base + _PID] = pid
+
+    def watch_peers(self) -> None:
+        """Notes which peers this worker can watch through ``/proc`` (after every worker introduced itself).
+
+        A peer in another pid namespace (a container sharing ``/dev/shm``) shows another
+        process or none under its pid; such a peer is not watched, and only the timeout
+        bounds a wait for it.
+        """
+        for rank in range(self._world_size):
+            if rank == self._rank:
+                continue
+            base = rank * SLOTS_PER_WORKER
+            pid, start = self._cells[base + _PID], self._cells[base + _START]
+            if pid > 0 and start > 0 and _start_time(pid) == start:
+                self._watched[rank] = (pid, start)
+
+    def post(self, kind: int) -> int:
+        """Counts one event of ``kind`` for this worker; returns the count every worker must reach."""
+        self._counts[kind] += 1
+        count = self._counts[kind]
+        self._cells[self._rank * SLOTS_PER_WORKER + kind] = count
+        return count
+
+    def reached(self, kind: int, count: int) -> bool:
+        """Whether every worker has posted ``count`` events of ``kind``."""
+        cells = self._cells
+        return all(cells[r * SLOTS_PER_WORKER + kind] >= count for r in range(self._world_size))
+
+    def wait(self, kind: int, count: int, timeout: float | None = None) -> None:
+        """Waits until every worker has posted ``count`` events of ``kind``.
+
+        Raises:
+            RuntimeError: naming the workers that died, or that did not post within the timeout.
+        """
+        if self.reached(kind, count):
+            return
+        start = time.monotonic()
+        deadline = start + (self._timeout if timeout is None else timeout)
+        next_check = start + _LIVENESS_PERIOD_S
+        sleep = 0.0
+        while not self.reached(kind, count):
+            now = time.monotonic()
+            if now >= next_check:
+                self._raise_if_dead(kind, count)
+                if now >= deadline:
+                    late = self._late(kind, count)
+                    raise RuntimeError(f"shared-memory wait timed out after {now - start:.1f} s: "
+                                       f"{', '.join(late)} did not arrive")
+                next_check = now + _LIVENESS_PERIOD_S
+            if now - start < self._spin_s:
+                os.sched_yield()
+            else:
+                sleep = min(_MAX_SLEEP_S, sleep * 2 or 1e-5)
+                time.sleep(sleep)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Every worker of the host arrives (one post and one wait of ``ARRIVED``)."""
+        self.wait(ARRIVED, self.post(ARRIVED), timeout)
+
+    def _late(self, kind: int, count: int) -> list[str]:
+        return [self._names[r] for r in range(self._world_size)
+                if self._cells[r * SLOTS_PER_WORKER + kind] < count]
+
+    def _raise_if_dead(self, kind: int, count: int) -> None:
+        for rank, (pid, start) in self._watched.items():
+            if self._cells[rank * SLOTS_PER_WORKER + kind] < count and _start_time(pid) != start:
+                raise RuntimeError(f"{self._names[rank]} (pid {pid}) exited while this worker waited for it in "
+                                   f"shared memory")
+
+
+def make_signals(words: torch.Tensor, rank: int, world_size: int, timeout: float, names: list[str],
+                 barrier: Callable[[], None]) -> SharedSignals:
+    """Signals over ``words`` on every worker (a collective: ``barrier`` must be the host's)."""
+    signals = SharedSignals(words, rank, world_size, timeout, names)
+    signals.introduce()
+    barrier()
+    signals.watch_peers()
+    return signals

@@ -1,0 +1,438 @@
+"""A table (or one ps task's shard of it) keyed by any int64 id, with rows made on first touch.
+
+A recommendation model's categorical features are 64-bit hashes, not a dense range, and
+new ones keep arriving: a fixed ``nn.Embedding`` would need ``2**64`` rows or a lossy
+``id % n``. A :class:`LocalTable` stores only the rows it has been asked for, each
+created from its id alone (``initializers``), updated in place by a sparse row
+optimizer whose state sits beside it (``row_optimizers``), dropped by an eviction policy
+(``eviction``), and exported or imported so a checkpoint can be re-split over any
+number of shards (``shard_of``). Both the one-device module and each ps task's store
+hold one per table shard.
+
+Layout: ids map to slots through :class:`~unison._embeddings.tables.id_index.IdIndex`; rows, optimizer
+state, touch counts and last-seen steps are growable tensors indexed by slot (capacity
+doubles; the unused part is never touched, so it takes no memory), and evicted slots go
+to a free list for reuse.
+
+tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addons'
+``dynamic_embedding.Variable`` is the nearest. Not thread-safe: the holder serialises calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, final
+
+import torch
+
+from unison._embeddings.optim.row_optimizers import RowOptimizer, RowState
+from unison._embeddings.tables.bag_layout import BagLayout
+from unison._embeddings.tables.checks import check_table_arguments, checked_ids, checked_meta, dtype_from_name
+from unison._embeddings.tables.eviction import EvictionPolicy
+from unison._embeddings.tables.id_hashing import shard_of
+from unison._embeddings.tables.id_index import IdIndex
+from unison._embeddings.tables.initializers import Initializer, initializer_from_config, normal
+
+__all__ = ["LocalTable", "shard_of"]
+
+_MIN_CAPACITY = 16
+_GENERATIONS = itertools.count()  # unique over every table: a reloaded table never repeats one
+
+
+@final
+class LocalTable:
+    """One shard of a dynamic embedding table: int64 id -> row of ``embedding_dim`` values.
+
+    Args:
+        embedding_dim: columns per row, >= 1.
+        dtype: floating dtype of rows and optimizer state.
+        initializer: how a missing row is made (default ``normal(0, 1)``, as ``nn.Embedding``).
+        seed: mixed into the initializer's hash; shards of one table share it.
+        eviction: policy applied by :meth:`evict`; None keeps every row.
+
+    Example:
+        >>> from unison._embeddings.optim.row_optimizers import RowSGD
+        >>> table = LocalTable(4, seed=1)
+        >>> ids = torch.tensor([[2**63 - 1, -7], [-7, 0]])
+        >>> table.lookup(ids).shape, table.num_rows
+        (torch.Size([2, 2, 4]), 3)
+        >>> table.apply_gradients(ids.reshape(-1), torch.ones(4, 4), RowSGD(lr=0.1))
+    """
+
+    def __init__(self, embedding_dim: int, *, dtype: torch.dtype = torch.float32,
+                 initializer: Initializer | None = None, seed: int = 0,
+                 eviction: EvictionPolicy | None = None) -> None:
+        check_table_arguments("LocalTable", embedding_dim, dtype, initializer, seed, eviction)
+        self._dim, self._dtype, self._seed = embedding_dim, dtype, seed
+        self._initializer: Initializer = initializer if initializer is not None else normal(0.0, 1.0)
+        self._eviction = eviction
+        self._index = IdIndex()
+        self._rows = torch.zeros(0, embedding_dim, dtype=dtype)
+        self._slot_ids = torch.zeros(0, dtype=torch.int64)
+        self._live = torch.zeros(0, dtype=torch.bool)
+        self._counts = torch.zeros(0, dtype=torch.int64)
+        self._last_seen = torch.zeros(0, dtype=torch.int64)
+        self._state: dict[str, torch.Tensor] = {}
+        self._state_init: dict[str, float] = {}
+        self._free = torch.zeros(0, dtype=torch.int64)
+        self._used = 0  # slots [0, _used) have held a row at some time
+        self._num_rows = 0
+        self._step = 0
+        self._generation = next(_GENERATIONS)
+
+    @property
+    def embedding_dim(self) -> int:
+        """Columns per row."""
+        return self._dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of rows and optimizer state."""
+        return self._dtype
+
+    @property
+    def seed(self) -> int:
+        """Seed of the initializer's hash."""
+        return self._seed
+
+    @property
+    def eviction(self) -> EvictionPolicy | None:
+        """The eviction policy, or None."""
+        return self._eviction
+
+    @property
+    def initializer(self) -> Initializer:
+        """How missing rows are made."""
+        return self._initializer
+
+    @property
+    def current_step(self) -> int:
+        """How many times :meth:`step` was called (carried over by export and import): the optimizer
+        steps the table has taken, so a row optimizer's step count ``t`` is this plus one."""
+        return self._step
+
+    @property
+    def num_rows(self) -> int:
+        """Rows stored now."""
+        return self._num_rows
+
+    @property
+    def bytes(self) -> int:
+        """Bytes in memory: rows, optimizer state and per-row counters of the slots in use, the
+        free list and the id index (capacity never touched is not counted: it takes none)."""
+        per_slot = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, *self._state.values()]
+        in_use = sum(t[:self._used].numel() * t.element_size() for t in per_slot)
+        return in_use + self._free.numel() * self._free.element_size() + self._index.nbytes
+
+    def step(self) -> int:
+        """Advance the table's clock by one (the unit of ``EvictUnseen``); returns the new step."""
+        self._step += 1
+        return self._step
+
+    def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of ``ids`` (any shape) as a new ``[*ids.shape, embedding_dim]`` tensor.
+
+        With ``create=True`` missing rows are made and stored, and every id counts as
+        touched (its count grows by its occurrences, its last-seen step becomes the
+        current step). With ``create=False`` (evaluation) nothing changes: a missing id
+        gets the row the initializer would give it, unstored. A caller that already made
+        ``ids`` distinct (a module's forward, a ps task's request) passes how often each
+        occurred in its batch as ``occurrences``, and the ids are not made distinct again.
+        """
+        ids = checked_ids(ids, "LocalTable.lookup")
+        inverse: torch.Tensor | None = None
+        if occurrences is None:
+            unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        elif tuple(occurrences.shape) != tuple(ids.shape):
+            raise ValueError(f"LocalTable.lookup: `occurrences` must count each of distinct `ids` "
+                             f"(shape {tuple(ids.shape)}), got shape {tuple(occurrences.shape)}")
+        else:
+            unique, occurrences = ids.reshape(-1), occurrences.reshape(-1).to(torch.int64)
+        if create:
+            slots = self._found_or_created(unique)
+            self._counts.index_add_(0, slots, occurrences)
+            self._last_seen[slots] = self._step
+            rows = self._rows.index_select(0, slots)
+        else:
+            slots = self._index.find(unique)
+            rows = torch.empty(unique.numel(), self._dim, dtype=self._dtype)
+            present = slots >= 0
+            rows[present] = self._rows.index_select(0, slots[present])
+            rows[~present] = self._initial_rows(unique[~present])
+        if inverse is not None:
+            rows = rows.index_select(0, inverse)
+        return rows.reshape(*ids.shape, self._dim)
+
+    def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """Update the rows of ``ids`` in place with ``optimizer`` and their sparse gradients.
+
+        Gradients of an id repeated in ``ids`` are summed first (as a coalesced sparse
+        gradient). A missing id (e.g. evicted since it was read) is created first. Rows
+        touched get the current step as last seen; their lookup counts do not change.
+
+        Args:
+            ids: 1-D integer tensor of ``N`` ids.
+            grads: ``[N, embedding_dim]`` floating tensor (cast to the table's dtype).
+            optimizer: the row optimizer; its state is allocated on first use.
+        """
+        ids = checked_ids(ids, "LocalTable.apply_gradients")
+        if ids.dim() != 1:
+            raise ValueError(f"LocalTable.apply_gradients: `ids` must be 1-D, got shape {tuple(ids.shape)}; "
+                             f"fix: pass ids.reshape(-1) and grads.reshape(-1, {self._dim})")
+        if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
+            raise TypeError(f"LocalTable.apply_gradients: `grads` must be a floating tensor, got {grads!r:.80}")
+        if tuple(grads.shape) != (ids.numel(), self._dim):
+            raise ValueError(f"LocalTable.apply_gradients: `grads` must have shape {(ids.numel(), self._dim)} "
+                             f"(one row per id), got {tuple(grads.shape)}")
+        if not isinstance(optimizer, RowOptimizer):
+            raise TypeError(f"LocalTable.apply_gradients: `optimizer` must be a RowOptimizer (e.g. RowSGD(lr)), "
+                            f"got {optimizer!r}")
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros(unique.numel(), self._dim, dtype=self._dtype)
+        summed.index_add_(0, inverse, grads.to(self._dtype))
+        self.apply_to_slots(self._found_or_created(unique), summed, optimizer)
+
+    def lookup_distinct(self, ids: torch.Tensor, occurrences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lookup(ids, create=True, occurrences=...)`` for 1-D distinct int64 ``ids``, with their slots.
+
+        The fast path of a ps task: a worker sends each distinct id once, and the slots
+        let the push that follows skip finding them again (see :meth:`apply_to_slots`).
+        """
+        slots = self._found_or_created(ids)
+        self._counts.index_add_(0, slots, occurrences.to(torch.int64))
+        self._last_seen[slots] = self._step
+        return self._rows.index_select(0, slots), slots
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a row leaves (eviction, load): slots read before stay valid while it does not."""
+        return self._generation
+
+    def apply_to_slots(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """Updates distinct ``slots`` (of live rows, e.g. from :meth:`lookup_distinct` in the same
+        generation) by their summed gradients ``[len(slots), dim]``."""
+        spec = optimizer.state_per_row(self._dim)
+        self._ensure_state(spec, f"optimizer {optimizer!r}")
+        state = {name: self._state[name].index_select(0, slots) for name in spec}
+        # t of the step being applied: this one, not yet counted by the clock (push advances it after)
+        rows, state = optimizer.update(self._rows.index_select(0, slots), grads.to(self._dtype), state,
+                                       self._step + 1)
+        self._rows.index_copy_(0, slots, rows.to(self._dtype))
+        for name in spec:
+            self._state[name].index_copy_(0, slots, state[name].to(self._dtype))
+        self._last_seen[slots] = self._step
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """One optimizer step: apply the row gradients (if any), advance the clock, evict.
+
+        What an optimizer's ``step()`` does to a table; a ps task does the same to its shard.
+        """
+        if ids.numel():
+            self.apply_gradients(ids, grads, optimizer)
+        self.step()
+        self.evict()
+
+    def prefers_pooling(self, num_bags: int, num_distinct: int) -> bool:
+        """Never: the rows are here, a bag is pooled where it is used."""
+        return False
+
+    def pooled_lookup(self, layout: BagLayout, create: bool) -> torch.Tensor:
+        """``[num_bags, dim]``: each bag's weighted sum of rows (repeats counted)."""
+        return layout.pool(self.lookup(layout.ids, create=create))
+
+    def push_bags(self, bags: tuple[BagLayout, torch.Tensor], optimizer: RowOptimizer) -> None:
+        """:meth:`push` with each id's gradient made from its bag's: ``bag_grads[bags] * weights``."""
+        layout, bag_grads = bags
+        self.push(layout.ids, layout.expand(bag_grads), optimizer)
+
+    def stats(self) -> list[tuple[int, int]]:
+        """One place: (rows, bytes)."""
+        return [(self.num_rows, self.bytes)]
+
+    def load(self, export: dict[str, Any]) -> None:
+        """Replaces every row (and the clock) by an export's: what ``load_state_dict`` does."""
+        fresh = LocalTable(self._dim, dtype=self._dtype, initializer=self._initializer, seed=self._seed,
+                             eviction=self._eviction)
+        fresh.import_(export)
+        self.__dict__.update(fresh.__dict__)
+
+    def evict(self) -> torch.Tensor:
+        """Remove the rows the eviction policy names; returns their ids, ascending.
+
+        Without a policy nothing is removed. A removed row's slot is reused by the next
+        rows created; if its id returns, the row starts again from its initial value.
+        """
+        if self._eviction is None:
+            return torch.zeros(0, dtype=torch.int64)
+        live = self._live_slots()
+        chosen = self._eviction.select(self._counts[live], self._last_seen[live], self._step)
+        if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool or chosen.shape != live.shape:
+            raise TypeError(f"{self._eviction!r}.select must return a bool mask of shape {tuple(live.shape)}, "
+                            f"got {chosen!r:.80}")
+        slots = live[chosen]
+        if slots.numel():
+            self._generation = next(_GENERATIONS)
+        ids = self._slot_ids[slots]
+        self._index.remove(ids)
+        self._live[slots] = False
+        self._free = torch.cat([self._free, slots])
+        self._num_rows -= slots.numel()
+        return ids.sort().values
+
+    def export(self) -> dict[str, Any]:
+        """The stored rows, sorted by id, as new tensors (a checkpoint of this shard).
+
+        Returns:
+            ``{"ids": [n], "rows": [n, dim], "state": {name: [n, columns]}, "counts": [n],
+            "last_seen": [n], "meta": {...}}``; ``meta`` holds the dimension, dtype name,
+            seed, step, the initializer's config and each state's initial value.
+        """
+        live = self._live_slots()
+        ids, order = self._slot_ids[live].sort()
+        slots = live[order]
+        return {
+            "ids": ids,
+            "rows": self._rows.index_select(0, slots),
+            "state": {name: values.index_select(0, slots) for name, values in self._state.items()},
+            "counts": self._counts.index_select(0, slots),
+            "last_seen": self._last_seen.index_select(0, slots),
+            "meta": {"embedding_dim": self._dim, "dtype": str(self._dtype), "seed": self._seed,
+                     "step": self._step, "initializer": self._initializer.config(),
+                     "state_init": dict(self._state_init)},
+        }
+
+    @classmethod
+    def from_export(cls, export: dict[str, Any], *, initializer: Initializer | None = None,
+                    eviction: EvictionPolicy | None = None) -> LocalTable:
+        """A table holding exactly an export's rows; the initializer is rebuilt from its
+        config unless given (needed for an initializer that is not a built-in)."""
+        meta = checked_meta(export)
+        table = cls(meta["embedding_dim"], dtype=dtype_from_name(meta["dtype"]),
+                    initializer=(initializer if initializer is not None
+                                 else initializer_from_config(meta["initializer"])),
+                    seed=meta["seed"], eviction=eviction)
+        table.import_(export)
+        return table
+
+    def import_(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
+        """Store an export's rows here, replacing any rows with the same ids.
+
+        With ``shard`` and ``num_shards`` only the ids with ``shard_of(ids, num_shards) ==
+        shard`` are taken, so importing every old shard's export into new shard ``j`` of
+        ``num_shards`` re-splits a table. The step becomes the larger of the two.
+        """
+        meta = checked_meta(export)
+        for field, mine in (("embedding_dim", self._dim), ("dtype", str(self._dtype)), ("seed", self._seed)):
+            if meta[field] != mine:
+                raise ValueError(f"LocalTable.import_: export has {field}={meta[field]!r} but this table has "
+                                 f"{mine!r}; fix: import into a table made with the same {field} (or use from_export)")
+        if (shard is None) != (num_shards is None):
+            raise ValueError(f"LocalTable.import_: pass both `shard` and `num_shards` or neither, "
+                             f"got shard={shard!r}, num_shards={num_shards!r}")
+        ids = export["ids"]
+        pick = torch.arange(ids.numel())
+        if shard is not None and num_shards is not None:
+            if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < num_shards:
+                raise ValueError(f"LocalTable.import_: `shard` must be an int in 0..{num_shards - 1}, got {shard!r}")
+            pick = (shard_of(ids, num_shards) == shard).nonzero().squeeze(1)
+        ids = ids.index_select(0, pick)
+        rows = export["rows"].index_select(0, pick)
+        self._ensure_state({name: RowState(values.shape[1], meta["state_init"][name])
+                            for name, values in export["state"].items()}, "the export")
+        slots = self._index.find(ids)
+        missing = slots < 0
+        if bool(missing.any()):
+            slots[missing] = self._create(ids[missing], rows[missing])
+        self._rows.index_copy_(0, slots, rows)
+        for name, values in self._state.items():
+            if name in export["state"]:
+                values.index_copy_(0, slots, export["state"][name].index_select(0, pick))
+            else:
+                values[slots] = self._state_init[name]
+        self._counts.index_copy_(0, slots, export["counts"].index_select(0, pick))
+        self._last_seen.index_copy_(0, slots, export["last_seen"].index_select(0, pick))
+        self._step = max(self._step, meta["step"])
+
+    def _live_slots(self) -> torch.Tensor:
+        return self._live[:self._used].nonzero().squeeze(1)
+
+    def _initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._initializer(ids, self._dim, self._seed, self._dtype)
+        if tuple(rows.shape) != (ids.numel(), self._dim) or rows.dtype != self._dtype:
+            raise ValueError(f"initializer {self._initializer!r} returned {tuple(rows.shape)} {rows.dtype} for "
+                             f"{ids.numel()} ids; it must return [{ids.numel()}, {self._dim}] {self._dtype}")
+        return rows
+
+    def _found_or_created(self, unique: torch.Tensor) -> torch.Tensor:
+        """Slots of distinct ids, the missing ones created (inserted where their probe ended)."""
+        slots, ends = self._index.find_with_ends(unique)
+        missing = slots < 0
+        if bool(missing.any()):
+            new_ids = unique[missing]
+            slots[missing] = self._create(new_ids, self._initial_rows(new_ids), ends[missing])
+        return slots
+
+    def _create(self, ids: torch.Tensor, rows: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:
+        """Store distinct absent ids with their rows and fresh counters and state; returns their slots."""
+        slots = self._allocate(ids.numel())
+        self._rows[slots] = rows
+        for name, values in self._state.items():
+            values[slots] = self._state_init[name]
+        self._counts[slots] = 0
+        self._last_seen[slots] = self._step
+        self._slot_ids[slots] = ids
+        self._live[slots] = True
+        self._index.insert(ids, slots, hint)
+        self._num_rows += ids.numel()
+        return slots
+
+    def _allocate(self, count: int) -> torch.Tensor:
+        """``count`` free slots: freed ones first (the most recent first), then never used ones."""
+        reused = min(count, self._free.numel())
+        taken = self._free[self._free.numel() - reused:].flip(0)
+        self._free = self._free[:self._free.numel() - reused]
+        fresh = count - reused
+        if self._used + fresh > self._rows.shape[0]:
+            self._grow(self._used + fresh)
+        slots = torch.cat([taken, torch.arange(self._used, self._used + fresh)])
+        self._used += fresh
+        return slots
+
+    def _grow(self, needed: int) -> None:
+        """Reallocate per-slot storage to at least ``needed`` slots, doubling.
+
+        Only slots ``[0, used)`` are copied and ever read (a slot is written whole when a
+        row is created in it), so the rest of the capacity is never touched and costs
+        address space, not memory: a table's resident size follows its rows, not its
+        capacity. Tensors are replaced one at a time, so the copy in flight is one column
+        group, not the whole table.
+        """
+        capacity = max(_MIN_CAPACITY, 2 * self._rows.shape[0], needed)
+        used = self._used
+
+        def grown(old: torch.Tensor) -> torch.Tensor:
+            new = torch.empty((capacity, *old.shape[1:]), dtype=old.dtype)
+            new[:used] = old[:used]
+            return new
+
+        self._rows = grown(self._rows)
+        self._slot_ids = grown(self._slot_ids)
+        self._counts = grown(self._counts)
+        self._last_seen = grown(self._last_seen)
+        self._live = grown(self._live)
+        for name in list(self._state):
+            self._state[name] = grown(self._state[name])
+
+    def _ensure_state(self, spec: dict[str, RowState], source: str) -> None:
+        """Allocate the state ``spec`` names; refuse one whose shape or start differs from the kept one."""
+        for name, wanted in spec.items():
+            if name not in self._state:
+                state = torch.empty((self._rows.shape[0], wanted.columns), dtype=self._dtype)
+                state[:self._used] = wanted.initial  # the slots in use; a new row's state is set when it is made
+                self._state[name] = state
+                self._state_init[name] = wanted.initial
+            elif (self._state[name].shape[1], self._state_init[name]) != (wanted.columns, wanted.initial):
+                raise ValueError(f"{source} declares row state {name!r} with {wanted.columns} columns starting at "
+                                 f"{wanted.initial!r}, but this table keeps it with {self._state[name].shape[1]} "
+                                 f"columns starting at {self._state_init[name]!r}; fix: use one optimizer "
+                                 f"configuration per table")

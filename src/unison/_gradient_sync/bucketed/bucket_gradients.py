@@ -1,0 +1,128 @@
+"""How this worker's gradients get into a gradient bucket and the sums back out.
+
+The bucket's own part of a synchroniser's step, apart from how it travels: the flags,
+the gradients that live in flat slots of the bucket (``GradSlots``,
+``_gradient_sync/grads_as_buffer_views.py``, where the sums are copied out of shared
+memory), and handing the sums out as views or copies. A parameter whose flags sum to
+zero got no gradient on any worker and keeps none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from unison._collectives.transport.bucket_transports import BucketTransport, GradientBucket
+from unison._gradient_sync.grad_access import grads_of
+from unison._gradient_sync.grads_as_buffer_views import GradSlots
+
+__all__ = ["set_flags", "point_grads_at_slots", "fill_from_slots", "copy_sums_out", "hand_out_views"]
+
+
+def set_flags(used: torch.Tensor, missing: Sequence[int]) -> None:
+    """This worker's flags: 1 for each parameter of the bucket, 0 for those in ``missing``."""
+    used.fill_(1)
+    if missing:
+        used[list(missing)] = 0
+
+
+def point_grads_at_slots(buckets: Sequence[GradientBucket]) -> None:
+    """At the first gradient of a backward pass reduced when it ends, where the sums are
+    copied out (shared memory): the gradients of each bucket whose last step's gradients
+    could all live in flat slots are pointed at them, so autograd accumulates into them
+    and the bucket reaches the transport's flat in one pass. Buckets with a sparse or a
+    missing gradient last step keep their own tensors: a sparse gradient added into a
+    dense slot would stop being sparse."""
+    for bucket in buckets:
+        if not bucket.in_slots_next:
+            continue
+        grads = grads_of(bucket.params)
+        slots = bucket.slots
+        if slots is not None and slots.in_slots(grads):
+            slots.untouched = []  # zero_grad(set_to_none=False): every gradient is a tensor already
+            continue  # accumulating into the slots already
+        if slots is None or slots.held_elsewhere(grads):  # never overwrite a gradient someone kept
+            slots = bucket.slots = GradSlots(bucket.params)
+        try:
+            # a slot autograd never writes is a gradient this worker did not compute (see unwritten)
+            slots.point_grads(grads, track_unwritten=True)
+        except RuntimeError:  # a parameter resized since (param.data = ...): its own tensors from now on
+            bucket.slots, bucket.in_slots_next = None, False
+
+
+def fill_from_slots(bucket: GradientBucket, divisor: int) -> bool:
+    """Writes a bucket whose gradients all live in its slots into its flat in one pass
+    (divided for MEAN, as the per-gradient path divides); False otherwise."""
+    slots = bucket.slots
+    bucket.launched_from_slots = slots is not None and slots.in_slots(grads_of(bucket.params))
+    if slots is None or not bucket.launched_from_slots:
+        return False
+    (gradients,) = slots.flats.values()  # a bucket holds one dtype
+    body = bucket.flat[:bucket.size]
+    if divisor != 1:
+        torch.div(gradients, divisor, out=body)
+    else:
+        body.copy_(gradients)
+    bucket.unwritten = tuple(sorted(slots.never_written())) if slots.untouched else ()
+    slots.untouched = []
+    set_flags(bucket.used, bucket.unwritten)
+    return True
+
+
+def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> None:
+    """Copies a shared bucket's sums into the parameters' own gradients (one foreach copy).
+
+    The shared result cannot become the gradient itself: a worker that zeroes its
+    gradients in place (``zero_grad(set_to_none=False)``) would zero a peer's too.
+    Gradients that live in the bucket's own slots take one copy. ``sparse``: ids of
+    parameters whose (sparse) gradient was summed apart.
+    """
+    if bucket.launched_from_slots:  # no user code ran since: the gradients are still the slots
+        assert bucket.slots is not None
+        (gradients,) = bucket.slots.flats.values()
+        gradients.copy_(transport.sums(bucket)[:bucket.size])
+        if bucket.unwritten:  # slots this worker left unwritten: None again where no worker wrote one
+            everywhere = transport.used_sums(bucket)
+            for k in bucket.unwritten:
+                if everywhere[k] == 0:
+                    bucket.params[k].grad = None
+        return
+    targets, sources = [], []
+    sums: list[float] | None = None
+    for k, (param, result) in enumerate(zip(bucket.params, transport.sum_views(bucket), strict=True)):
+        grad = param.grad
+        if id(param) in sparse:
+            continue
+        if grad is None:
+            if not param.requires_grad:
+                continue  # frozen: no worker computed one
+            if sums is None:
+                sums = transport.used_sums(bucket)
+            if sums[k] != 0:  # else no worker computed one (a head this step skipped)
+                param.grad = result.clone()  # no gradient here this step; the peers' mean still applies
+        elif grad.is_contiguous() and grad.layout == torch.strided:
+            targets.append(grad)
+            sources.append(result)
+        else:
+            param.grad = result.clone()
+    if targets:
+        torch._foreach_copy_(targets, sources)
+
+
+def hand_out_views(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> None:
+    """Makes each gradient a view of the bucket's reduced flat (the bucket's own memory)."""
+    sums: list[float] | None = None
+    for k, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+        # still the view when zero_grad(set_to_none=False) kept it: setting .grad costs more
+        grad = param.grad
+        if grad is view or id(param) in sparse:
+            continue
+        if grad is None:
+            if not param.requires_grad:
+                continue  # frozen: no worker computed one (and no look at the sums: on a GPU, a sync)
+            if sums is None:
+                sums = transport.used_sums(bucket)
+            if sums[k] == 0:
+                continue  # no worker computed one (a head this step skipped): the optimizer skips it
+        param.grad = view

@@ -1,0 +1,154 @@
+"""The ``unison`` command: ``unison launch`` starts a local cluster, ``unison server`` a standard server.
+
+``unison launch --workers 2 [--chief] [--ps M] [--evaluator] train.py --lr 0.1`` runs
+``train.py`` once per task on this machine, on free loopback ports, with ``TF_CONFIG``
+and a fresh cluster key set for each process. ``python -m unison.launch ...`` is the
+same as ``unison launch ...``.
+
+``unison server`` runs the standard server of the task described by ``TF_CONFIG``, for
+STANDALONE_CLIENT mode; it serves until a client stops it or it receives SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+from unison._coordinator.channel import HANDSHAKE_SECONDS, generate_authkey
+from unison._launch.local_run import run_local_cluster
+from unison._launch.multinode_flags import add_multinode_arguments, is_multinode, launch_nodes
+from unison._launch.procs import plan_tasks
+from unison.errors import UnisonError
+
+__all__ = ["main", "launch_main", "build_parser"]
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number of seconds")
+    return value
+
+
+def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=_count, default=1, metavar="N", help="number of worker tasks (default 1)")
+    parser.add_argument("--chief", action="store_true", help="add a chief task")
+    parser.add_argument("--ps", type=_count, default=0, metavar="M", help="number of parameter-server tasks")
+    parser.add_argument("--evaluator", action="store_true", help="add an evaluator task")
+    parser.add_argument(
+        "--max-restarts", type=_count, default=0, metavar="K",
+        help="restart the whole cluster up to K times after a failure",
+    )
+    parser.add_argument(
+        "--grace-period", type=_seconds, default=5.0, metavar="S",
+        help="seconds between SIGTERM and SIGKILL (default 5)",
+    )
+    add_multinode_arguments(parser)
+    parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
+    parser.add_argument("script", help="the Python script (or module, with -m) each task runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the ``unison`` command and its subcommands."""
+    parser = argparse.ArgumentParser(prog="unison", description="unison: tf.distribute-style strategies for PyTorch")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    launch = commands.add_parser("launch", help="run a script as every task of a local cluster")
+    _add_launch_arguments(launch)
+    server = commands.add_parser("server", help="run the standard server of the TF_CONFIG task")
+    server.add_argument("--bind", metavar="HOST:PORT", help="listen here instead of the task's cluster address")
+    server.add_argument(
+        "--handshake-timeout",
+        type=_positive_seconds,
+        default=HANDSHAKE_SECONDS,
+        metavar="S",
+        help=f"seconds a connecting client has to prove the cluster's key (default {HANDSHAKE_SECONDS:g})",
+    )
+    return parser
+
+
+def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    command = [sys.executable, "-m", args.script] if args.module else [sys.executable, args.script]
+    if is_multinode(args):
+        return launch_nodes(args, parser, command + list(args.script_args))
+    if args.workers_per_node is not None or args.node_rank != 0:
+        parser.error(
+            "--workers-per-node and --node-rank are multi-node flags; pass --nnodes N and --master-addr HOST too"
+        )
+    try:
+        tasks = plan_tasks(args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator)
+    except ValueError as e:
+        parser.error(str(e))
+    return run_local_cluster(
+        command + list(args.script_args),
+        tasks,
+        authkey=generate_authkey(),
+        max_restarts=args.max_restarts,
+        grace_period=args.grace_period,
+    )
+
+
+def _server(args: argparse.Namespace) -> int:
+    from unison._coordinator.standard_server import run_standard_server
+
+    try:
+        server = run_standard_server(bind_address=args.bind, handshake_timeout=args.handshake_timeout)
+    except ValueError as e:
+        print(f"unison server: error: {e}", file=sys.stderr)
+        return 2
+    except UnisonError as e:
+        print(f"unison server: {e}", file=sys.stderr)
+        return 1
+
+    def stop(signum: int, frame: object) -> None:
+        server.stop()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    print(f"unison server: serving {server.name} at {server.address}", file=sys.stderr, flush=True)
+    try:
+        server.join()
+    except KeyboardInterrupt:
+        server.stop()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``unison`` console script. Returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "launch":
+        return _launch(args, parser)
+    return _server(args)
+
+
+def launch_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m unison.launch``: the same as ``unison launch``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m unison.launch", description="run a script as every task of a local cluster"
+    )
+    _add_launch_arguments(parser)
+    return _launch(parser.parse_args(argv), parser)

@@ -1,0 +1,212 @@
+"""A ps task's sessions: the handshake, then each typed request dispatched to its handler.
+
+One session per peer (a worker, the chief, a hybrid worker), in its own thread of the ps
+task's server. The peer's :class:`~unison._ps.wire.protocol.Hello` is checked first: another
+protocol version is refused and the session closed. Then every request is dispatched on its
+header's class through :data:`_HANDLERS` (one entry per
+:class:`~unison._ps.wire.protocol.RequestKind`, checked by the architecture tests), applied to
+the ps task's parameter store or table shards, and answered with ``Ok`` and the reply's
+tensors, or ``Failed`` with the exception, which the requester raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unison._coordinator.channel import Channel
+from unison._ps.task.parameter_store import ParameterStore
+from unison._ps.task.table_shards import TableShards
+from unison._ps.wire import protocol as wire
+from unison._ps.wire.links import TensorLink
+from unison._ps.wire.shared_arena import MappedSegments
+
+__all__ = ["accept_session", "serve_ps_session"]
+
+
+def accept_session(channel: Channel, hello: Any) -> bool:
+    """Answers a peer's opening message: ``Accepted`` for this protocol's version, else ``Refused``
+    (naming both versions); returns whether the session goes on."""
+    if isinstance(hello, wire.Hello) and hello.version == wire.PROTOCOL_VERSION:
+        channel.send(wire.Accepted(wire.PROTOCOL_VERSION))
+        return True
+    theirs = hello.version if isinstance(hello, wire.Hello) else "none (an older unison)"
+    channel.send(wire.Refused(f"this ps task speaks ps protocol version {wire.PROTOCOL_VERSION}, the peer "
+                              f"{theirs}: run the same unison version on every task"))
+    return False
+
+
+@dataclasses.dataclass
+class _Session:
+    """What one peer's requests act on."""
+
+    store: ParameterStore
+    tables: TableShards
+    shared: MappedSegments
+    pulled: dict[int, torch.Tensor]  # pull buffers, reused: each is sent before the next request
+
+
+Handler = Callable[[_Session, Any, list[torch.Tensor]], list[torch.Tensor]]
+
+
+def _create(s: _Session, h: wire.Create, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    for key, value in zip(h.keys, tensors, strict=True):
+        s.store.create(key, value)
+    return []
+
+
+def _pull(s: _Session, h: wire.Pull, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    reply = [s.store.read_into(k, s.pulled.get(i)) for i, k in enumerate(h.keys)]
+    s.pulled.update(enumerate(reply))
+    return reply
+
+
+def _pull_shared(s: _Session, h: wire.PullShared, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    for key, place in zip(h.keys, h.places, strict=True):
+        s.store.read_to(key, s.shared.tensor(place))
+    return []
+
+
+def _attach(s: _Session, h: wire.Attach, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.tensor([s.shared.attach(list(h.segments))])]
+
+
+def _pull_rows(s: _Session, h: wire.PullRows, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [s.store.read_rows(k, ids) for k, ids in zip(h.keys, tensors, strict=True)]
+
+
+def _push(s: _Session, h: wire.Push, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    position = 0
+    for entry in h.entries:
+        ids = tensors[position] if entry.has_ids else None
+        position += 1 if entry.has_ids else 0
+        if entry.place is not None:
+            s.store.apply(entry.key, s.shared.tensor(entry.place), ids, entry.optimizer, entry.hyper)
+            continue
+        s.store.apply(entry.key, tensors[position], ids, entry.optimizer, entry.hyper)
+        position += 1
+    return []
+
+
+def _assign(s: _Session, h: wire.Assign, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    for key, value in zip(h.keys, tensors, strict=True):
+        s.store.assign(key, value)
+    return []
+
+
+def _add(s: _Session, h: wire.Add, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    for key, delta in zip(h.keys, tensors, strict=True):
+        s.store.add(key, delta)
+    return []
+
+
+def _optimizer_states(s: _Session, h: wire.OptimizerStates, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [wire.pickled([s.store.optimizer_states(key) for key in h.keys])]
+
+
+def _load_optimizer_states(s: _Session, h: wire.LoadOptimizerStates, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    for key, (cls, hyper), state in zip(h.keys, h.optimizers, wire.unpickled(tensors[0]), strict=True):
+        s.store.load_optimizer_state(key, cls, hyper, state)
+    return []
+
+
+def _ping(s: _Session, h: wire.Ping, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return []
+
+
+def _table_create(s: _Session, h: wire.TableCreate, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    s.tables.create(h.key, h.config)
+    return []
+
+
+def _table_rows(s: _Session, h: wire.TableRows, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [s.tables.rows(h.key, tensors[0], tensors[1], h.create)]
+
+
+def _table_push(s: _Session, h: wire.TablePush, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    s.tables.push(h.key, tensors[0], tensors[1], h.optimizer)
+    return []
+
+
+def _table_pool(s: _Session, h: wire.TablePool, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [s.tables.pool(h.key, tensors[0], tensors[1], tensors[2], h.num_bags, h.create)]
+
+
+def _table_push_bags(s: _Session, h: wire.TablePushBags, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    s.tables.push_bags(h.key, tensors[0], tensors[1], tensors[2], tensors[3], h.optimizer)
+    return []
+
+
+def _table_export(s: _Session, h: wire.TableExport, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return wire.export_tensors(s.tables.export(h.key))
+
+
+def _table_load(s: _Session, h: wire.TableLoad, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    s.tables.load(h.key, wire.export_from_tensors(tensors), h.shard, h.num_shards)
+    return []
+
+
+def _table_stats(s: _Session, h: wire.TableStats, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [wire.pickled(s.tables.stats())]
+
+
+_HANDLERS: dict[wire.RequestKind, Handler] = {
+    wire.RequestKind.CREATE: _create,
+    wire.RequestKind.PULL: _pull,
+    wire.RequestKind.PULL_SHARED: _pull_shared,
+    wire.RequestKind.ATTACH: _attach,
+    wire.RequestKind.PULL_ROWS: _pull_rows,
+    wire.RequestKind.PUSH: _push,
+    wire.RequestKind.ASSIGN: _assign,
+    wire.RequestKind.ADD: _add,
+    wire.RequestKind.OPTIMIZER_STATES: _optimizer_states,
+    wire.RequestKind.LOAD_OPTIMIZER_STATES: _load_optimizer_states,
+    wire.RequestKind.PING: _ping,
+    wire.RequestKind.TABLE_CREATE: _table_create,
+    wire.RequestKind.TABLE_ROWS: _table_rows,
+    wire.RequestKind.TABLE_PUSH: _table_push,
+    wire.RequestKind.TABLE_POOL: _table_pool,
+    wire.RequestKind.TABLE_PUSH_BAGS: _table_push_bags,
+    wire.RequestKind.TABLE_EXPORT: _table_export,
+    wire.RequestKind.TABLE_LOAD: _table_load,
+    wire.RequestKind.TABLE_STATS: _table_stats,
+}
+"""Every request kind's handler: ``handler(session, header, tensors) -> reply tensors``."""
+
+
+def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
+    """Answers one peer's requests (a worker's or the coordinator's) until it disconnects.
+
+    Errors come back as ``Failed(exception, traceback text)``; a header that is no request of
+    this protocol is such an error too (``ProtocolError`` naming what came).
+    """
+    session = _Session(store, store.tables, MappedSegments(), {})
+    try:
+        _serve(session, link)
+    finally:
+        session.shared.close()
+
+
+def _serve(session: _Session, link: TensorLink) -> None:
+    ok = wire.Ok()
+    while True:
+        try:
+            header, tensors = link.recv(reuse=True)  # every request is done with them before the next
+        except (EOFError, OSError):
+            return
+        try:
+            request = wire.check_request(header)
+            reply = _HANDLERS[request.KIND](session, request, tensors)
+            message: Any = ok
+        except Exception as e:  # sent back to the requester, which raises it
+            message, reply = wire.Failed(e, traceback.format_exc()), []
+        try:
+            link.send(message, reply)
+        except (EOFError, OSError):
+            return
+        except Exception as e:  # the error itself could not be pickled
+            link.send(wire.Failed(RuntimeError(repr(e)), ""), [])

@@ -1,0 +1,131 @@
+"""The ps side of dynamic embedding tables: one shard of each table, and the requests on it.
+
+A ``DynamicEmbedding`` made under ParameterServerStrategy (or the hybrid strategy) keeps
+its rows on the ps tasks: ps task ``k`` holds the rows whose ``shard_of(id, num_ps) ==
+k`` in a :class:`~unison._embeddings.tables.local_table.LocalTable`. Workers ask for the rows of
+their batch (made on first touch, from the id alone, so which worker asks first never
+changes a value) and push summed row gradients with the row optimizer the worker's
+``torch.optim`` optimizer maps to; the optimizer state sits beside each row here. Every
+push reaches every shard, empty or not, so each shard's clock (the unit of eviction, and
+SparseAdam's step count ``t``) advances with the optimizer steps, as the one-device table's does.
+
+Each table has its own lock: requests on different tables, or from different workers,
+interleave, and each is applied whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from unison._embeddings.optim.row_optimizers import RowOptimizer
+from unison._embeddings.tables.bag_layout import BagLayout
+from unison._embeddings.tables.table import TableConfig
+
+__all__ = ["TableShards"]
+
+
+class _Entry:
+    __slots__ = ("config", "table", "lock")
+
+    def __init__(self, config: TableConfig):
+        self.config = config
+        self.table = config.new_table()
+        self.lock = threading.Lock()
+
+
+class TableShards:
+    """The dynamic table shards of one ps task; safe for concurrent sessions."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+        self._recent = threading.local()  # per session thread: table key -> (ids, slots, generation) of its last lookup
+
+    def _entry(self, key: str) -> _Entry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"no dynamic table {key!r} on this ps task; create the DynamicEmbedding in the "
+                           f"strategy's scope first") from None
+
+    def create(self, key: str, config: TableConfig) -> None:
+        """Makes an empty shard under ``key``; keeps an existing one made with the same config.
+
+        Raises:
+            ValueError: if ``key`` exists with another config (two programs disagree).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._entries[key] = _Entry(config)
+            elif entry.config.describe() != config.describe():
+                raise ValueError(f"dynamic table {key!r} exists on this ps task with {entry.config.describe()}, "
+                                 f"asked for {config.describe()}; every worker must build the same model")
+
+    def rows(self, key: str, ids: torch.Tensor, occurrences: torch.Tensor, create: bool) -> torch.Tensor:
+        """Rows of distinct ``ids`` (made, and counted by ``occurrences``, when ``create``).
+
+        A training lookup remembers the ids' slots for this session: the push that
+        follows from the same worker (the same ids, as a rule) skips finding them again.
+        """
+        entry = self._entry(key)
+        with entry.lock:
+            if not create:
+                return entry.table.lookup(ids, create=False)
+            rows, slots = entry.table.lookup_distinct(ids, occurrences)
+            self._recent.__dict__[key] = (ids.clone(), slots, entry.table.generation)
+            return rows
+
+    def push(self, key: str, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """Applies row gradients, then advances the shard's clock and evicts (one optimizer step)."""
+        entry = self._entry(key)
+        recent = self._recent.__dict__.pop(key, None)
+        with entry.lock:
+            table = entry.table
+            if (recent is not None and recent[2] == table.generation and recent[0].shape == ids.shape
+                    and torch.equal(recent[0], ids)):
+                table.apply_to_slots(recent[1], grads, optimizer)  # the ids this session just read
+                table.step()
+                table.evict()
+                return
+            table.push(ids, grads, optimizer)
+
+    def pool(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor, num_bags: int,
+             create: bool) -> torch.Tensor:
+        """``[num_bags, dim]``: the weighted sum of the rows of ``ids`` (repeats counted) per bag."""
+        entry = self._entry(key)
+        with entry.lock:
+            rows = entry.table.lookup(ids, create=create)
+        return BagLayout(ids, bags, weights, num_bags).pool(rows)
+
+    def push_bags(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor,
+                  bag_grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """:meth:`push` with each id's gradient made here from its bag's: ``bag_grads[bags] * weights``."""
+        self.push(key, ids, BagLayout(ids, bags, weights, bag_grads.shape[0]).expand(bag_grads), optimizer)
+
+    def export(self, key: str) -> dict[str, Any]:
+        """The shard's rows (a checkpoint's part)."""
+        entry = self._entry(key)
+        with entry.lock:
+            return entry.table.export()
+
+    def load(self, key: str, export: dict[str, Any], shard: int, num_shards: int) -> None:
+        """Replaces the shard by the rows of ``export`` that belong to shard ``shard`` of ``num_shards``."""
+        entry = self._entry(key)
+        table = entry.config.new_table()
+        table.import_(export, shard=shard, num_shards=num_shards)
+        with entry.lock:
+            entry.table = table
+
+    def stats(self) -> dict[str, tuple[int, int]]:
+        """Per table: (rows stored here, bytes allocated for them)."""
+        with self._lock:
+            entries = dict(self._entries)
+        out = {}
+        for key, entry in entries.items():
+            with entry.lock:
+                out[key] = (entry.table.num_rows, entry.table.bytes)
+        return out

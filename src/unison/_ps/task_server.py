@@ -1,0 +1,219 @@
+"""``unison.Server``: the standard server of a cluster task, in its ps or worker role.
+
+One process per task runs it. A ps task keeps a :class:`~unison._ps.task.parameter_store.ParameterStore`
+and answers pulls and pushes; a worker task runs the functions a ClusterCoordinator
+sends, one at a time. Both are sessions of the same authenticated standard server the
+distribute coordinator uses (:class:`~unison._coordinator.standard_server.StandardServer`), so
+nothing is unpickled before the key check. ``join()`` returns when the coordinator
+shuts the cluster down.
+
+tf.distribute equivalent: ``tf.distribute.Server``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from unison._cluster.env import ps_shared_memory
+from unison._coordinator.channel import Channel, require_authkey
+from unison._coordinator.standard_server import StandardServer
+from unison._gradient_sync.step_hooks import install_step_hooks
+from unison._ps.task.malloc_settings import release_large_buffers
+from unison._ps.task.parameter_store import ParameterStore
+from unison._ps.task.sessions import accept_session, serve_ps_session
+from unison._ps.wire import protocol as wire
+from unison._ps.wire.client import PSClient
+from unison._ps.wire.links import TensorLink, set_nodelay
+from unison._ps.wire.worker_references import loads_on_worker
+from unison._ps.worker.runtime import RUNTIME, WorkerRuntime, build_dataset
+from unison.errors import ParameterServerError
+
+__all__ = ["Server"]
+
+
+def _resolve(cluster: Any, job_name: str | None, task_index: int | None) -> tuple[Any, str, int]:
+    if hasattr(cluster, "cluster_spec") and callable(cluster.cluster_spec):  # a ClusterResolver
+        job_name = job_name if job_name is not None else cluster.task_type
+        task_index = task_index if task_index is not None else cluster.task_id
+        cluster = cluster.cluster_spec()
+    if job_name is None:
+        raise ValueError(
+            "Server needs `job_name` (the task's type, e.g. 'ps' or 'worker'): pass it or a resolver that knows it"
+        )
+    return cluster, job_name, 0 if task_index is None else task_index
+
+
+class Server:
+    """Serves one task of a parameter-server cluster (``tf.distribute.Server``).
+
+    Example (in each worker and ps process)::
+
+        resolver = unison.TFConfigClusterResolver()
+        unison.Server(resolver).join()
+
+    Args:
+        cluster_resolver_or_spec: a ClusterResolver, a ClusterSpec or a dict of jobs.
+        job_name: this task's type (default: the resolver's).
+        task_index: this task's index (default: the resolver's, else 0).
+        start: start serving now (as ``tf.distribute.Server``'s default).
+        authkey: the cluster's key (default: ``UNISON_AUTHKEY``/``UNISON_AUTHKEY_FILE``).
+        bind_address: where to listen instead of the task's address (``"127.0.0.1:0"``
+            picks a free port; read ``address``).
+
+    Raises:
+        ValueError: if the task is not in the cluster or no key is set.
+    """
+
+    def __init__(self, cluster_resolver_or_spec: Any, job_name: str | None = None, task_index: int | None = None,
+                 *, start: bool = True, authkey: bytes | None = None, bind_address: str | None = None):
+        cluster, job_name, task_index = _resolve(cluster_resolver_or_spec, job_name, task_index)
+        self._authkey = require_authkey(authkey)
+        self._store = ParameterStore() if job_name == "ps" else None
+        if self._store is not None:
+            release_large_buffers()  # a ps task's batch buffers go back when freed (not a worker's: page faults)
+        self._session_lock = threading.Lock()
+        self._sessions: dict[threading.Thread, Channel] = {}
+        self._sessions_lock = threading.Lock()
+        self._server = StandardServer(cluster, job_name, task_index, authkey=self._authkey, bind_address=bind_address,
+                                      sessions={"ps": self._ps_session, "worker": self._worker_session})
+        if start:
+            self.start()
+
+    @property
+    def address(self) -> str:
+        """The ``host:port`` served."""
+        return self._server.address
+
+    @property
+    def target(self) -> str:
+        """This task's URL, e.g. ``"tcp://127.0.0.1:2222"``."""
+        return self._server.target
+
+    def start(self) -> Server:
+        """Starts serving in background threads."""
+        self._server.start()
+        return self
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Blocks until the coordinator shuts the cluster down; returns whether it did.
+
+        Open sessions are closed and their threads finish their request before this
+        returns, so the process can exit without threads still inside torch.
+        """
+        if not self._server.join(timeout):
+            return False
+        self._close_sessions()
+        return True
+
+    def _close_sessions(self, wait: float = 10.0) -> None:
+        with self._sessions_lock:
+            sessions = dict(self._sessions)
+        for channel in sessions.values():
+            try:  # wakes a thread blocked in recv: it sees EOF and returns
+                sock = socket.socket(fileno=os.dup(channel.connection.fileno()))
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    sock.close()
+            except (OSError, ValueError):
+                pass
+        for thread in sessions:
+            thread.join(wait)
+
+    def _track(self, channel: Channel) -> None:
+        with self._sessions_lock:
+            self._sessions[threading.current_thread()] = channel
+
+    def _untrack(self) -> None:
+        with self._sessions_lock:
+            self._sessions.pop(threading.current_thread(), None)
+
+    def stop(self) -> None:
+        """Stops serving."""
+        self._server.stop()
+
+    # -- sessions -----------------------------------------------------------------------
+    def _ps_session(self, channel: Channel, message: Any) -> None:
+        if self._store is None:
+            channel.close()
+            return
+        if not accept_session(channel, message[1] if len(message) > 1 else None):
+            channel.close()
+            return
+        self._track(channel)
+        try:
+            serve_ps_session(self._store, TensorLink(channel, channel.peer))
+        finally:
+            self._untrack()
+
+    def _worker_session(self, channel: Channel, message: Any) -> None:
+        """Runs the coordinator's functions, one at a time, until it disconnects."""
+        install_step_hooks()
+        set_nodelay(channel)
+        self._track(channel)
+        with self._session_lock:  # one coordinator at a time
+            config = message[1]
+            client = PSClient(config["ps"], self._authkey, timeout=config["timeout"], shared=ps_shared_memory())
+            runtime = RUNTIME.current = WorkerRuntime(client, config["worker_index"])
+            try:
+                while True:
+                    try:
+                        request = channel.recv()
+                    except (EOFError, OSError):
+                        return
+                    reply = self._handle(runtime, config, request)
+                    try:
+                        channel.send(reply)
+                    except (EOFError, OSError):
+                        return
+                    except Exception as e:  # the result could not be pickled
+                        channel.send(wire.FunctionFailed(
+                            TypeError(f"the function's result could not be pickled: {e!r}"), "", False
+                        ))
+            finally:
+                self._untrack()
+                client.close()
+                if RUNTIME.current is runtime:
+                    RUNTIME.current = None
+
+    def _handle(self, runtime: WorkerRuntime, config: dict, request: Any) -> wire.FunctionResult | wire.FunctionFailed:
+        handler = _WORKER_REQUESTS.get(type(request))
+        try:
+            if handler is None:
+                raise wire.ProtocolError(f"malformed worker request {type(request).__name__!r}: expected one of "
+                                         f"{sorted(c.__name__ for c in _WORKER_REQUESTS)} of unison._ps.wire.protocol; "
+                                         f"is the chief another unison version?")
+            return handler(runtime, config, request)
+        except Exception as e:  # the coordinator raises it (original type, this traceback)
+            return wire.FunctionFailed(e, traceback.format_exc(), isinstance(e, ParameterServerError))
+
+
+def _build_dataset(runtime: WorkerRuntime, config: dict, request: wire.BuildDataset) -> wire.FunctionResult:
+    runtime.datasets[request.dataset_id] = build_dataset(request.dataset_fn, config["worker_index"],
+                                                         config["num_workers"])
+    return wire.FunctionResult(None)
+
+
+def _run_function(runtime: WorkerRuntime, config: dict, request: wire.RunFunction) -> wire.FunctionResult:
+    runtime.begin()
+    fn, args, kwargs = loads_on_worker(request.payload, runtime.resolve)
+    runtime.pull_touched()
+    try:
+        result = fn(*args, **kwargs)
+        runtime.client.settle()  # its row pushes are applied before it counts as done
+        runtime.push_changes()  # only a function that returned changes the ps variables
+        return wire.FunctionResult(result)
+    finally:
+        runtime.end()
+
+
+_WORKER_REQUESTS: dict[type, Callable[[WorkerRuntime, dict, Any], wire.FunctionResult]] = {
+    wire.BuildDataset: _build_dataset,
+    wire.RunFunction: _run_function,
+}
+"""What a worker task does for each request of the chief's session (one handler per message type)."""

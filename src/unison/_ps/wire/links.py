@@ -1,0 +1,153 @@
+"""Tensor messages over the cluster's authenticated control channel.
+
+Parameter-server traffic is a few large tensors per request (a worker's packed pull or
+push). They travel as raw bytes after a small pickled header, and are received
+straight into their destination (a worker's parameter, a freshly allocated tensor), so
+a pull costs one copy from the socket and no pickling of tensor data.
+
+Why not ``torch.distributed.rpc``: an RPC group is formed once by all tasks, a worker
+that dies can break TensorPipe for every peer, and a worker cannot rejoin under its
+name. Here each worker opens its own authenticated connection to each ps task (the
+``multiprocessing.connection`` HMAC handshake of :mod:`unison._coordinator.channel`),
+so a worker dying closes only its own connections and a restarted worker just
+connects again.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from unison._coordinator.channel import Channel, connect
+from unison._ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, decode, dumps_header
+from unison.errors import ParameterServerError
+
+__all__ = ["TensorLink", "open_link", "set_nodelay"]
+
+
+def set_nodelay(channel: Channel) -> None:
+    """Turns off Nagle's algorithm on ``channel``: a request is several writes, and
+    waiting for the peer's delayed ACK between them would add ~40 ms to each."""
+    sock = socket.socket(fileno=os.dup(channel.connection.fileno()))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass  # not TCP
+    finally:
+        sock.close()
+
+
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().reshape(-1)
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
+
+
+class TensorLink:
+    """Sends and receives ``(header, [tensors])`` messages on an authenticated Channel.
+
+    The header is any picklable object; each tensor goes as its own raw frame. Not
+    thread-safe for interleaved requests: callers hold ``lock`` around a request and
+    its reply.
+    """
+
+    def __init__(self, channel: Channel, peer: str):
+        self.channel = channel
+        self.peer = peer
+        self.lock = threading.Lock()
+        # The Channel's Connection carries raw frames; Channel itself only sends pickles.
+        self._connection = channel.connection
+        set_nodelay(channel)
+        # Tensor frames go through a socket object on the same descriptor: sendall from the
+        # tensor's memory and recv_into the destination (Connection.recv_bytes_into would
+        # first read the whole frame into a BytesIO, then copy it).
+        self._socket = socket.socket(fileno=os.dup(self._connection.fileno()))
+        self._scratch: dict[int, torch.Tensor] = {}
+
+    def send(self, header: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """Sends ``header`` and ``tensors`` (made contiguous, CPU)."""
+        tensors = [t.detach().contiguous().cpu() for t in tensors]
+        meta = [(tuple(t.shape), t.dtype) for t in tensors]
+        self._connection.send_bytes(dumps_header(header, meta))
+        for t in tensors:
+            if t.numel():
+                self._socket.sendall(_bytes_view(t))
+
+    def recv(self, into: Sequence[torch.Tensor] | None = None, timeout: float | None = None,
+             reuse: bool = False) -> tuple[Any, list[torch.Tensor]]:
+        """The next message; tensors are written into ``into`` where given (same shapes), else allocated.
+
+        With ``reuse``, tensors are received into buffers this link keeps from earlier
+        messages of the same layout (no allocation and first-touch page faults per
+        message): the caller must be done with them before the next ``recv``.
+
+        Raises:
+            EOFError / OSError: when the peer is gone.
+            TimeoutError: if no message starts within ``timeout`` seconds.
+        """
+        if timeout is not None and not self._connection.poll(timeout):
+            raise TimeoutError(f"{self.peer} did not answer within {timeout:g} s")
+        header, meta = pickle.loads(self._connection.recv_bytes())
+        header = decode(header)
+        tensors = []
+        for i, (shape, dtype) in enumerate(meta):
+            target = into[i] if into is not None and i < len(into) and into[i] is not None else None
+            if target is None and reuse:
+                target = self._scratch.get(i)
+            if target is None or tuple(target.shape) != shape or target.dtype != dtype or not target.is_contiguous():
+                target = torch.empty(shape, dtype=dtype)
+                if reuse:
+                    self._scratch[i] = target  # replaces the last layout's: requests of varying sizes keep one each
+            if target.numel():
+                self._recv_into(_bytes_view(target))
+            tensors.append(target)
+        return header, tensors
+
+    def _recv_into(self, view: memoryview) -> None:
+        position, size = 0, len(view)
+        while position < size:
+            received = self._socket.recv_into(view[position:])
+            if not received:
+                raise EOFError(f"{self.peer} closed the connection")
+            position += received
+
+    def request(
+        self, header: Any, tensors: Sequence[torch.Tensor] = (), into: Any = None
+    ) -> tuple[Any, list[torch.Tensor]]:
+        """Sends a request and returns its reply, holding ``lock``."""
+        with self.lock:
+            self.send(header, tensors)
+            return self.recv(into)
+
+    def close(self) -> None:
+        """Closes the connection."""
+        self._socket.close()
+        self.channel.close()
+
+
+def open_link(address: str, authkey: bytes, session: str, peer: str, timeout: float = 60.0) -> TensorLink:
+    """Connects to the standard server at ``address`` and opens a ``session`` ("ps") on it.
+
+    The session opens with the protocol's :class:`~unison._ps.wire.protocol.Hello`; the peer
+    accepts it or refuses another version.
+
+    Raises:
+        ParameterServerError: if the peer refuses (another unison version), or does not answer
+            the handshake within ``timeout``.
+    """
+    channel = connect(address, authkey, timeout)
+    channel.send((session, Hello(PROTOCOL_VERSION)))
+    if not channel.connection.poll(timeout):
+        channel.close()
+        raise ParameterServerError(f"{peer} at {address} did not answer the ps handshake within {timeout:g} s")
+    answer = channel.recv()
+    if not isinstance(answer, Accepted):
+        channel.close()
+        reason = answer.reason if isinstance(answer, Refused) else f"an unexpected answer {answer!r:.80}"
+        raise ParameterServerError(f"{peer} at {address} refused the ps session: {reason}")
+    return TensorLink(channel, peer)

@@ -1,0 +1,217 @@
+"""The rows of a ``DynamicEmbedding`` that live on ps tasks, as a worker or the chief reaches them.
+
+Row ``id`` lives on ps task ``shard_of(id, num_shards)`` (a hash of the id, so hot and
+cold ids spread evenly, negative ids included). A lookup sends each ps task the distinct
+ids it owns, one request per ps task, all in flight together; a push sends every ps task
+its ids' summed gradients (an empty push too: it advances that shard's clock, so eviction
+and SparseAdam's step count ``t`` count optimizer steps on every shard alike). Nothing of the table is kept here between
+calls: a worker holds only the rows of its batch.
+
+The connections are handed to it: on the chief (or a hybrid worker), the strategy's
+client; a copy pickled into a scheduled function gets the client of the worker that
+unpickles it (:mod:`unison._ps.wire.worker_references`). The object pickles to its key and
+config only, so a function that captures the module sends no rows.
+
+:class:`RemoteTables` is the ``tables`` component of both parameter-server strategies.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from unison._embeddings.optim.row_optimizers import RowOptimizer
+from unison._embeddings.tables.bag_layout import BagLayout
+from unison._embeddings.tables.id_hashing import shard_of
+from unison._embeddings.tables.table import TableConfig
+from unison._ps.wire import protocol as wire
+from unison._ps.wire.client import PSClient
+from unison._ps.wire.worker_references import WORKER_CLIENT
+
+__all__ = ["RemoteTable", "RemoteTables"]
+
+
+class RemoteTable:
+    """A table whose shard ``k`` is on ps task ``k`` of ``num_shards``.
+
+    Args:
+        key: the table's key on every ps task.
+        num_shards: how many ps tasks hold its rows.
+        config: what each shard is made from.
+        client: where the connections come from. Pickled, a table keeps no client: a worker
+            of a ClusterCoordinator that unpickles it hands it its own
+            (:mod:`unison._ps.wire.worker_references`).
+        grad_scale: a factor for pushed gradients, read at each push (the hybrid strategy's
+            ``1 / num_replicas_in_sync`` under the mean reduction); None: 1.
+        after_load: called once a checkpoint's rows are on every ps task (the hybrid
+            strategy's barrier: no worker trains before every worker has loaded).
+        writer: whether this process writes a load (the hybrid strategy: its chief only,
+            every worker holding the same checkpoint); None: it does.
+    """
+
+    def __init__(self, key: str, num_shards: int, config: TableConfig,
+                 client: Callable[[], PSClient], *,
+                 grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
+                 writer: Callable[[], bool] | None = None):
+        self.key, self.num_shards, self.config = key, num_shards, config
+        self._client_source = client
+        self._grad_scale = grad_scale
+        self._after_load = after_load
+        self._writer = writer
+        self.traffic = {"rows": 0, "pooled": 0}
+        """Lookups made here so far, by kind: distinct rows pulled, or bags pooled on the ps tasks."""
+        self._last_split: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": WORKER_CLIENT,
+                "_grad_scale": None, "_after_load": None, "_writer": None, "traffic": {"rows": 0, "pooled": 0},
+                "_last_split": None}
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.config.embedding_dim
+
+    def _client(self) -> PSClient:
+        return self._client_source()
+
+    def create(self) -> None:
+        """Makes the (empty) shards, or checks that existing ones were made with the same config."""
+        self._client().exchange({k: (wire.TableCreate(self.key, self.config), (), None)
+                                 for k in range(self.num_shards)})
+
+    def prefers_pooling(self, num_bags: int, num_distinct: int) -> bool:
+        """Whether pooling on the ps tasks moves fewer rows: a partial row per bag and ps task,
+        against one row per distinct id."""
+        return num_bags * min(self.num_shards, num_distinct) < num_distinct
+
+    def _split(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Positions in ``ids`` of each shard's ids (a push of the ids just looked up reuses theirs)."""
+        last = self._last_split
+        if last is not None and last[0].shape == ids.shape and torch.equal(last[0], ids):
+            return last[1]
+        owner = shard_of(ids, self.num_shards)
+        positions = [(owner == k).nonzero().squeeze(1) for k in range(self.num_shards)]
+        self._last_split = (ids, positions)
+        return positions
+
+    def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of distinct ``ids``, ``[n, dim]``; missing rows are made when ``create``, and
+        each id counted by its ``occurrences`` (default once)."""
+        if occurrences is None:
+            occurrences = torch.ones_like(ids)
+        self.traffic["rows"] += 1
+        positions = self._split(ids)
+        asked = {k: where for k, where in enumerate(positions) if where.numel()}
+        replies = self._client().exchange({k: (wire.TableRows(self.key, create), [ids[where], occurrences[where]],
+                                               None) for k, where in asked.items()})
+        rows = torch.empty(ids.numel(), self.config.embedding_dim, dtype=self.config.dtype)
+        for k, where in asked.items():
+            rows[where] = replies[k][0]
+        return rows
+
+    def pooled_lookup(self, layout: BagLayout, create: bool) -> torch.Tensor:
+        """``[num_bags, dim]``: each bag's weighted sum of rows, every ps task pooling the rows it holds."""
+        requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
+        touched_bags: dict[int, torch.Tensor] = {}
+        for k, where in enumerate(self._split(layout.ids)):
+            if where.numel():
+                touched, local = torch.unique(layout.bags[where], return_inverse=True)
+                touched_bags[k] = touched
+                requests[k] = (wire.TablePool(self.key, create, touched.numel()),
+                               [layout.ids[where], local, layout.weights[where]], None)
+        self.traffic["pooled"] += 1
+        replies = self._client().exchange(requests)
+        pooled = torch.zeros(layout.num_bags, self.config.embedding_dim, dtype=self.config.dtype)
+        for k, touched in touched_bags.items():
+            pooled.index_add_(0, touched, replies[k][0])
+        return pooled
+
+    def push_bags(self, bags: tuple[BagLayout, torch.Tensor], optimizer: RowOptimizer) -> None:
+        """Like :meth:`push`, with the gradient of each bag: every ps task expands it to its ids."""
+        layout, grads = bags
+        if self._grad_scale is not None:
+            grads = grads * self._grad_scale()
+        requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
+        for k, where in enumerate(self._split(layout.ids)):
+            touched, local = torch.unique(layout.bags[where], return_inverse=True)
+            requests[k] = (wire.TablePushBags(self.key, optimizer),
+                           [layout.ids[where], local, layout.weights[where], grads.index_select(0, touched)], None)
+        self._client().exchange(requests, wait=False)
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """One optimizer step of the rows: each shard applies its ids' gradients, advances and evicts.
+
+        Sent without waiting: the next request to each ps task (this worker's next lookup)
+        reads its answer first, so this worker's next lookup sees it; ``PSClient.settle``
+        waits for it (a function's end on a ClusterCoordinator's worker,
+        ``HybridParameterServerStrategy.join_pushes``).
+        """
+        if self._grad_scale is not None:
+            grads = grads * self._grad_scale()
+        positions = self._split(ids)
+        self._client().exchange({k: (wire.TablePush(self.key, optimizer), [ids[where], grads[where]], None)
+                                 for k, where in enumerate(positions)}, wait=False)
+
+    def export(self) -> dict[str, Any]:
+        """Every shard's rows merged, sorted by id: the export of the whole table."""
+        replies = self._client().exchange({k: (wire.TableExport(self.key), (), None) for k in range(self.num_shards)})
+        parts = [wire.export_from_tensors(replies[k]) for k in range(self.num_shards)]
+        ids = torch.cat([p["ids"] for p in parts])
+        ids, order = ids.sort()
+        merged: dict[str, Any] = {name: torch.cat([p[name] for p in parts]).index_select(0, order)
+                                  for name in ("rows", "counts", "last_seen")}
+        state_init = {name: init for p in parts for name, init in p["meta"]["state_init"].items()}
+        columns = {name: values.shape[1] for p in parts for name, values in p["state"].items()}
+        # a shard that never received a gradient keeps no state yet: its rows start from the initial value
+        merged["state"] = {name: torch.cat([p["state"].get(name, torch.full((p["ids"].numel(), columns[name]),
+                                                                            state_init[name], dtype=self.config.dtype))
+                                            for p in parts]).index_select(0, order)
+                           for name in columns}
+        merged["ids"] = ids
+        merged["meta"] = dict(parts[0]["meta"], step=max(p["meta"]["step"] for p in parts), state_init=state_init)
+        return merged
+
+    def load(self, export: dict[str, Any]) -> None:
+        """Replaces every shard's rows by an export's (from any number of shards, or one device)."""
+        if self._writer is None or self._writer():
+            tensors = wire.export_tensors(export)
+            self._client().exchange({k: (wire.TableLoad(self.key, k, self.num_shards), tensors, None)
+                                     for k in range(self.num_shards)})
+        if self._after_load is not None:
+            self._after_load()
+
+    def stats(self) -> list[tuple[int, int]]:
+        """Per ps task, in order: (rows of this table, bytes they take)."""
+        replies = self._client().exchange({k: (wire.TableStats(), (), None) for k in range(self.num_shards)})
+        return [wire.unpickled(replies[k][0]).get(self.key, (0, 0)) for k in range(self.num_shards)]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows stored over all shards."""
+        return sum(rows for rows, _ in self.stats())
+
+
+class RemoteTables:
+    """A strategy's ``tables`` component: every table it makes is spread over the ps tasks.
+
+    Keys follow creation order (``{prefix}{n}:dynamic_table``), so every worker running the
+    same program names a table alike, and a restarted worker finds the rows it trained.
+    The other arguments are handed to each :class:`RemoteTable`.
+    """
+
+    def __init__(self, num_shards: int, client: Callable[[], PSClient], *, prefix: str = "",
+                 grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
+                 writer: Callable[[], bool] | None = None):
+        self._num_shards, self._client, self._prefix = num_shards, client, prefix
+        self._grad_scale, self._after_load, self._writer = grad_scale, after_load, writer
+        self._ids = itertools.count()
+
+    def create_table(self, config: TableConfig) -> RemoteTable:
+        """A table on every ps task, made there now or found there (the same key on every worker)."""
+        table = RemoteTable(f"{self._prefix}{next(self._ids)}:dynamic_table", self._num_shards, config, self._client,
+                            grad_scale=self._grad_scale, after_load=self._after_load, writer=self._writer)
+        table.create()
+        return table
