@@ -10,9 +10,19 @@ nothing, and a process that never touches a strategy, such as the ``unison launc
 launcher, never imports torch (seconds of CPU and hundreds of MB per process:
 ``benchmarks/RESULTS.md``, 'Lazy import of unison'). Set
 ``EAGER_IMPORT=1`` to import everything at once (lazy_loader's switch).
+
+Public by PyTorch's rule: a module whose dotted path has no segment that starts with
+``_`` (``unison``, ``unison.coordinator``, ``unison.embeddings``, ``unison.errors``,
+``unison.launch``, ``unison.partitioners``, ``unison.placement``, ``unison.tensorpack``).
+The paths and names that 0.2 made private still work until 0.3, with a
+``DeprecationWarning`` naming the replacement (``unison._deprecation``, ``CHANGELOG.md``).
 """
 
 import lazy_loader as _lazy
 
-__getattr__, __dir__, __all__ = _lazy.attach_stub(__name__, __file__)
+from unison import _deprecation
+
+_stub_getattr, __dir__, __all__ = _lazy.attach_stub(__name__, __file__)
+__getattr__ = _deprecation.module_getattr(__name__, _stub_getattr)
+_deprecation.install()
 __version__ = "0.1.0"
