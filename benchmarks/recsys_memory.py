@@ -57,7 +57,7 @@ def main() -> None:
         strategy = unison.ParameterServerStrategy(resolver, timeout_seconds=120)
         coordinator = unison.ClusterCoordinator(strategy)
         with strategy.scope():
-            table = unison.DynamicEmbedding(DIM, initializer=unison._embeddings.tables.initializers.uniform(-0.05, 0.05))
+            table = unison.DynamicEmbedding(DIM, initializer=unison.embeddings.Uniform(-0.05, 0.05))
             optimizer = torch.optim.Adagrad(table.parameters(), lr=0.05)
         per_step = args.ids_per_step
 

@@ -1,14 +1,20 @@
 """Types of unison's public API, for type checkers; at run time ``__init__.py`` loads each name
 on first use (``lazy_loader.attach_stub`` reads this file's imports)."""
 
-from . import checkpoint, cluster, collectives, embeddings, errors, optim, partitioners, placement
+from . import coordinator, embeddings, errors, optim, partitioners, placement, tensorpack
 from ._checkpoint import (
     BackupAndRestore,
     PreemptionCheckpointHandler,
     SidecarEvaluator,
     TerminationConfig,
     load_checkpoint,
+    mark_final,
+    remove_temp_dir_with_filepath,
+    remove_temp_dirpath,
     save_checkpoint,
+    save_step_checkpoint,
+    write_dirpath,
+    write_filepath,
 )
 from ._cluster import (
     ClusterResolver,
@@ -34,13 +40,6 @@ from ._collectives.ops.local import (
 )
 from ._collectives.options import CommunicationImplementation, CommunicationOptions, Compression, PowerSGD
 from ._context import ReplicaContext
-from ._coordinator import (
-    CoordinatorMode,
-    WorkerContext,
-    get_current_worker_context,
-    run_distribute_coordinator,
-    run_standard_server,
-)
 from ._embeddings.modules.dynamic_embedding import DynamicEmbedding
 from ._input import (
     AutoShardPolicy,
@@ -85,9 +84,7 @@ __all__ = [
     "PreemptionCheckpointHandler",
     "SidecarEvaluator",
     "TerminationConfig",
-    "checkpoint",
-    "cluster",
-    "collectives",
+    "coordinator",
     "errors",
     "DistributedDataset",
     "DistributedDatasetsFromFunction",
@@ -118,19 +115,20 @@ __all__ = [
     "Compression",
     "PowerSGD",
     "CommunicationOptions",
-    "CoordinatorMode",
     "MultiWorkerMirroredStrategy",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
-    "WorkerContext",
     "detect_cluster_resolver",
-    "get_current_worker_context",
-    "run_distribute_coordinator",
-    "run_standard_server",
     "save_checkpoint",
     "load_checkpoint",
+    "save_step_checkpoint",
+    "mark_final",
+    "write_dirpath",
+    "write_filepath",
+    "remove_temp_dirpath",
+    "remove_temp_dir_with_filepath",
     "AllReduceCrossDeviceOps",
     "AutoShardPolicy",
     "CentralStorageStrategy",
@@ -161,5 +159,6 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "placement",
+    "tensorpack",
     "select_cross_device_ops",
 ]

@@ -1,23 +1,26 @@
 """The architecture check: unison's packages form layers, and no module imports upward.
 
 Layers, top to bottom (a layer may import only the layers below it; packages on one line
-are independent of each other):
+are independent of each other). The public face is the top layer: no internal module
+imports a public facade, and every internal package has an underscored path (PyTorch's
+rule; ``tests/architecture/test_public_api.py``):
 
-    launch | embeddings.modules (the modules a model author builds)
-    placement | checkpoint
-    ps (the parameter-server strategies, the chief, workers, ps tasks and the wire)
-    strategies
-    gradient_sync
-    coordinator | collectives | input
-    embeddings.tables (the Table contract, the local table that ps tasks run too)
-    embeddings.optim (row optimizers)
-    interpose (everything unison changes in torch, and the private torch it reads) | optim (Ftrl)
-    context
-    values | cluster
-    reduce | devices | errors | _state
-    _enums
+    coordinator | embeddings | launch | optim | partitioners | placement | tensorpack  (public facades)
+    _launch | _embeddings.modules (the modules a model author builds)
+    _placement | _checkpoint
+    _ps (the parameter-server strategies, the chief, workers, ps tasks and the wire)
+    _strategies
+    _gradient_sync
+    _coordinator | _collectives | _input
+    _embeddings.tables (the Table contract, the local table that ps tasks run too)
+    _embeddings.optim (row optimizers)
+    _interpose (everything unison changes in torch, and the private torch it reads) | _optim (Ftrl)
+    _context
+    _values | _cluster
+    _reduce | _devices | errors | _state
+    _enums | _deprecation | _facades (the machinery of the public face)
 
-Inside ``collectives`` the same rule holds between its homes, top to bottom:
+Inside ``_collectives`` the same rule holds between its homes, top to bottom:
 
     ops | compat     (the CrossDeviceOps; tensorpack's utilities)
     transport        (how bytes move)
@@ -25,7 +28,7 @@ Inside ``collectives`` the same rule holds between its homes, top to bottom:
     options          (CommunicationOptions)
 
 so the worker group and the transports never import the ops that drive them. Inside
-``ps``, by role and by the process that runs the code:
+``_ps``, by role and by the process that runs the code:
 
     chief | task_server (the chief's ClusterCoordinator, its queue, remote values and
                      datasets; the server of a worker or ps task)
@@ -35,7 +38,7 @@ so the worker group and the transports never import the ops that drive them. Ins
     task             (the ps process: parameter store, table shards, request dispatch)
     wire             (what both sides import: the typed protocol, links, the client)
 
-and inside ``embeddings``: ``modules`` above ``tables`` above ``optim``. And
+and inside ``_embeddings``: ``modules`` above ``tables`` above ``optim``. And
 ``compat`` is imported by no module but the package's ``__init__`` (which re-exports its
 public names; everyone else, ``unison._ps`` included, imports them from there).
 
@@ -54,7 +57,8 @@ import pytest
 import unison
 
 LAYERS = (
-    ("_launch", "partitioners", "_embeddings.modules"),
+    ("coordinator", "embeddings", "launch", "optim", "partitioners", "placement", "tensorpack"),
+    ("_launch", "_embeddings.modules"),
     ("_placement", "_checkpoint"),
     ("_ps",),
     ("_strategies",),
@@ -62,11 +66,11 @@ LAYERS = (
     ("_coordinator", "_collectives", "_input"),
     ("_embeddings.tables",),
     ("_embeddings.optim",),
-    ("_interpose", "optim"),
+    ("_interpose", "_optim"),
     ("_context",),
     ("_values", "_cluster"),
     ("_reduce", "_devices", "errors", "_state"),
-    ("_enums",),
+    ("_enums", "_deprecation", "_facades"),
 )
 
 #: The layers inside ``unison._collectives``, top to bottom, named relative to it.
@@ -89,7 +93,7 @@ PS_LAYERS = (
 )
 PS = "unison._ps"
 
-#: The layers inside ``unison.embeddings``.
+#: The layers inside ``unison._embeddings``.
 EMBEDDINGS_LAYERS = (("modules",), ("tables",), ("optim",))
 EMBEDDINGS = "unison._embeddings"
 
@@ -218,7 +222,8 @@ def test_the_ps_checks_catch_added_imports():
     graph = grimp.build_graph("unison", exclude_type_checking_imports=True)
     graph.add_import(importer="unison._ps.wire.client", imported="unison._ps.task.parameter_store")
     graph.add_import(importer="unison._ps.task.table_shards", imported="unison._ps.worker.remote_table")
-    graph.add_import(importer="unison._embeddings.tables.local_table", imported="unison._embeddings.modules.row_updates")
+    graph.add_import(importer="unison._embeddings.tables.local_table",
+                     imported="unison._embeddings.modules.row_updates")
     illegal = {(d.importer, d.imported) for d in graph.find_illegal_dependencies_for_layers(
         layers=_sub_layers(PS_LAYERS), containers={PS})}
     assert {("unison._ps.wire", "unison._ps.task"), ("unison._ps.task", "unison._ps.worker")} <= illegal, illegal

@@ -1,6 +1,6 @@
 """``unison.optim``: optimizers that ``torch.optim`` lacks and TensorFlow users bring.
 
-- :class:`~unison.optim.ftrl.Ftrl`: FTRL-Proximal with ``tf.keras.optimizers.Ftrl``'s
+- :class:`Ftrl`: FTRL-Proximal with ``tf.keras.optimizers.Ftrl``'s
   arguments and update, for dense parameters, sparse gradients and the rows of a
   ``DynamicEmbedding``.
 
@@ -9,6 +9,6 @@ The row updates of ``DynamicEmbedding`` tables (``torch.optim.SGD``, ``Adagrad``
 ``unison._embeddings.optim``.
 """
 
-from unison.optim.ftrl import Ftrl
+from unison._optim.ftrl import Ftrl
 
 __all__ = ["Ftrl"]

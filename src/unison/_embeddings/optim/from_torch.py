@@ -26,7 +26,7 @@ from unison._embeddings.optim.row_optimizers import (
     RowSparseAdam,
     RowWiseAdagrad,
 )
-from unison.optim.ftrl import FTRL_FIELDS, Ftrl
+from unison._optim.ftrl import FTRL_FIELDS, Ftrl
 
 __all__ = ["plain_sgd", "row_optimizer_for"]
 

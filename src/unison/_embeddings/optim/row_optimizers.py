@@ -25,7 +25,7 @@ from typing import Any, final
 
 import torch
 
-from unison.optim.ftrl import checked_ftrl_arguments, ftrl_update
+from unison._optim.ftrl import checked_ftrl_arguments, ftrl_update
 
 __all__ = ["RowState", "RowOptimizer", "RowSGD", "RowAdagrad", "RowWiseAdagrad", "RowSparseAdam", "RowFtrl"]
 
@@ -192,7 +192,7 @@ class RowSparseAdam(RowOptimizer):
 class RowFtrl(RowOptimizer):
     """FTRL-Proximal on the touched rows only, as TensorFlow's sparse FTRL (``ResourceSparseApplyFtrlV2``).
 
-    Each touched row steps by :func:`~unison.optim.ftrl.ftrl_update` on its summed gradient
+    Each touched row steps by :func:`~unison._optim.ftrl.ftrl_update` on its summed gradient
     (TensorFlow's optimizers sum a repeated id's gradients before the sparse apply); rows not
     touched do not move, and shrinkage (``l2_shrinkage``) acts on touched rows only. State:
     ``"accumulator"`` (starting at ``initial_accumulator_value``) and ``"linear"`` (at 0),

@@ -1,0 +1,20 @@
+"""Embedding tables keyed by any int64 id, for recommendation models: the policies and initializers of
+``unison.DynamicEmbedding``, and fixed tables onto the parameter servers.
+
+``unison.DynamicEmbedding`` creates rows on first touch. Its rows start from an id-keyed
+initializer (``Normal``, ``Uniform``, ``Zeros``, or an ``Initializer`` of your own: the
+same row for an id whatever order rows are made in) and may be evicted
+(``EvictUnseen``, ``EvictBelowCount``, or an ``EvictionPolicy`` of your own). ``on_ps``
+and ``tables_on_ps`` turn a model's ``nn.Embedding``/``nn.EmbeddingBag`` tables into such
+modules (rows on the ps tasks under the parameter-server strategies).
+
+Each name is imported on first use (names and types in ``__init__.pyi``). The
+implementation is ``unison._embeddings``: ``modules`` (what a model author builds),
+``tables`` (the table contract and the local table that ps tasks run too) and ``optim``
+(the row optimizers).
+"""
+
+from unison import _deprecation, _facades
+
+_stub_getattr, __dir__, __all__ = _facades.attach_stub(__name__, __file__)
+__getattr__ = _deprecation.module_getattr(__name__, _stub_getattr)
