@@ -1,23 +1,24 @@
-"""The public face, in the manner of PyTorch's ``test_public_bindings.py``.
+"""The public face, by PyTorch's rule (``test/test_public_bindings.py``).
 
-A public namespace is ``unison``, ``unison.coordinator`` and, recursively, every module a
-public namespace lists in its ``__all__`` (``unison._cluster``, ``unison._cluster.env``, ...),
-each named by the dotted path a user writes (``unison.partitioners``, though that module
-is ``unison._ps.remote_variables.shard_partitioners``). Rules:
+Every module of the package is walked (``pkgutil.walk_packages``, as PyTorch walks
+``torch``). A module whose dotted path has no segment that starts with ``_`` is public;
+its names are its ``__all__``. Internals live under underscored paths (``unison._ps``,
+``unison._collectives``, ...), which this test leaves alone. Rules for each public module:
 
-- a leading underscore means private: no exported path has a segment that starts with
-  one, and no ``__all__`` lists such a name. The rule reads the *exported* path, so a
-  class may live in any module and be re-exported under a public name;
-- every exported name resolves and is documented (classes, functions and modules by
-  their own docstring, constants by a ``#:`` comment above or a string below their
-  assignment);
-- a class or function exported can be found at ``__module__`` + ``__qualname__``
-  (reprs, pickles and API docs point at a real place);
-- every module whose path is public (no segment with a leading underscore) declares
-  ``__all__``: what it offers is listed, anything else is its own business.
+- it declares ``__all__`` (what it offers, once each; no name with a leading underscore);
+- every listed name can be imported from it (``from unison.placement import X``);
+- every listed name is documented: classes, functions and modules by their own
+  docstring, constants by a ``#:`` comment above or a string below their assignment;
+- a class or function listed is found at ``__module__`` + ``__qualname__`` (reprs,
+  pickles and API docs point at a real place);
+- an object has one public home: no two public modules list the same class or function
+  (one module may, under TF's two names: ``CollectiveAllReduceStrategy``).
 
-``tests/architecture/test_public_names_and_stubs.py`` checks the names tf.distribute users
-look for, the lazy packages' stubs and the import cost.
+And the face stays small: at most ``MAX_PUBLIC_NAMES`` names over all public modules,
+and the public modules are exactly ``PUBLIC_MODULES`` (a new one is a decision, made
+here). The paths and names that left the face in 0.2 are deprecated aliases, checked in
+``test_deprecated_aliases.py``; ``test_public_names_and_stubs.py`` checks the names
+tf.distribute users look for, the lazy packages' stubs and the import cost.
 """
 
 from __future__ import annotations
@@ -34,31 +35,33 @@ import pytest
 
 import unison
 
-ROOTS = ("unison", "unison._coordinator")
+#: The public modules, by PyTorch's rule. A module added here is a public promise: keep it small.
+PUBLIC_MODULES = {
+    "unison", "unison.coordinator", "unison.embeddings", "unison.errors", "unison.launch", "unison.partitioners",
+    "unison.placement", "unison.tensorpack",
+}
 
+#: At most this many public names (the sum of the public modules' ``__all__``; 762 before 0.2).
+MAX_PUBLIC_NAMES = 200
 
-def _namespaces() -> dict[str, types.ModuleType]:
-    """Every public namespace by its exported dotted path, roots first."""
-    found: dict[str, types.ModuleType] = {}
-    todo = list(ROOTS)
-    while todo:
-        path = todo.pop(0)
-        if path in found:
-            continue
-        module = importlib.import_module(path)
-        found[path] = module
-        todo += [f"{path}.{name}" for name in getattr(module, "__all__", ())
-                 if isinstance(getattr(module, name, None), types.ModuleType)]
-    return found
-
-
-def _exports() -> list[tuple[str, str, Any]]:
-    """(namespace path, name, object) for every name a public namespace exports."""
-    return [(path, name, getattr(module, name)) for path, module in _namespaces().items() for name in module.__all__]
+#: Modules the rules below check besides those the walk finds (the self-tests add a fake one).
+EXTRA_MODULES: tuple[str, ...] = ()
 
 
 def _is_private(dotted: str) -> bool:
     return any(part.startswith("_") for part in dotted.split("."))
+
+
+def _public_modules() -> dict[str, types.ModuleType]:
+    """Every module of unison whose path is public, by walking the package as PyTorch walks torch."""
+    names = ["unison", *(info.name for info in pkgutil.walk_packages(unison.__path__, "unison."))]
+    return {name: importlib.import_module(name) for name in [*names, *EXTRA_MODULES] if not _is_private(name)}
+
+
+def _exports() -> list[tuple[str, str, Any]]:
+    """(module path, name, object) for every name a public module lists in ``__all__``."""
+    return [(path, name, getattr(module, name)) for path, module in _public_modules().items()
+            for name in getattr(module, "__all__", ()) if hasattr(module, name)]
 
 
 def _own_doc(obj: Any) -> str:
@@ -69,7 +72,7 @@ def _own_doc(obj: Any) -> str:
 
 def _documented_constant(name: str, value: Any) -> bool:
     """Whether a unison module assigns ``name`` (to ``value``) with a ``#:`` comment above or a string below."""
-    for module in [m for key, m in sys.modules.items() if key == "unison" or key.startswith("unison.")]:
+    for module in [m for key, m in list(sys.modules.items()) if key == "unison" or key.startswith("unison.")]:
         if getattr(module, name, None) is not value or not getattr(module, "__file__", None):
             continue
         source = inspect.getsource(module)
@@ -88,38 +91,44 @@ def _documented_constant(name: str, value: Any) -> bool:
     return False
 
 
-def test_the_namespaces_found_include_those_the_readme_documents():
-    """Guards the walk itself: a broken walk would make every rule below pass on nothing."""
-    assert {"unison", "unison._checkpoint", "unison._cluster", "unison._cluster.multi_worker_util", "unison._collectives",
-            "unison.coordinator", "unison.errors", "unison.partitioners", "unison.placement"} <= set(_namespaces())
+def test_the_public_modules_are_exactly_the_promised_ones():
+    """Guards the walk too: a broken walk would make every rule below pass on nothing."""
+    found = set(_public_modules())
+    assert found == PUBLIC_MODULES, (f"public modules (no '_' in their path) not promised: "
+                                     f"{sorted(found - PUBLIC_MODULES)} (move them under an underscored path, or "
+                                     f"add them to PUBLIC_MODULES); promised but missing: "
+                                     f"{sorted(PUBLIC_MODULES - found)}")
 
 
-def test_every_namespace_lists_its_names_once_and_each_resolves():
+def test_the_public_face_has_at_most_200_names():
+    counts = {path: len(getattr(module, "__all__", ())) for path, module in _public_modules().items()}
+    total = sum(counts.values())
+    print(f"\npublic names by PyTorch's rule: {total} in {len(counts)} modules: {counts}")
+    assert total <= MAX_PUBLIC_NAMES, f"{total} public names (at most {MAX_PUBLIC_NAMES}): {counts}"
+
+
+def test_every_public_module_declares_all_once_and_each_name_imports():
     problems = []
-    for path, module in _namespaces().items():
+    for path, module in _public_modules().items():
         names = getattr(module, "__all__", None)
-        if names is None:
-            problems.append(f"{path} has no __all__")
+        if not isinstance(names, (list, tuple)):
+            problems.append(f"{path} has no __all__ (a list of what it offers)")
             continue
         duplicates = sorted({n for n in names if list(names).count(n) > 1})
         if duplicates:
             problems.append(f"{path}.__all__ lists {duplicates} more than once")
+        private = [n for n in names if n.startswith("_")]
+        if private:
+            problems.append(f"{path}.__all__ lists private names {private}")
         for name in names:
-            if not hasattr(module, name):
-                problems.append(f"{path}.__all__ lists {name!r}, which {path} does not have")
+            try:
+                exec(f"from {path} import {name}", {})
+            except ImportError as error:
+                problems.append(f"{path}.__all__ lists {name!r}, which does not import: {error}")
     assert not problems, "\n".join(problems)
 
 
-def test_no_exported_path_has_a_private_segment():
-    """The underscore rule: ``unison._cluster.env`` is fine, ``unison._state.X`` or ``unison._cluster._x`` is not.
-
-    The exported path is what a user writes; a class defined in a private module and
-    re-exported under a public name passes."""
-    private = [f"{path}.{name}" for path, name, _ in _exports() if _is_private(f"{path}.{name}")]
-    assert not private, f"public paths with a segment that starts with '_': {private}"
-
-
-def test_every_exported_name_is_documented():
+def test_every_public_name_is_documented():
     missing = []
     for path, name, obj in _exports():
         if isinstance(obj, types.ModuleType) or inspect.isclass(obj) or inspect.isroutine(obj):
@@ -131,12 +140,12 @@ def test_every_exported_name_is_documented():
     assert not missing, "\n".join(missing)
 
 
-def test_exported_classes_and_functions_are_where_their_module_says():
+def test_public_classes_and_functions_are_where_their_module_says():
     wrong = []
     for path, name, obj in _exports():
         if not (inspect.isclass(obj) or inspect.isroutine(obj)) or not obj.__module__.startswith("unison"):
             continue
-        found: Any = sys.modules.get(obj.__module__)
+        found: Any = importlib.import_module(obj.__module__)
         for part in obj.__qualname__.split("."):
             found = getattr(found, part, None)
         if found is not obj:
@@ -144,37 +153,54 @@ def test_exported_classes_and_functions_are_where_their_module_says():
     assert not wrong, "\n".join(wrong)
 
 
-def test_every_public_module_declares_all():
-    undeclared = []
-    for info in pkgutil.walk_packages(unison.__path__, "unison."):
-        if _is_private(info.name) or info.name.endswith("__main__"):
-            continue
-        if not isinstance(getattr(importlib.import_module(info.name), "__all__", None), (list, tuple)):
-            undeclared.append(info.name)
-    assert not undeclared, f"public modules without __all__ (a list of what they offer, or []): {undeclared}"
+def test_each_public_class_and_function_has_one_public_home():
+    """One module per object; one module may list it twice under TF's two names (``CollectiveAllReduceStrategy``)."""
+    homes: dict[int, list[str]] = {}
+    for path, name, obj in _exports():
+        if inspect.isclass(obj) or inspect.isroutine(obj):
+            homes.setdefault(id(obj), []).append(f"{path}.{name}")
+    duplicates = sorted(paths for paths in homes.values() if len({p.rpartition(".")[0] for p in paths}) > 1)
+    assert not duplicates, f"listed by more than one public module (keep one, alias the other): {duplicates}"
 
 
-@pytest.mark.parametrize("broken", ["private name", "undocumented function", "undocumented constant", "no __all__"])
-def test_the_rules_catch_a_broken_namespace(broken, monkeypatch):
-    """Each rule fails on a namespace that breaks it (the rules above are not vacuous)."""
-    fake = types.ModuleType("unison.fake_public", "A public namespace made for this test.")
+def _fake_module(broken: str) -> types.ModuleType:
+    fake = types.ModuleType("unison.fake_public", "A public module made for this test.")
     fake.__file__ = __file__
 
     def helper() -> None:
         pass
 
     helper.__module__, helper.__qualname__ = fake.__name__, "helper"
-    fake.helper, fake.LIMIT = helper, object()
+    fake.helper, fake.LIMIT, fake._helper = helper, object(), helper
     fake.__all__ = {"private name": ["_helper"], "undocumented function": ["helper"],
-                    "undocumented constant": ["LIMIT"], "no __all__": None}[broken]
+                    "undocumented constant": ["LIMIT"], "no __all__": None, "missing name": ["absent"],
+                    "second home": ["select_cross_device_ops"]}[broken]
+    if broken == "second home":
+        fake.select_cross_device_ops = unison.select_cross_device_ops
     if fake.__all__ is None:
         del fake.__all__
-    fake._helper = helper
+    return fake
+
+
+@pytest.mark.parametrize("broken", ["private name", "undocumented function", "undocumented constant", "no __all__",
+                                    "missing name", "second home", "not promised"])
+def test_the_rules_catch_a_broken_public_module(broken, monkeypatch):
+    """Each rule fails on a public module that breaks it (the rules above are not vacuous)."""
+    fake = _fake_module("undocumented function" if broken == "not promised" else broken)
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
-    monkeypatch.setattr(sys.modules[__name__], "ROOTS", ROOTS + (fake.__name__,))
-    rule = {"private name": test_no_exported_path_has_a_private_segment,
-            "undocumented function": test_every_exported_name_is_documented,
-            "undocumented constant": test_every_exported_name_is_documented,
-            "no __all__": test_every_namespace_lists_its_names_once_and_each_resolves}[broken]
+    monkeypatch.setattr(sys.modules[__name__], "EXTRA_MODULES", (fake.__name__,))
+    rule = {"private name": test_every_public_module_declares_all_once_and_each_name_imports,
+            "undocumented function": test_every_public_name_is_documented,
+            "undocumented constant": test_every_public_name_is_documented,
+            "no __all__": test_every_public_module_declares_all_once_and_each_name_imports,
+            "missing name": test_every_public_module_declares_all_once_and_each_name_imports,
+            "second home": test_each_public_class_and_function_has_one_public_home,
+            "not promised": test_the_public_modules_are_exactly_the_promised_ones}[broken]
     with pytest.raises(AssertionError, match="unison.fake_public"):
         rule()
+
+
+def test_the_name_count_catches_a_face_that_grows(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "MAX_PUBLIC_NAMES", 10)
+    with pytest.raises(AssertionError, match="public names"):
+        test_the_public_face_has_at_most_200_names()
