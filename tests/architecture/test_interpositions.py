@@ -1,4 +1,5 @@
-"""What unison changes in PyTorch lives in ``unison._interpose``, listed in one literal tuple; importing changes nothing.
+"""What unison changes in PyTorch lives in ``unison._interpose``, listed in one literal tuple;
+importing changes nothing.
 
 Every change (hooks, wrapped methods, a replaced ``__deepcopy__``, a mode pushed for a
 block, an attribute replaced on a user's optimizer or module) is an ``Interposition``,
