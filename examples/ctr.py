@@ -8,7 +8,9 @@ or asynchronous parameter servers (a chief schedules steps onto the workers)::
 
     unison launch --chief --workers 2 --ps 2 examples/ctr.py --strategy ps
 
-or one device: ``python examples/ctr.py --strategy one_device``.
+or one device: ``python examples/ctr.py --strategy one_device``. Table policies:
+``--admit-after N`` gives an id a row only once seen ``N`` times (most ids of the stream
+are rare), ``--capacity N`` keeps at most ``N`` rows (least recently used evicted).
 
 The data is made here (``ctr_data.py``): the Criteo Kaggle schema, 13 dense counts and
 26 categorical features whose ids are 64-bit hashes with power-law frequencies, clicks
@@ -61,7 +63,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the result here (the benchmark reads it)")
     parser.add_argument("--shard", default="0/1", help="one device: train on shard I of N of the samples (I/N)")
+    parser.add_argument("--admit-after", type=int, default=None, metavar="N",
+                        help="an id gets a row once seen N times in training (AdmitAfter(N)); default: at once")
+    parser.add_argument("--capacity", type=int, default=None, metavar="N",
+                        help="at most N rows after each step, least recently used evicted (on M ps tasks "
+                             "ceil(N/M) each); default: no limit")
     return parser.parse_args(argv)
+
+
+def _policies(args: argparse.Namespace) -> dict:
+    """The table policies the flags ask for (their values are checked by DynamicEmbedding, naming the field)."""
+    policies: dict = {}
+    if args.admit_after is not None:
+        policies["admission"] = unison.embeddings.AdmitAfter(args.admit_after)
+    if args.capacity is not None:
+        policies["capacity"] = args.capacity
+    return policies
 
 
 OPTIMIZERS = ("adagrad", "rowwise_adagrad", "sparse_adam", "ftrl")
@@ -69,7 +86,8 @@ OPTIMIZERS = ("adagrad", "rowwise_adagrad", "sparse_adam", "ftrl")
 
 def _model(args: argparse.Namespace) -> tuple[DLRM, list[torch.optim.Optimizer]]:
     torch.manual_seed(args.seed)
-    table = dynamic_table(args.dim, seed=args.seed, row_wise_adagrad=args.optimizer == "rowwise_adagrad")
+    table = dynamic_table(args.dim, seed=args.seed, row_wise_adagrad=args.optimizer == "rowwise_adagrad",
+                          **_policies(args))
     model = DLRM(table, embedding_dim=args.dim, bottom=(64, args.dim))
     return model, _optimizers(model, args.optimizer, args.lr)
 

@@ -18,6 +18,7 @@ import argparse
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,13 +98,17 @@ def dynamic_embeddings(dim: int = 16, seed: int = 0) -> nn.ModuleList:
                          for f in range(NUM_SPARSE))
 
 
-def dynamic_table(dim: int = 16, seed: int = 0, *, row_wise_adagrad: bool = False) -> unison.DynamicEmbedding:
+def dynamic_table(dim: int = 16, seed: int = 0, *, row_wise_adagrad: bool = False,
+                  **policies: Any) -> unison.DynamicEmbedding:
     """One ``unison.DynamicEmbedding(dim)`` for all 26 features (their ids are distinct hashes), rows
     uniform in ``±1/sqrt(dim)``: the fast layout, one lookup and one push per step
-    (``row_wise_adagrad``: trained by Adagrad, one accumulator per row)."""
+    (``row_wise_adagrad``: trained by Adagrad, one accumulator per row).
+
+    ``policies``: the table policies of ``DynamicEmbedding`` (``admission``, ``capacity``,
+    ``capacity_policy``, ``eviction``)."""
     bound = 1.0 / math.sqrt(dim)
     return unison.DynamicEmbedding(dim, seed=seed, initializer=Uniform(-bound, bound),
-                                   row_wise_adagrad=row_wise_adagrad)
+                                   row_wise_adagrad=row_wise_adagrad, **policies)
 
 
 def fixed_embeddings(rows: int, dim: int = 16, *, sparse: bool = False) -> nn.ModuleList:

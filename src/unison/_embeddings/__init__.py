@@ -2,7 +2,10 @@
 
 ``DynamicEmbedding`` creates rows on first touch; its rows start from an id-keyed
 initializer (``Normal``, ``Uniform``, ``Zeros``: the same row for an id whatever the
-order rows are made in) and may be evicted (``EvictUnseen``, ``EvictBelowCount``).
+order rows are made in) and may be evicted (``EvictUnseen``: a time to live in steps or
+seconds; ``EvictBelowCount``) or kept under a capacity (``capacity=``, ``"lru"``/``"lfu"``);
+an admission policy (``AdmitAfter``, ``AdmitWithProbability``) gives rows only to ids seen
+often enough.
 ``on_ps`` and ``tables_on_ps`` turn a model's ``nn.Embedding``/``nn.EmbeddingBag`` tables
 into such modules (rows on the ps tasks under the parameter-server strategies).
 

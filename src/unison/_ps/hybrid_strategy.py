@@ -21,6 +21,11 @@ Semantics:
   clock advances ``W`` times per global step (``EvictUnseen(n)``: unseen for ``n`` pushes),
   and so does SparseAdam's step count ``t`` (its bias correction fades ``W`` times sooner
   than on one device on the global batch; the order pushes land in decides each one's ``t``).
+  The other table policies run on the ps tasks as on one device: admission by each id's
+  count (with disjoint ids, the global step that reaches the count makes the row), a time
+  to live in seconds by the ps task's clock, and a capacity of ``ceil(N / M)`` rows per
+  shard after each push, in which rows touched in one global step are ordered by push
+  (the first worker's count as less recently used).
   With the mean reduction (the default) a worker's
   row gradients are divided by ``num_replicas_in_sync``, so when workers touch
   different rows the update is the one a single device would make on the global batch.

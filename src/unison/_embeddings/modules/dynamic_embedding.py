@@ -28,8 +28,18 @@ ps tasks every push advances every shard's ``t``, so one function at a time trai
 one device; under the hybrid strategy each worker's push is a step (``t`` advances once
 per worker per synchronous step).
 
+Table policies (the same on one device, on ps tasks and under the hybrid strategy):
+``admission`` gives a row only to ids a policy admits (``AdmitAfter(count)``,
+``AdmitWithProbability(p)``; until then an id reads zeros and takes no update),
+``capacity`` keeps at most that many rows after each optimizer step (``capacity_policy``
+``"lru"`` or ``"lfu"``), and ``eviction`` drops rows by a time to live in steps or seconds
+(``EvictUnseen(steps, seconds=...)``) or a frequency filter; admission and capacity
+combine with eviction.
+
 Checkpoints: ``state_dict()`` holds the rows that exist (ids, rows, their optimizer
-state, touch counts), the table's step count, and no capacity; ``load_state_dict`` restores them.
+state, touch counts), the table's step count, the admission sketch's counts of ids
+without a row and, with a time to live in seconds, each row's idle seconds;
+``load_state_dict`` restores them.
 
 Where the rows live is the strategy's choice (its ``tables`` component; the module tests
 no types): on one device (no strategy, ``OneDeviceStrategy``) in this
@@ -56,8 +66,10 @@ from torch import nn
 
 from unison._embeddings.modules.row_updates import install_row_updates, register_table_module
 from unison._embeddings.optim.row_optimizers import RowOptimizer
+from unison._embeddings.tables.admission_policies import AdmissionPolicy
 from unison._embeddings.tables.bag_layout import BagLayout, bag_layout
-from unison._embeddings.tables.checks import check_table_arguments
+from unison._embeddings.tables.capacity import row_capacity
+from unison._embeddings.tables.checks import POLICY_KEYS, check_table_arguments
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.initializers import Initializer, normal
 from unison._embeddings.tables.table import Table, TableConfig, TableFactory
@@ -78,8 +90,18 @@ class DynamicEmbedding(nn.Module):
         mode: None (one row per id, output ``[*ids.shape, dim]``), or ``"sum"``/``"mean"``:
             each bag of ids pooled to one row, as ``nn.EmbeddingBag`` (a 2-D ``ids`` of
             equal bags, or 1-D ``ids`` with ``offsets``; ``per_sample_weights`` with "sum").
-        eviction: a policy (``EvictUnseen(steps)``, ``EvictBelowCount(count)``) applied after
-            every optimizer step; None keeps every row.
+        eviction: a policy (``EvictUnseen(steps, seconds=...)``: a time to live in optimizer
+            steps and/or seconds; ``EvictBelowCount(count)``) applied after every optimizer
+            step; None keeps every row.
+        admission: which ids get a row (``unison.embeddings.AdmitAfter(count)``: once seen
+            ``count`` times in training lookups; ``AdmitWithProbability(p)``); None: every id
+            looked up in training. An id without a row reads zeros (in training and
+            evaluation) and takes no update; the batch that admits it makes its row and
+            trains it.
+        capacity: at most this many rows after every optimizer step (on ``M`` ps tasks
+            ``ceil(capacity / M)`` per task); rows the step touched stay. None: no limit.
+        capacity_policy: over capacity, ``"lru"`` evicts the least recently used rows first
+            (ties: lower count, then smaller id), ``"lfu"`` the lowest counts first.
         seed: mixed into every row's initial values.
         dtype: the rows' floating dtype.
         num_embeddings: None (any int64 id), or ``n``: ids must lie in ``[0, n)`` and an id
@@ -100,22 +122,25 @@ class DynamicEmbedding(nn.Module):
 
     def __init__(self, embedding_dim: int, *, initializer: Initializer | None = None, mode: str | None = None,
                  eviction: EvictionPolicy | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 row_wise_adagrad: bool = False, num_embeddings: int | None = None):
+                 row_wise_adagrad: bool = False, num_embeddings: int | None = None,
+                 admission: AdmissionPolicy | None = None, capacity: int | None = None,
+                 capacity_policy: str = "lru"):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"DynamicEmbedding: `mode` must be None, 'sum' or 'mean', got {mode!r}")
-        check_table_arguments("DynamicEmbedding", embedding_dim, dtype, initializer, seed, eviction)
+        check_table_arguments("DynamicEmbedding", embedding_dim, dtype, initializer, seed, eviction, admission)
+        if num_embeddings is not None and (isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int)
+                                           or num_embeddings < 1):
+            raise ValueError(f"DynamicEmbedding: `num_embeddings` must be None or an int >= 1, got {num_embeddings!r}")
         config = TableConfig(
-            embedding_dim, dtype, initializer if initializer is not None else normal(0.0, 1.0), seed, eviction
+            embedding_dim, dtype, initializer if initializer is not None else normal(0.0, 1.0), seed, eviction,
+            admission, row_capacity("DynamicEmbedding", capacity, capacity_policy),
         )
         self.table: Table = _tables_of_scope().create_table(config)
         """The rows (:class:`~unison._embeddings.tables.table.Table`): in this process, or on the ps tasks of
         the strategy in whose scope the module was built (its ``tables`` component decides)."""
         self.mode = mode
         self.row_wise_adagrad = bool(row_wise_adagrad)
-        if num_embeddings is not None and (isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int)
-                                           or num_embeddings < 1):
-            raise ValueError(f"DynamicEmbedding: `num_embeddings` must be None or an int >= 1, got {num_embeddings!r}")
         self.num_embeddings = num_embeddings
         self.weight = nn.Parameter(torch.zeros(0, embedding_dim, dtype=dtype))
         """A handle, no values: an optimizer that holds it updates the rows the last backward passes touched."""
@@ -207,8 +232,9 @@ class DynamicEmbedding(nn.Module):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         export = self.table.export()
-        for key in _TABLE_KEYS:
-            destination[prefix + key] = export[key]
+        for key in (*_TABLE_KEYS, *POLICY_KEYS):
+            if key in export:
+                destination[prefix + key] = export[key]
         for name, values in export["state"].items():
             destination[f"{prefix}state.{name}"] = values
         destination[prefix + "_extra_state"] = export["meta"]
@@ -221,7 +247,7 @@ class DynamicEmbedding(nn.Module):
             missing_keys.extend(absent)
             return
         state_prefix = prefix + "state."
-        export = {key: state_dict[prefix + key] for key in _TABLE_KEYS}
+        export = {key: state_dict[prefix + key] for key in (*_TABLE_KEYS, *POLICY_KEYS) if prefix + key in state_dict}
         export["state"] = {key[len(state_prefix):]: value for key, value in state_dict.items()
                            if key.startswith(state_prefix)}
         export["meta"] = state_dict[prefix + "_extra_state"]

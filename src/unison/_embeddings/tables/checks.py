@@ -6,12 +6,17 @@ from typing import Any
 
 import torch
 
+from unison._embeddings.tables.admission_policies import AdmissionPolicy
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.initializers import Initializer
 
-__all__ = ["check_table_arguments", "checked_ids", "checked_meta", "dtype_from_name", "EXPORT_KEYS", "META_KEYS"]
+__all__ = ["check_table_arguments", "checked_ids", "checked_meta", "dtype_from_name", "EXPORT_KEYS", "META_KEYS",
+           "POLICY_KEYS"]
 
 EXPORT_KEYS = ("ids", "rows", "state", "counts", "last_seen", "meta")
+POLICY_KEYS = ("idle_seconds", "pending_counts")
+"""Optional parts of an export, present when the table's policies keep them: per row, seconds since its
+last touch (a time to live in seconds); the admission sketch's counters of ids without a row."""
 META_KEYS = ("embedding_dim", "dtype", "seed", "step", "initializer", "state_init")
 
 
@@ -48,6 +53,11 @@ def checked_meta(export: Any) -> dict[str, Any]:
         raise ValueError(f"LocalTable export `ids` must be distinct int64 in a 1-D tensor, got {ids.dtype} "
                          f"shape {tuple(ids.shape)} with {n - torch.unique(ids).numel()} duplicates")
     shapes = {"rows": (n, meta["embedding_dim"]), "counts": (n,), "last_seen": (n,)}
+    if "idle_seconds" in export:
+        shapes["idle_seconds"] = (n,)
+    pending = export.get("pending_counts")
+    if pending is not None and (not isinstance(pending, torch.Tensor) or pending.dim() != 2):
+        raise ValueError(f"LocalTable export `pending_counts` must be a [depth, width] tensor, got {pending!r:.80}")
     for key, shape in shapes.items():
         if tuple(export[key].shape) != shape:
             raise ValueError(f"LocalTable export `{key}` has shape {tuple(export[key].shape)}, expected {shape}")
@@ -59,7 +69,7 @@ def checked_meta(export: Any) -> dict[str, Any]:
 
 
 def check_table_arguments(
-    owner: str, embedding_dim: Any, dtype: Any, initializer: Any, seed: Any, eviction: Any
+    owner: str, embedding_dim: Any, dtype: Any, initializer: Any, seed: Any, eviction: Any, admission: Any = None
 ) -> None:
     """Raises naming ``owner``, the field and the fix for what a table is made from."""
     if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
@@ -74,3 +84,6 @@ def check_table_arguments(
     if eviction is not None and not isinstance(eviction, EvictionPolicy):
         raise TypeError(f"{owner}: `eviction` must be an EvictionPolicy (e.g. EvictUnseen(100)) or None, "
                         f"got {eviction!r}")
+    if admission is not None and not isinstance(admission, AdmissionPolicy):
+        raise TypeError(f"{owner}: `admission` must be an AdmissionPolicy (e.g. unison.embeddings.AdmitAfter(2)) or "
+                        f"None, got {admission!r}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["splitmix64", "splitmix64_int", "shard_of", "GOLDEN_GAMMA"]
+__all__ = ["splitmix64", "splitmix64_int", "shard_of", "bucket_of", "unit_interval", "GOLDEN_GAMMA"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -81,3 +81,17 @@ def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
     if ids.dtype != torch.int64:
         raise TypeError(f"shard_of: `ids` must be an int64 tensor, got dtype {ids.dtype}; fix: pass ids.long()")
     return _shift_right(splitmix64(ids + _SHARD_SALT), 1) % num_shards
+
+
+def bucket_of(ids: torch.Tensor, salt: int, buckets: int) -> torch.Tensor:
+    """``(splitmix64(id + salt) >> 1) % buckets`` (the hash read as unsigned): a bucket per int64 id.
+
+    :func:`shard_of` with another salt: a family of independent bucket hashes, e.g. the rows
+    of a count sketch. A salt equal to ``shard_of``'s gives its buckets.
+    """
+    return _shift_right(splitmix64(ids + salt), 1) % buckets
+
+
+def unit_interval(hashes: torch.Tensor) -> torch.Tensor:
+    """Float64 values in ``[0, 1)`` from the top 53 bits of int64 hashes (uniform when the hashes are)."""
+    return _shift_right(hashes, 11).to(torch.float64) * (1.0 / (1 << 53))

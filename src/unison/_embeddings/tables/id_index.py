@@ -111,9 +111,17 @@ class IdIndex:
         Half load keeps linear probes short (1.5 entries per hit on average) at 2-4 entries
         per id, 32-64 bytes: a quarter of a 64-wide float32 row, where the quarter load used
         before took twice that.
+
+        An index whose ids also leave (eviction, a capacity: tombstones at the rebuild) gets
+        room for at least ``live / 4`` more inserts before the next rebuild: at a steady size
+        just under a power of two, the smallest table would fill with tombstones within a
+        step or two and be rebuilt whole each time (a 500k-row table under a capacity spent
+        ~90% of a step there). The doubling costs 2.5-5 entries per id where it applies.
         """
         capacity = _MIN_CAPACITY
         while live * 2 > capacity:
+            capacity *= 2
+        if self._tombstones and (capacity // 2 - live) * 4 < live:
             capacity *= 2
         ids, slots = self.items()
         self._table = _blank(capacity)

@@ -5,9 +5,11 @@ new ones keep arriving: a fixed ``nn.Embedding`` would need ``2**64`` rows or a 
 ``id % n``. A :class:`LocalTable` stores only the rows it has been asked for, each
 created from its id alone (``initializers``), updated in place by a sparse row
 optimizer whose state sits beside it (``row_optimizers``), dropped by an eviction policy
-(``eviction``), and exported or imported so a checkpoint can be re-split over any
-number of shards (``shard_of``). Both the one-device module and each ps task's store
-hold one per table shard.
+(``eviction``: a time to live in steps or seconds, a frequency filter) and by a row
+capacity (``capacity``: least recently or least frequently used first), made only for
+ids an admission policy admits (``admission_policies``), and exported or imported so a
+checkpoint can be re-split over any number of shards (``shard_of``). Both the one-device
+module and each ps task's store hold one per table shard.
 
 Layout: ids map to slots through :class:`~unison._embeddings.tables.id_index.IdIndex`; rows, optimizer
 state, touch counts and last-seen steps are growable tensors indexed by slot (capacity
@@ -21,13 +23,17 @@ tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addon
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any, final
 
 import torch
 
 from unison._embeddings.optim.row_optimizers import RowOptimizer, RowState
+from unison._embeddings.tables.admission_policies import AdmissionPolicy
 from unison._embeddings.tables.bag_layout import BagLayout
+from unison._embeddings.tables.capacity import RowCapacity, row_capacity
 from unison._embeddings.tables.checks import check_table_arguments, checked_ids, checked_meta, dtype_from_name
+from unison._embeddings.tables.count_sketch import CountMinSketch
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.id_hashing import shard_of
 from unison._embeddings.tables.id_index import IdIndex
@@ -49,6 +55,11 @@ class LocalTable:
         initializer: how a missing row is made (default ``normal(0, 1)``, as ``nn.Embedding``).
         seed: mixed into the initializer's hash; shards of one table share it.
         eviction: policy applied by :meth:`evict`; None keeps every row.
+        admission: which ids get a row (``AdmitAfter``, ``AdmitWithProbability``); None: every
+            id looked up in training. An id without a row reads zeros and takes no update.
+        capacity: at most this many rows after :meth:`evict` (rows touched since the last
+            step excepted); None: no limit.
+        capacity_policy: which rows go first over capacity, ``"lru"`` or ``"lfu"`` (``capacity``).
 
     Example:
         >>> from unison._embeddings.optim.row_optimizers import RowSGD
@@ -61,11 +72,19 @@ class LocalTable:
 
     def __init__(self, embedding_dim: int, *, dtype: torch.dtype = torch.float32,
                  initializer: Initializer | None = None, seed: int = 0,
-                 eviction: EvictionPolicy | None = None) -> None:
-        check_table_arguments("LocalTable", embedding_dim, dtype, initializer, seed, eviction)
+                 eviction: EvictionPolicy | None = None, admission: AdmissionPolicy | None = None,
+                 capacity: int | None = None, capacity_policy: str = "lru") -> None:
+        check_table_arguments("LocalTable", embedding_dim, dtype, initializer, seed, eviction, admission)
+        self._capacity: RowCapacity | None = row_capacity("LocalTable", capacity, capacity_policy)
         self._dim, self._dtype, self._seed = embedding_dim, dtype, seed
         self._initializer: Initializer = initializer if initializer is not None else normal(0.0, 1.0)
         self._eviction = eviction
+        self._admission = admission
+        self._pending = (None if admission is None
+                         else CountMinSketch(admission.sketch_width, admission.sketch_depth))
+        self._clock = None if eviction is None else eviction.clock
+        self._seen_at: torch.Tensor | None = None if self._clock is None else torch.zeros(0, dtype=torch.float64)
+        self._warned_over_capacity = False
         self._index = IdIndex()
         self._rows = torch.zeros(0, embedding_dim, dtype=dtype)
         self._slot_ids = torch.zeros(0, dtype=torch.int64)
@@ -101,6 +120,16 @@ class LocalTable:
         return self._eviction
 
     @property
+    def admission(self) -> AdmissionPolicy | None:
+        """The admission policy, or None (every id looked up in training gets a row)."""
+        return self._admission
+
+    @property
+    def capacity(self) -> RowCapacity | None:
+        """The row capacity and its policy, or None."""
+        return self._capacity
+
+    @property
     def initializer(self) -> Initializer:
         """How missing rows are made."""
         return self._initializer
@@ -119,10 +148,14 @@ class LocalTable:
     @property
     def bytes(self) -> int:
         """Bytes in memory: rows, optimizer state and per-row counters of the slots in use, the
-        free list and the id index (capacity never touched is not counted: it takes none)."""
+        free list, the id index and the admission sketch (capacity never touched is not
+        counted: it takes none)."""
         per_slot = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, *self._state.values()]
+        if self._seen_at is not None:
+            per_slot.append(self._seen_at)
         in_use = sum(t[:self._used].numel() * t.element_size() for t in per_slot)
-        return in_use + self._free.numel() * self._free.element_size() + self._index.nbytes
+        sketch = 0 if self._pending is None else self._pending.nbytes
+        return in_use + self._free.numel() * self._free.element_size() + self._index.nbytes + sketch
 
     def step(self) -> int:
         """Advance the table's clock by one (the unit of ``EvictUnseen``); returns the new step."""
@@ -135,7 +168,9 @@ class LocalTable:
         With ``create=True`` missing rows are made and stored, and every id counts as
         touched (its count grows by its occurrences, its last-seen step becomes the
         current step). With ``create=False`` (evaluation) nothing changes: a missing id
-        gets the row the initializer would give it, unstored. A caller that already made
+        gets the row the initializer would give it, unstored. With an admission policy an
+        id is counted and made only when the policy admits it: until then it reads zeros
+        (whether ``create`` or not) and is not stored. A caller that already made
         ``ids`` distinct (a module's forward, a ps task's request) passes how often each
         occurred in its batch as ``occurrences``, and the ids are not made distinct again.
         """
@@ -149,16 +184,14 @@ class LocalTable:
         else:
             unique, occurrences = ids.reshape(-1), occurrences.reshape(-1).to(torch.int64)
         if create:
-            slots = self._found_or_created(unique)
-            self._counts.index_add_(0, slots, occurrences)
-            self._last_seen[slots] = self._step
-            rows = self._rows.index_select(0, slots)
+            rows = self.lookup_distinct(unique, occurrences)[0]
         else:
             slots = self._index.find(unique)
             rows = torch.empty(unique.numel(), self._dim, dtype=self._dtype)
             present = slots >= 0
             rows[present] = self._rows.index_select(0, slots[present])
-            rows[~present] = self._initial_rows(unique[~present])
+            rows[~present] = (0.0 if self._admission is not None  # no row until admitted: zeros
+                              else self._initial_rows(unique[~present]))
         if inverse is not None:
             rows = rows.index_select(0, inverse)
         return rows.reshape(*ids.shape, self._dim)
@@ -167,7 +200,8 @@ class LocalTable:
         """Update the rows of ``ids`` in place with ``optimizer`` and their sparse gradients.
 
         Gradients of an id repeated in ``ids`` are summed first (as a coalesced sparse
-        gradient). A missing id (e.g. evicted since it was read) is created first. Rows
+        gradient). A missing id (e.g. evicted since it was read) is created first, unless
+        the table has an admission policy: then an id without a row takes no update. Rows
         touched get the current step as last seen; their lookup counts do not change.
 
         Args:
@@ -190,18 +224,31 @@ class LocalTable:
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros(unique.numel(), self._dim, dtype=self._dtype)
         summed.index_add_(0, inverse, grads.to(self._dtype))
-        self.apply_to_slots(self._found_or_created(unique), summed, optimizer)
+        slots = self._index.find(unique) if self._admission is not None else self._found_or_created(unique)
+        self.apply_to_slots(slots, summed, optimizer)
 
     def lookup_distinct(self, ids: torch.Tensor, occurrences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``lookup(ids, create=True, occurrences=...)`` for 1-D distinct int64 ``ids``, with their slots.
 
         The fast path of a ps task: a worker sends each distinct id once, and the slots
         let the push that follows skip finding them again (see :meth:`apply_to_slots`).
+        With an admission policy an id without a row after the lookup has slot -1 and a
+        zero row.
         """
-        slots = self._found_or_created(ids)
-        self._counts.index_add_(0, slots, occurrences.to(torch.int64))
-        self._last_seen[slots] = self._step
-        return self._rows.index_select(0, slots), slots
+        occurrences = occurrences.to(torch.int64)
+        if self._admission is None:
+            slots = self._found_or_created(ids)
+            self._counts.index_add_(0, slots, occurrences)
+            self._touch(slots)
+            return self._rows.index_select(0, slots), slots
+        slots = self._found_or_admitted(ids, occurrences)
+        have = (slots >= 0).nonzero().squeeze(1)
+        stored = slots.index_select(0, have)
+        self._counts.index_add_(0, stored, occurrences.index_select(0, have))
+        self._touch(stored)
+        rows = torch.zeros(ids.numel(), self._dim, dtype=self._dtype)
+        rows.index_copy_(0, have, self._rows.index_select(0, stored))
+        return rows, slots
 
     @property
     def generation(self) -> int:
@@ -210,7 +257,11 @@ class LocalTable:
 
     def apply_to_slots(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """Updates distinct ``slots`` (of live rows, e.g. from :meth:`lookup_distinct` in the same
-        generation) by their summed gradients ``[len(slots), dim]``."""
+        generation) by their summed gradients ``[len(slots), dim]``; slots -1 (ids without a
+        row under an admission policy) are left out."""
+        if self._admission is not None:
+            have = (slots >= 0).nonzero().squeeze(1)
+            slots, grads = slots.index_select(0, have), grads.index_select(0, have)
         spec = optimizer.state_per_row(self._dim)
         self._ensure_state(spec, f"optimizer {optimizer!r}")
         state = {name: self._state[name].index_select(0, slots) for name in spec}
@@ -220,7 +271,7 @@ class LocalTable:
         self._rows.index_copy_(0, slots, rows.to(self._dtype))
         for name in spec:
             self._state[name].index_copy_(0, slots, state[name].to(self._dtype))
-        self._last_seen[slots] = self._step
+        self._touch(slots)
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """One optimizer step: apply the row gradients (if any), advance the clock, evict.
@@ -252,24 +303,53 @@ class LocalTable:
     def load(self, export: dict[str, Any]) -> None:
         """Replaces every row (and the clock) by an export's: what ``load_state_dict`` does."""
         fresh = LocalTable(self._dim, dtype=self._dtype, initializer=self._initializer, seed=self._seed,
-                             eviction=self._eviction)
+                           eviction=self._eviction, admission=self._admission,
+                           capacity=None if self._capacity is None else self._capacity.rows,
+                           capacity_policy="lru" if self._capacity is None else self._capacity.policy)
         fresh.import_(export)
         self.__dict__.update(fresh.__dict__)
 
     def evict(self) -> torch.Tensor:
-        """Remove the rows the eviction policy names; returns their ids, ascending.
+        """Remove the rows the eviction policy names, then those over capacity; returns their ids, ascending.
 
-        Without a policy nothing is removed. A removed row's slot is reused by the next
-        rows created; if its id returns, the row starts again from its initial value.
+        Without a policy or capacity nothing is removed. Over capacity, rows touched at the
+        current step or the one before it (the step :meth:`push` just ended) stay; if
+        they alone exceed it, the table stays over capacity until a later call, and warns
+        once. A removed row's slot is reused by the next rows created; if its id returns,
+        the row starts again from its initial value (under an admission policy: counting
+        again from 0).
         """
-        if self._eviction is None:
+        removed = [self._remove(self._live_slots()[self._chosen_by_policy()])] if self._eviction is not None else []
+        if self._capacity is not None and self._num_rows > self._capacity.rows:
+            chosen, over = self._capacity.victims(self._live_slots(), self._slot_ids, self._counts, self._last_seen,
+                                                  protect_from=self._step - 1)
+            removed.append(self._remove(chosen))
+            if over and not self._warned_over_capacity:
+                self._warned_over_capacity = True
+                warnings.warn(f"LocalTable: {self._num_rows} rows after evicting, over the capacity of "
+                              f"{self._capacity.rows}: this step touched {over} more rows than the capacity holds "
+                              f"(they go at a later step when untouched; warned once per table); fix: a larger "
+                              f"`capacity` or smaller batches", RuntimeWarning, stacklevel=2)
+        if not removed:
             return torch.zeros(0, dtype=torch.int64)
+        return torch.cat(removed).sort().values
+
+    def _chosen_by_policy(self) -> torch.Tensor:
+        """The eviction policy's bool mask over the live slots, checked."""
+        assert self._eviction is not None
         live = self._live_slots()
-        chosen = self._eviction.select(self._counts[live], self._last_seen[live], self._step)
+        counters = (self._counts[live], self._last_seen[live], self._step)
+        if self._clock is None or self._seen_at is None:
+            chosen = self._eviction.select(*counters)
+        else:
+            chosen = self._eviction.select(*counters, idle_seconds=self._clock() - self._seen_at[live])
         if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool or chosen.shape != live.shape:
             raise TypeError(f"{self._eviction!r}.select must return a bool mask of shape {tuple(live.shape)}, "
                             f"got {chosen!r:.80}")
-        slots = live[chosen]
+        return chosen
+
+    def _remove(self, slots: torch.Tensor) -> torch.Tensor:
+        """Drops the rows of live ``slots``; returns their ids."""
         if slots.numel():
             self._generation = next(_GENERATIONS)
         ids = self._slot_ids[slots]
@@ -277,7 +357,7 @@ class LocalTable:
         self._live[slots] = False
         self._free = torch.cat([self._free, slots])
         self._num_rows -= slots.numel()
-        return ids.sort().values
+        return ids
 
     def export(self) -> dict[str, Any]:
         """The stored rows, sorted by id, as new tensors (a checkpoint of this shard).
@@ -285,12 +365,21 @@ class LocalTable:
         Returns:
             ``{"ids": [n], "rows": [n, dim], "state": {name: [n, columns]}, "counts": [n],
             "last_seen": [n], "meta": {...}}``; ``meta`` holds the dimension, dtype name,
-            seed, step, the initializer's config and each state's initial value.
+            seed, step, the initializer's config and each state's initial value. A table
+            with a time to live in seconds adds ``"idle_seconds": [n]`` (float64, by its
+            clock, now); one with an admission policy ``"pending_counts"``, its sketch's
+            ``[depth, width]`` counters of ids without a row.
         """
         live = self._live_slots()
         ids, order = self._slot_ids[live].sort()
         slots = live[order]
+        policy_parts: dict[str, torch.Tensor] = {}
+        if self._clock is not None and self._seen_at is not None:
+            policy_parts["idle_seconds"] = self._clock() - self._seen_at.index_select(0, slots)
+        if self._pending is not None:
+            policy_parts["pending_counts"] = self._pending.cells()
         return {
+            **policy_parts,
             "ids": ids,
             "rows": self._rows.index_select(0, slots),
             "state": {name: values.index_select(0, slots) for name, values in self._state.items()},
@@ -303,14 +392,17 @@ class LocalTable:
 
     @classmethod
     def from_export(cls, export: dict[str, Any], *, initializer: Initializer | None = None,
-                    eviction: EvictionPolicy | None = None) -> LocalTable:
+                    eviction: EvictionPolicy | None = None, admission: AdmissionPolicy | None = None,
+                    capacity: int | None = None, capacity_policy: str = "lru") -> LocalTable:
         """A table holding exactly an export's rows; the initializer is rebuilt from its
-        config unless given (needed for an initializer that is not a built-in)."""
+        config unless given (needed for an initializer that is not a built-in). Policies
+        are not part of an export: pass them."""
         meta = checked_meta(export)
         table = cls(meta["embedding_dim"], dtype=dtype_from_name(meta["dtype"]),
                     initializer=(initializer if initializer is not None
                                  else initializer_from_config(meta["initializer"])),
-                    seed=meta["seed"], eviction=eviction)
+                    seed=meta["seed"], eviction=eviction, admission=admission, capacity=capacity,
+                    capacity_policy=capacity_policy)
         table.import_(export)
         return table
 
@@ -320,6 +412,12 @@ class LocalTable:
         With ``shard`` and ``num_shards`` only the ids with ``shard_of(ids, num_shards) ==
         shard`` are taken, so importing every old shard's export into new shard ``j`` of
         ``num_shards`` re-splits a table. The step becomes the larger of the two.
+
+        Policy state: a row's idle seconds carry over (a row of an export without them is
+        touched now); an admission sketch's counters merge into this table's whole,
+        whatever ``shard`` (a count sketch cannot be split by id: each new shard takes
+        every old shard's counts, merged by their maximum, so every id keeps its count;
+        ``count_sketch``); a table without an admission policy ignores them.
         """
         meta = checked_meta(export)
         for field, mine in (("embedding_dim", self._dim), ("dtype", str(self._dtype)), ("seed", self._seed)):
@@ -351,6 +449,12 @@ class LocalTable:
                 values[slots] = self._state_init[name]
         self._counts.index_copy_(0, slots, export["counts"].index_select(0, pick))
         self._last_seen.index_copy_(0, slots, export["last_seen"].index_select(0, pick))
+        if self._clock is not None and self._seen_at is not None:
+            idle = export.get("idle_seconds")
+            now = self._clock()  # a row of an export without idle times counts as touched now
+            self._seen_at[slots] = now if idle is None else now - idle.to(torch.float64).index_select(0, pick)
+        if self._pending is not None and export.get("pending_counts") is not None:
+            self._pending.merge(export["pending_counts"], "LocalTable.import_: the export")
         self._step = max(self._step, meta["step"])
 
     def _live_slots(self) -> torch.Tensor:
@@ -362,6 +466,38 @@ class LocalTable:
             raise ValueError(f"initializer {self._initializer!r} returned {tuple(rows.shape)} {rows.dtype} for "
                              f"{ids.numel()} ids; it must return [{ids.numel()}, {self._dim}] {self._dtype}")
         return rows
+
+    def _touch(self, slots: torch.Tensor) -> None:
+        """Marks live ``slots`` as used now: the current step, and the clock's time if a policy reads it."""
+        self._last_seen[slots] = self._step
+        if self._clock is not None and self._seen_at is not None:
+            self._seen_at[slots] = self._clock()
+
+    def _found_or_admitted(self, unique: torch.Tensor, occurrences: torch.Tensor) -> torch.Tensor:
+        """Slots of distinct ids, -1 for those without a row after this lookup's admission.
+
+        An id the policy admits gets its row with the count it had before (the sketch's
+        estimate, then taken out of the sketch); the others add their occurrences to it.
+        """
+        assert self._admission is not None and self._pending is not None
+        slots, ends = self._index.find_with_ends(unique)
+        missing = (slots < 0).nonzero().squeeze(1)
+        if not missing.numel():
+            return slots
+        new_ids, occurrences = unique.index_select(0, missing), occurrences.index_select(0, missing)
+        seen = self._pending.estimate(new_ids)
+        admitted = self._admission.admit(new_ids, seen, occurrences, self._seed)
+        if not isinstance(admitted, torch.Tensor) or admitted.dtype != torch.bool or admitted.shape != new_ids.shape:
+            raise TypeError(f"{self._admission!r}.admit must return a bool mask of shape {tuple(new_ids.shape)}, "
+                            f"got {admitted!r:.80}")
+        self._pending.add(new_ids[~admitted], occurrences[~admitted])
+        if bool(admitted.any()):
+            ids, before = new_ids[admitted], seen[admitted]
+            self._pending.remove(ids, before)
+            made = self._create(ids, self._initial_rows(ids), ends.index_select(0, missing)[admitted])
+            self._counts[made] = before
+            slots[missing[admitted]] = made
+        return slots
 
     def _found_or_created(self, unique: torch.Tensor) -> torch.Tensor:
         """Slots of distinct ids, the missing ones created (inserted where their probe ended)."""
@@ -379,7 +515,7 @@ class LocalTable:
         for name, values in self._state.items():
             values[slots] = self._state_init[name]
         self._counts[slots] = 0
-        self._last_seen[slots] = self._step
+        self._touch(slots)
         self._slot_ids[slots] = ids
         self._live[slots] = True
         self._index.insert(ids, slots, hint)
@@ -420,6 +556,8 @@ class LocalTable:
         self._counts = grown(self._counts)
         self._last_seen = grown(self._last_seen)
         self._live = grown(self._live)
+        if self._seen_at is not None:
+            self._seen_at = grown(self._seen_at)
         for name in list(self._state):
             self._state[name] = grown(self._state[name])
 

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from unison._embeddings.optim.row_optimizers import RowOptimizer
+from unison._embeddings.tables.admission_policies import AdmissionPolicy
 from unison._embeddings.tables.bag_layout import BagLayout
+from unison._embeddings.tables.capacity import RowCapacity
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.initializers import Initializer
 
@@ -28,25 +30,40 @@ __all__ = ["Table", "TableConfig", "TableFactory", "LocalTables", "NoTables"]
 
 @dataclasses.dataclass(frozen=True)
 class TableConfig:
-    """What a table (or one shard of it) is made from; every shard and every worker agree on it."""
+    """What a table (or one shard of it) is made from; every shard and every worker agree on it.
+
+    ``capacity`` is the whole table's; :meth:`per_shard` gives what one of ``M`` shards keeps.
+    """
 
     embedding_dim: int
     dtype: torch.dtype
     initializer: Initializer
     seed: int
     eviction: EvictionPolicy | None
+    admission: AdmissionPolicy | None = None
+    capacity: RowCapacity | None = None
 
     def new_table(self) -> LocalTable:
         """An empty local table (a whole table here, or one shard on a ps task)."""
         from unison._embeddings.tables.local_table import LocalTable
 
+        capacity = self.capacity
         return LocalTable(self.embedding_dim, dtype=self.dtype, initializer=self.initializer, seed=self.seed,
-                          eviction=self.eviction)
+                          eviction=self.eviction, admission=self.admission,
+                          capacity=None if capacity is None else capacity.rows,
+                          capacity_policy="lru" if capacity is None else capacity.policy)
+
+    def per_shard(self, num_shards: int) -> TableConfig:
+        """The config of one of ``num_shards`` shards: a capacity of ``ceil(capacity / num_shards)`` rows."""
+        if self.capacity is None:
+            return self
+        return dataclasses.replace(self, capacity=self.capacity.per_shard(num_shards))
 
     def describe(self) -> str:
         """The config in words, to compare two workers' (the objects are rebuilt by pickling)."""
         return (f"dim={self.embedding_dim}, dtype={self.dtype}, initializer={self.initializer!r}, "
-                f"seed={self.seed}, eviction={self.eviction!r}")
+                f"seed={self.seed}, eviction={self.eviction!r}, admission={self.admission!r}, "
+                f"capacity={self.capacity!r}")
 
 
 @runtime_checkable
@@ -64,7 +81,8 @@ class Table(Protocol):
         ...
 
     def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of distinct ``ids``; missing rows are made when ``create`` (counted by ``occurrences``)."""
+        """Rows of distinct ``ids``; missing rows are made when ``create`` (counted by ``occurrences``;
+        under an admission policy only for the ids it admits: the others read zeros)."""
         ...
 
     def prefers_pooling(self, num_bags: int, num_distinct: int) -> bool:

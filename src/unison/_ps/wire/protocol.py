@@ -61,8 +61,9 @@ __all__ = [
     "FunctionFailed", "WorkerRequest",
 ]
 
-PROTOCOL_VERSION = 2
-"""Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1)."""
+PROTOCOL_VERSION = 3
+"""Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1; 3: a table
+export carries its policy parts, and ``TableCreate``'s config its admission and capacity)."""
 
 
 class ProtocolError(ValueError):
@@ -418,17 +419,23 @@ def unpickled(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
+_EXPORT_POLICY_KEYS = ("idle_seconds", "pending_counts")  # a table's optional policy state (``checks.POLICY_KEYS``)
+
+
 def export_tensors(export: dict[str, Any]) -> list[torch.Tensor]:
-    """A table export as tensors for a link: meta and state names pickled first, then the columns."""
+    """A table export as tensors for a link: meta, state names and the policy parts present pickled
+    first, then the columns, the states and the policy parts."""
     names = sorted(export["state"])
-    head = pickled((export["meta"], names))
+    policy = [key for key in _EXPORT_POLICY_KEYS if export.get(key) is not None]
+    head = pickled((export["meta"], names, policy))
     return [head, export["ids"], export["rows"], export["counts"], export["last_seen"],
-            *(export["state"][name] for name in names)]
+            *(export["state"][name] for name in names), *(export[key] for key in policy)]
 
 
 def export_from_tensors(tensors: list[torch.Tensor]) -> dict[str, Any]:
     """The export ``export_tensors`` sent."""
-    meta, names = unpickled(tensors[0])
+    meta, names, policy = unpickled(tensors[0])
     ids, rows, counts, last_seen = tensors[1:5]
+    states = tensors[5:5 + len(names)]
     return {"ids": ids, "rows": rows, "counts": counts, "last_seen": last_seen, "meta": meta,
-            "state": dict(zip(names, tensors[5:]))}
+            "state": dict(zip(names, states)), **dict(zip(policy, tensors[5 + len(names):]))}

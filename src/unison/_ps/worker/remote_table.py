@@ -78,8 +78,13 @@ class RemoteTable:
         return self._client_source()
 
     def create(self) -> None:
-        """Makes the (empty) shards, or checks that existing ones were made with the same config."""
-        self._client().exchange({k: (wire.TableCreate(self.key, self.config), (), None)
+        """Makes the (empty) shards, or checks that existing ones were made with the same config.
+
+        Each shard is made from ``config.per_shard(num_shards)``: a capacity of ``N`` rows is
+        ``ceil(N / num_shards)`` rows on each ps task.
+        """
+        config = self.config.per_shard(self.num_shards)
+        self._client().exchange({k: (wire.TableCreate(self.key, config), (), None)
                                  for k in range(self.num_shards)})
 
     def prefers_pooling(self, num_bags: int, num_distinct: int) -> bool:
@@ -172,6 +177,10 @@ class RemoteTable:
                            for name in columns}
         merged["ids"] = ids
         merged["meta"] = dict(parts[0]["meta"], step=max(p["meta"]["step"] for p in parts), state_init=state_init)
+        if all("idle_seconds" in p for p in parts):
+            merged["idle_seconds"] = torch.cat([p["idle_seconds"] for p in parts]).index_select(0, order)
+        if all("pending_counts" in p for p in parts):  # admission counts: merged as CountMinSketch.merge does
+            merged["pending_counts"] = torch.stack([p["pending_counts"] for p in parts]).amax(0)
         return merged
 
     def load(self, export: dict[str, Any]) -> None:
