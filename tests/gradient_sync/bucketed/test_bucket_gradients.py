@@ -1,0 +1,177 @@
+"""A bucket's own part of a step (``_gradient_sync/bucketed/bucket_gradients.py``), one function at a time.
+
+Each function gets a hand-made ``GradientBucket`` and a transport that only reports sums
+set by the test: this worker's flags, the gradients' way into the flat from their slots,
+and the sums' way back out as views of the bucket's flat or as copies of a shared result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unison._collectives.transport.bucket_transports import BucketTransport, GradientBucket, HandOut
+from unison._collectives.transport.flat_buffers import views_of
+from unison._gradient_sync.bucketed.bucket_gradients import (
+    copy_sums_out,
+    fill_from_slots,
+    hand_out_views,
+    point_grads_at_slots,
+    set_flags,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Sums(BucketTransport):
+    """Reports ``shared`` as the bucket's sums (gradients, then the flags' sums); counts the
+    reads of the flags' sums (on a GPU each is a sync)."""
+
+    def __init__(self, shared: torch.Tensor | None = None):
+        self.shared = shared
+        self.flag_reads = 0
+
+    @property
+    def overlaps_backward(self) -> bool:
+        return False
+
+    @property
+    def hand_out(self) -> HandOut:
+        return HandOut.VIEWS if self.shared is None else HandOut.COPIES
+
+    def launch(self, bucket: GradientBucket, divisor: int) -> None:
+        raise AssertionError("not launched here")
+
+    def finish(self, buckets: list[GradientBucket]) -> None:
+        raise AssertionError("not finished here")
+
+    def sums(self, bucket: GradientBucket) -> torch.Tensor:
+        return bucket.flat if self.shared is None else self.shared
+
+    def sum_views(self, bucket: GradientBucket) -> list[torch.Tensor]:
+        return bucket.views if self.shared is None else views_of(self.shared[:bucket.size], bucket.params)
+
+    def used_sums(self, bucket: GradientBucket) -> list[float]:
+        self.flag_reads += 1
+        return super().used_sums(bucket)
+
+
+def _bucket(*shapes: tuple[int, ...]) -> GradientBucket:
+    params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
+    size = sum(p.numel() for p in params)
+    flat = torch.zeros(size + len(params))
+    return GradientBucket(params, views_of(flat[:size], params), flat, plain=True)
+
+
+def _sums(bucket: GradientBucket, flags: list[float]) -> torch.Tensor:
+    """A reduced flat: distinct values per element, then ``flags``."""
+    return torch.cat([torch.arange(1.0, bucket.size + 1), torch.tensor(flags)])
+
+
+def test_set_flags_marks_every_parameter_but_the_missing_ones():
+    used = torch.full((4,), 7.0)
+    set_flags(used, [1, 3])
+    assert used.tolist() == [1.0, 0.0, 1.0, 0.0]
+    set_flags(used, [])
+    assert used.tolist() == [1.0] * 4
+
+
+def test_hand_out_views_gives_each_reduced_gradient_its_view_and_none_where_no_worker_had_one():
+    """A gradient becomes its view of the reduced flat; None stays None where the flags sum
+    to zero (no worker computed one), for a frozen parameter, and for a sparse gradient
+    summed apart (kept as it is)."""
+    bucket = _bucket((2, 2), (3,), (2,), (1,), (2,))
+    unused, peer_only, frozen, sparse, kept = bucket.params
+    frozen.requires_grad_(False)
+    sparse_grad = torch.zeros(1).to_sparse()
+    sparse.grad = sparse_grad
+    kept.grad = bucket.views[4]  # zero_grad(set_to_none=False) kept last step's view
+    bucket.flat.copy_(_sums(bucket, [0, 1, 0, 0, 2]))
+    transport = _Sums()
+    hand_out_views(bucket, transport, {id(sparse)})
+    assert unused.grad is None and frozen.grad is None
+    assert peer_only.grad is bucket.views[1] and peer_only.grad.tolist() == [5.0, 6.0, 7.0]
+    assert sparse.grad is sparse_grad and kept.grad is bucket.views[4]
+    assert transport.flag_reads == 1
+
+
+def test_hand_out_views_reads_no_flags_where_every_gradient_is_there_or_frozen():
+    bucket = _bucket((2,), (2,))
+    present, frozen = bucket.params
+    frozen.requires_grad_(False)
+    present.grad = torch.ones(2)
+    transport = _Sums()
+    hand_out_views(bucket, transport, set())
+    assert present.grad is bucket.views[0] and frozen.grad is None
+    assert transport.flag_reads == 0
+
+
+def test_copy_sums_out_copies_into_the_gradients_and_never_hands_out_the_shared_memory():
+    """Contiguous gradients take the sums in place (the same tensors); a missing one that a
+    peer computed gets a fresh copy; one whose flags sum to zero, a frozen one and a sparse
+    one summed apart keep what they had; a non-contiguous one is replaced by a copy. None of
+    them is memory of the shared result."""
+    bucket = _bucket((2, 2), (3,), (2,), (2,), (1,), (2, 3))
+    own, peer_only, unused, frozen, sparse, strided = bucket.params
+    frozen.requires_grad_(False)
+    own_grad = own.grad = torch.full((2, 2), 9.0)
+    sparse_grad = sparse.grad = torch.ones(1).to_sparse()
+    strided.grad = torch.zeros(3, 2).t()
+    shared = _sums(bucket, [2, 1, 0, 0, 0, 2])
+    kept = shared.clone()
+    copy_sums_out(bucket, _Sums(shared), {id(sparse)})
+    assert own.grad is own_grad and own.grad.flatten().tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert peer_only.grad.tolist() == [5.0, 6.0, 7.0]
+    assert unused.grad is None and frozen.grad is None and sparse.grad is sparse_grad
+    assert strided.grad.flatten().tolist() == [13.0, 14.0, 15.0, 16.0, 17.0, 18.0]
+    shared_memory = shared.untyped_storage().data_ptr()
+    for p in (own, peer_only, strided):
+        assert p.grad.untyped_storage().data_ptr() != shared_memory
+        p.grad.zero_()  # a worker zeroing its gradients in place (zero_grad(set_to_none=False))
+    assert torch.equal(shared, kept)
+
+
+def _in_slots(*shapes: tuple[int, ...]) -> GradientBucket:
+    """A bucket whose last step's gradients could all live in slots, pointed at them now
+    (as at the first gradient of a backward pass)."""
+    bucket = _bucket(*shapes)
+    bucket.in_slots_next = True
+    point_grads_at_slots([bucket])
+    assert bucket.slots is not None and bucket.slots.in_slots([p.grad for p in bucket.params])
+    return bucket
+
+
+def test_fill_from_slots_divides_the_slots_into_the_flat_and_flags_the_slots_nobody_wrote():
+    bucket = _in_slots((2,), (3,))
+    written, untouched = bucket.params
+    written.grad.add_(torch.tensor([4.0, 6.0]))  # as autograd accumulates into a slot
+    assert fill_from_slots(bucket, 2)
+    assert bucket.launched_from_slots and bucket.unwritten == (1,)
+    assert bucket.flat.tolist() == [2.0, 3.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_fill_from_slots_declines_a_bucket_whose_gradient_left_its_slot():
+    bucket = _in_slots((2,), (3,))
+    bucket.params[0].grad = torch.ones(2)  # set by the user: no longer the slot
+    assert not fill_from_slots(bucket, 2)
+    assert not bucket.launched_from_slots and bucket.flat.abs().sum() == 0
+
+
+@pytest.mark.parametrize("peer_wrote", [True, False])
+def test_copy_sums_out_into_slots_leaves_none_where_no_worker_wrote_the_slot(peer_wrote):
+    """Launched from its slots, the sums are copied into the slots (the gradients); a slot
+    this worker never wrote keeps the peer's share, or goes back to None where no worker
+    computed that gradient."""
+    bucket = _in_slots((2,), (3,))
+    written, untouched = bucket.params
+    slots = [p.grad for p in bucket.params]
+    written.grad.add_(1.0)
+    assert fill_from_slots(bucket, 1)
+    shared = _sums(bucket, [2, int(peer_wrote)])
+    copy_sums_out(bucket, _Sums(shared), set())
+    assert written.grad is slots[0] and written.grad.tolist() == [1.0, 2.0]
+    if peer_wrote:
+        assert untouched.grad is slots[1] and untouched.grad.tolist() == [3.0, 4.0, 5.0]
+    else:
+        assert untouched.grad is None
+    assert written.grad.untyped_storage().data_ptr() != shared.untyped_storage().data_ptr()
