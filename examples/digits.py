@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 import unison
 
@@ -160,8 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     for epoch in backup.epochs(args.epochs):
         losses = []
         batches = backup.batches(train_data)
-        for batch in tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not chief, leave=False,
-                          total=len(train_data), initial=backup.step_in_epoch):
+        # A live bar on a terminal; in a log, a plain line every 10 s and one per epoch.
+        for batch in unison.progress.track(batches, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not chief,
+                                           total=len(train_data), initial=backup.step_in_epoch):
             losses.append(strategy.reduce("mean", strategy.run(train_step, args=(batch,))).item())
             seen += args.batch_size
             if (args.fail_at_step is not None and first_attempt and backup.global_step + 1 == args.fail_at_step

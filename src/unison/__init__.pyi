@@ -1,7 +1,7 @@
 """Types of unison's public API, for type checkers; at run time ``__init__.py`` loads each name
 on first use (``lazy_loader.attach_stub`` reads this file's imports)."""
 
-from . import coordinator, embeddings, errors, optim, partitioners, placement, tensorpack
+from . import coordinator, embeddings, errors, optim, partitioners, placement, progress, tensorpack
 from ._checkpoint import (
     BackupAndRestore,
     PreemptionCheckpointHandler,
@@ -159,6 +159,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "placement",
+    "progress",
     "tensorpack",
     "select_cross_device_ops",
 ]

@@ -76,6 +76,8 @@ class ParameterServerError(ClusterError):
 
     Training cannot go on without the variables it held: restart the cluster and
     restore the last checkpoint (tf.distribute raises ``UnavailableError`` here).
+    Also raised when a ps task refuses this task's key (``AuthenticationError`` as its
+    cause): then the ps task serves on, and the message says how to fix the key.
     """
 
 

@@ -5,7 +5,7 @@ are independent of each other). The public face is the top layer: no internal mo
 imports a public facade, and every internal package has an underscored path (PyTorch's
 rule; ``tests/architecture/test_public_api.py``):
 
-    coordinator | embeddings | launch | optim | partitioners | placement | tensorpack  (public facades)
+    coordinator | embeddings | launch | optim | partitioners | placement | progress | tensorpack  (public face)
     _launch | _embeddings.modules (the modules a model author builds)
     _placement | _checkpoint
     _ps (the parameter-server strategies, the chief, workers, ps tasks and the wire)
@@ -57,7 +57,7 @@ import pytest
 import unison
 
 LAYERS = (
-    ("coordinator", "embeddings", "launch", "optim", "partitioners", "placement", "tensorpack"),
+    ("coordinator", "embeddings", "launch", "optim", "partitioners", "placement", "progress", "tensorpack"),
     ("_launch", "_embeddings.modules"),
     ("_placement", "_checkpoint"),
     ("_ps",),

@@ -38,7 +38,7 @@ import unison
 #: The public modules, by PyTorch's rule. A module added here is a public promise: keep it small.
 PUBLIC_MODULES = {
     "unison", "unison.coordinator", "unison.embeddings", "unison.errors", "unison.launch", "unison.partitioners",
-    "unison.optim", "unison.placement", "unison.tensorpack",
+    "unison.optim", "unison.placement", "unison.progress", "unison.tensorpack",
 }
 
 #: At most this many public names (the sum of the public modules' ``__all__``; 762 before 0.2).

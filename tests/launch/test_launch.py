@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -296,14 +297,66 @@ def test_command_line_errors(argv, message, capsys):
 
 
 @pytest.mark.timeout(60)
-def test_carriage_returns_redraw_in_place_with_the_prefix(tmp_path):
+def test_progress_reads_as_clean_prefixed_lines_in_a_log(tmp_path):
+    """Captured (a log, a CI job), a task's carriage-return redraws become whole lines with
+    one prefix each, and ``unison.progress.track`` writes plain lines, told by the launcher
+    that its streams are no terminal (the relay itself: tests/launch/test_task_output.py)."""
     script = tmp_path / "progress.py"
-    script.write_text("import sys\nfor i in range(3):\n    sys.stderr.write(f'step {i}\\r')\n"
-                      "sys.stderr.write('done\\n')\n")
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        from unison.progress import track
+        for i in range(3):  # as tqdm(leave=False) draws and then clears its bar
+            sys.stderr.write(f'\\rstep {i}/3')
+            sys.stderr.flush()
+        sys.stderr.write('\\r' + ' ' * 10 + '\\rdone\\n')
+        print('UNISON_TERMINAL=' + repr(os.environ['UNISON_TERMINAL']), flush=True)
+        for _ in track(range(3), 'loop', interval=3600):
+            pass
+    """))
     done = subprocess.run([sys.executable, "-m", "unison.launch", "--workers", "1", str(script)],
-                          capture_output=True, timeout=50)
-    assert done.returncode == 0
-    assert b"[worker:0] step 0\r[worker:0] step 1\r[worker:0] step 2\r[worker:0] done\n" in done.stderr
+                          capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[worker:0] UNISON_TERMINAL=''\n"
+    expected = r"\[worker:0\] done\n\[worker:0\] loop: 3/3 in \d+\.\d s \(\S+ it/s\)\n"
+    assert re.fullmatch(expected, done.stderr), done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_on_a_terminal_progress_stays_a_live_bar(tmp_path):
+    """With the launcher's streams on a terminal (a pty here), its tasks hear so and
+    ``unison.progress.track`` draws tqdm's bar, which the launcher redraws in place."""
+    import pty
+
+    script = tmp_path / "progress.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        from unison.progress import track
+        print('UNISON_TERMINAL=' + repr(os.environ['UNISON_TERMINAL']), flush=True)
+        for _ in track(range(3), 'loop', leave=True):
+            pass
+    """))
+    primary, secondary = pty.openpty()
+    launcher = subprocess.Popen([sys.executable, "-m", "unison.launch", "--workers", "1", str(script)],
+                                stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary)
+    os.close(secondary)
+    seen = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(primary)
+        assert launcher.wait(timeout=30) == 0, seen
+    text = seen.decode().replace("\r\n", "\n")  # the terminal turns "\n" into "\r\n"
+    assert "[worker:0] UNISON_TERMINAL='stdout,stderr'\x1b[K\n" in text, text
+    assert re.search(r"\r\[worker:0\] loop: +0%\|.*\x1b\[K\r", text), text  # a bar, redrawn in place
+    assert re.search(r"\[worker:0\] loop: 100%\|.*\| 3/3 .*\x1b\[K\n", text), text  # kept: leave=True
+    assert "[worker:0] [worker:0]" not in text and "[worker:0] \r" not in text, text
 
 
 @pytest.mark.timeout(60)

@@ -24,6 +24,7 @@ __all__ = [
     "UNISON_RENDEZVOUS",
     "UNISON_PREEMPTION_NOTICES",
     "UNISON_PS_SHARED_MEMORY",
+    "UNISON_TERMINAL",
     "MIN_KEY_BYTES",
     "read_authkey",
     "rendezvous_address",
@@ -31,6 +32,7 @@ __all__ = [
     "coordinator_port",
     "thread_setting",
     "ps_shared_memory",
+    "terminal_streams",
 ]
 
 #: JSON cluster description, in TensorFlow's format: ``{"cluster": {...}, "task": {...}}``.
@@ -63,6 +65,11 @@ UNISON_PS_SHARED_MEMORY = "UNISON_PS_SHARED_MEMORY"
 #: leaves a file naming itself, so the launcher names the task(s) the notice went to, not
 #: whichever task happened to exit first with ``PREEMPTED_EXIT_CODE``.
 UNISON_PREEMPTION_NOTICES = "UNISON_PREEMPTION_NOTICES"
+
+#: Which of the launcher's streams are terminals, set by ``unison launch`` for its tasks:
+#: ``"stdout,stderr"``, one of them, or ``""``. A task's own streams are pipes to the
+#: launcher, so this is how ``unison.progress.track`` knows to draw a live bar.
+UNISON_TERMINAL = "UNISON_TERMINAL"
 
 #: The exit code of a task that saved and left after a preemption signal (EX_TEMPFAIL):
 #: ``unison launch`` reports it as a preemption and restarts the cluster when it may.
@@ -164,3 +171,14 @@ def thread_setting(environ: Mapping[str, str] | None = None) -> str | None:
 def ps_shared_memory(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a worker may exchange ps values through shared memory (``UNISON_PS_SHARED_MEMORY`` is not "0")."""
     return _environ(environ).get(UNISON_PS_SHARED_MEMORY, "1").strip() != "0"
+
+
+def terminal_streams(environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
+    """``UNISON_TERMINAL``: the launcher's streams that are terminals (``"stdout"``, ``"stderr"``).
+
+    None when unset: the task was not started by ``unison launch``.
+    """
+    text = _environ(environ).get(UNISON_TERMINAL)
+    if text is None:
+        return None
+    return frozenset(name.strip() for name in text.split(",") if name.strip())

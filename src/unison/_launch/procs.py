@@ -2,7 +2,8 @@
 
 Each task runs in its own session (so its process group holds it and anything it
 starts); its stdout and stderr are read line by line and forwarded with a
-``[worker:1]`` prefix. When a task fails, every other task's group receives SIGTERM,
+``[worker:1]`` prefix (``task_output``: progress bars redraw in place on a terminal
+and become whole lines in a log). When a task fails, every other task's group receives SIGTERM,
 then SIGKILL after a grace period, and the cluster reports the failed task and its
 exit code; with restarts left, the whole cluster is started again on fresh ports.
 
@@ -18,7 +19,6 @@ import dataclasses
 import json
 import os
 import queue
-import re
 import shutil
 import signal
 import socket
@@ -32,6 +32,7 @@ from typing import IO
 from unison._cluster import env
 from unison._launch.outcome import Outcome, exit_code
 from unison._launch.parent_death import die_with_launcher
+from unison._launch.task_output import OutputRelay, is_terminal, terminal_streams
 
 __all__ = ["Task", "plan_tasks", "reserve_ports", "cluster_environments", "shared_environment", "LocalCluster",
            "Outcome", "exit_code", "die_with_launcher"]
@@ -130,34 +131,29 @@ def cluster_environments(
 
 
 class _Pump(threading.Thread):
-    """Copies one pipe to a stream, each line prefixed with the task.
+    """Copies one pipe of a task to a stream of the launcher, through an ``OutputRelay``.
 
-    A carriage return ends a segment too, and is kept: a progress bar (tqdm) that
-    redraws its line with ``\r`` keeps redrawing it in place, prefix included, instead
-    of piling up into one long line that appears at the end.
+    One prefix a line; carriage returns (progress bars) redraw in place on a terminal
+    and become whole lines elsewhere (``unison._launch.task_output``).
     """
-
-    _SEGMENT_END = re.compile(rb"(?<=\n)|(?<=\r)(?!\n)")
 
     def __init__(self, pipe: IO[bytes], prefix: str, sink: IO[str], lock: threading.Lock):
         super().__init__(name=f"unison-pump-{prefix}", daemon=True)
-        self._pipe, self._prefix, self._sink, self._lock = pipe, prefix, sink, lock
+        self._pipe, self._sink, self._lock = pipe, sink, lock
+        self._relay = OutputRelay(prefix, terminal=is_terminal(sink))
 
     def run(self) -> None:
-        pending = b""
         with self._pipe:
             fd = self._pipe.fileno()
             while chunk := os.read(fd, 65536):
-                *segments, pending = self._SEGMENT_END.split(pending + chunk)
-                for segment in segments:
-                    self._emit(segment)
-        if pending:
-            self._emit(pending + b"\n")
+                self._write(self._relay.feed(chunk))
+        self._write(self._relay.close())
 
-    def _emit(self, segment: bytes) -> None:
-        with self._lock:
-            self._sink.write(f"{self._prefix} {segment.decode('utf-8', errors='replace')}")
-            self._sink.flush()
+    def _write(self, text: str) -> None:
+        if text:
+            with self._lock:
+                self._sink.write(text)
+                self._sink.flush()
 
 
 def _group_alive(pgid: int) -> bool:
@@ -236,10 +232,11 @@ class LocalCluster:
     def start(self) -> None:
         """Starts every task, each in a new session."""
         self._notices = tempfile.mkdtemp(prefix="unison-preemption-notices-")
+        terminal = terminal_streams(self._stdout, self._stderr)
         for task, task_env in self._environments.items():
             process = subprocess.Popen(
                 die_with_launcher(self._command),
-                env={**task_env, env.UNISON_PREEMPTION_NOTICES: self._notices},
+                env={**task_env, env.UNISON_PREEMPTION_NOTICES: self._notices, env.UNISON_TERMINAL: terminal},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from unison._cluster import env
 from unison._ps.wire import protocol as wire
 from unison._ps.wire.links import TensorLink, open_link
 from unison._ps.wire.shared_arena import Place, SharedArena
-from unison.errors import ParameterServerError
+from unison.errors import AuthenticationError, ParameterServerError
 
 __all__ = ["PSClient", "Request"]
 
@@ -93,12 +94,23 @@ class PSClient:
             f"its variables are lost: restart the cluster and restore the last checkpoint"
         )
 
+    def _refused(self, index: int) -> ParameterServerError:
+        # Not _lost: the ps task turned away this client only, and serves on with its
+        # variables; restarting the cluster would not help while the keys differ.
+        return ParameterServerError(
+            f"ps:{index} at {self.addresses[index]} refused this task's key: the tasks of this cluster do not "
+            f"hold the same key; give every task the same {env.UNISON_AUTHKEY} (or {env.UNISON_AUTHKEY_FILE}) "
+            f"and start this task again"
+        )
+
     def _link(self, index: int) -> TensorLink:
         with self._lock:
             link = self._links.get(index)
             if link is None:
                 try:
                     link = open_link(self.addresses[index], self._authkey, "ps", f"ps:{index}", self._timeout)
+                except AuthenticationError as e:
+                    raise self._refused(index) from e
                 except Exception as e:
                     raise self._lost(index, e) from e
                 self._links[index] = link
