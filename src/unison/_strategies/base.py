@@ -85,7 +85,8 @@ class Strategy(abc.ABC):
                 f"`with strategy.scope():` first, or use the same strategy object"
             )
         install_scope_hooks()
-        install_step_hooks()
+        if self._extended.components.gradient_sync is not None:  # else opt.step() has nothing to find
+            install_step_hooks()
         replica_context = top.replica_context if top is not None and top.strategy is self else None
         outermost = top is None or top.strategy is not self
         draws = cpu_drawn_fills() if outermost and self._draws_off_the_cpu() else contextlib.nullcontext()
@@ -107,7 +108,8 @@ class Strategy(abc.ABC):
         PerReplica arguments are unwrapped to each replica's component. Exceptions from
         any replica (or a merge function) are raised here, after every replica stopped.
         """
-        install_step_hooks()
+        if self._extended.components.gradient_sync is not None:  # one device: no hook in opt.step() at all
+            install_step_hooks()
         top = STATE.top()
         if top is not None and top.strategy is not self and not top.strategy.extended.components.is_default:
             with self.scope():  # raises: strategies cannot be nested or mixed
