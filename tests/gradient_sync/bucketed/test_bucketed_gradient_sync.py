@@ -12,9 +12,9 @@ second step when a bucket holds more than 16), leaving during backward and copie
 (``PipelinedHostBuckets``), and a transport that reduces the gradients themselves
 (``PowerSGDBuckets``, exact here).
 
-Two gaps around sparse gradients are marked ``xfail(strict=True)``: a sparse gradient only
-the peer computed (this worker skips the all-gather the peer makes), and a parameter whose
-gradient was sparse once and is dense now (never reduced again).
+One gap around sparse gradients is marked ``xfail(strict=True)``: a sparse gradient only
+the peer computed (this worker skips the all-gather the peer makes). A parameter whose
+gradient was sparse once and is dense now is reduced again (it was left out for good).
 """
 
 from __future__ import annotations
@@ -217,11 +217,6 @@ def test_a_sparse_gradient_only_the_peer_computed_gets_its_share(way):
     assert_grads(model, expected)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "once a parameter's gradient was sparse its id stays in BucketedGradientSync._sparse for good: "
-    "a later dense gradient for it (Embedding.sparse set to False) is left out of the reduction (flagged "
-    "missing in the bucket and skipped at hand-out, or not given to a transport that reads the gradients), "
-    "so it stays this worker's own and the workers part silently"))
 @pytest.mark.parametrize("way", WAYS, ids=str)
 def test_a_gradient_that_was_sparse_and_is_dense_now_is_reduced(way):
     r = rig(way)

@@ -374,6 +374,7 @@ class BucketedGradientSync:
             for bucket in self._buckets:
                 bucket.work, bucket.ready, bucket.launched_from_slots = None, 0, False
             self._next, self._fired = 0, False
+            self._sparse.clear()  # this step's: a gradient sparse once may be dense the next step
         if self._observed:
             self._follow_gradient_order()
         if self._dormant or self._late:
