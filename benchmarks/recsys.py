@@ -19,7 +19,13 @@ samples (seed 1):
   (ids by ``hashed_to_rows``), when TensorFlow imports (``--tf-path``: a ``pip install
   --target`` directory);
 - ``torchrec_cpu``: ``_torchrec_dlrm.py``, TorchRec's sharded EmbeddingBagCollection on 2
-  gloo ranks (``--torchrec-path``), when it imports and runs.
+  gloo ranks (``--torchrec-path``), when it imports and runs;
+- the table policies and row optimizers under the hybrid job (issue 43), each against
+  ``unison_hybrid`` in the same round: ``hybrid_admit_after_2`` (``--admit-after 2``),
+  ``hybrid_capacity_half`` (``--capacity``: half the distinct ids of ``--samples``,
+  ``--capacity-rows``), ``hybrid_sparse_adam`` and ``hybrid_ftrl`` (``--optimizer``); their
+  rows and table bytes per ps task come from ``table_stats``. Not run unless named in
+  ``--variants``.
 
 unison's tables are dynamic (any int64 id, no ``--rows``); the peers need a fixed size.
 Rounds alternate the order of the variants (paired measurements on a noisy machine).
@@ -106,7 +112,21 @@ def variants(args: argparse.Namespace) -> dict[str, Any]:
                                             env=_peer_env(args.tf_path), json_file=False),
         "torchrec_cpu": lambda: _run_json([py, str(HERE / "_torchrec_dlrm.py"), *peer_args, "--world-size", "2"],
                                           env=_peer_env(args.torchrec_path), json_file=False),
+        **{name: (lambda flags=flags: _run_json([py, "-m", "unison.launch", "--workers", "2", "--ps", "2",
+                                                  str(EXAMPLE), *common, *flags]))
+           for name, flags in _policy_variants(args).items()},
     }
+
+
+def _policy_variants(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The hybrid job under each table policy or row optimizer (issue 43), by its extra flags."""
+    return {"hybrid_admit_after_2": ["--admit-after", "2"],
+            "hybrid_capacity_half": ["--capacity", str(args.capacity_rows)],
+            "hybrid_sparse_adam": ["--optimizer", "sparse_adam"],
+            "hybrid_ftrl": ["--optimizer", "ftrl"]}
+
+
+POLICY_VARIANTS = ("hybrid_admit_after_2", "hybrid_capacity_half", "hybrid_sparse_adam", "hybrid_ftrl")
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -129,6 +149,18 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         if per_round:
             ratios[f"hybrid_vs_{peer}"] = {"per_round": [round(x, 3) for x in per_round],
                                            "median": round(statistics.median(per_round), 3)}
+    for name in POLICY_VARIANTS:  # against the hybrid job without a policy, round by round
+        pairs = [(r["results"][name], r["results"]["unison_hybrid"]) for r in rounds
+                 if "samples_per_s" in r["results"].get(name, {})
+                 and "samples_per_s" in r["results"].get("unison_hybrid", {})]
+        if pairs:
+            ratios[f"{name}_vs_hybrid"] = {
+                "samples_per_s": round(statistics.median(p["samples_per_s"] / b["samples_per_s"] for p, b in pairs), 3),
+                "auc_minus": round(statistics.median(p["auc"] - b["auc"] for p, b in pairs), 4),
+                "rows": [sum(p.get("rows_per_ps", [])) for p, _ in pairs],
+                "rows_without": [sum(b.get("rows_per_ps", [])) for _, b in pairs],
+                "table_mb": [round(sum(p.get("table_bytes_per_ps", [])) / 2**20, 1) for p, _ in pairs],
+                "table_mb_without": [round(sum(b.get("table_bytes_per_ps", [])) / 2**20, 1) for _, b in pairs]}
     if "auc" in table.get("unison_hybrid", {}) and "auc" in table.get("one_device_512", {}):
         ratios["hybrid_auc_minus_one_device_512"] = round(
             table["unison_hybrid"]["auc"] - table["one_device_512"]["auc"], 4)
@@ -162,13 +194,16 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=50_000)
     parser.add_argument("--rows", type=int, default=200_000, help="rows per feature of the peers' fixed tables")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--capacity-rows", type=int, default=176_000,
+                        help="hybrid_capacity_half's capacity: half the distinct ids of the default 200k samples")
     parser.add_argument("--variants", default=None, help="comma-separated subset")
     parser.add_argument("--tf-path", default=None)
     parser.add_argument("--torchrec-path", default=None)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     commands = variants(args)
-    chosen = args.variants.split(",") if args.variants else list(commands)
+    chosen = (args.variants.split(",") if args.variants
+              else [name for name in commands if name not in POLICY_VARIANTS])  # those only by name
     unknown = [name for name in chosen if name not in commands]
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {sorted(commands)}")

@@ -174,7 +174,8 @@ def hybrid(args: argparse.Namespace) -> None:
         print(f"[hybrid] rows per ps task: {[s['rows'] for s in stats]}, "
               f"MB: {[round(s['bytes'] / 2**20) for s in stats]}")
         _report(args, "hybrid", steps * args.batch_size * workers, seconds, test, _evaluate(model, test),
-                {"rows_per_ps": [s["rows"] for s in stats], "workers": workers})
+                {"rows_per_ps": [s["rows"] for s in stats], "table_bytes_per_ps": [s["bytes"] for s in stats],
+                 "workers": workers})
 
 
 def parameter_server(args: argparse.Namespace) -> None:
