@@ -137,10 +137,15 @@ class _AliasLoader(importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         _warn(self.message)
-        return importlib.import_module(self.target)
+        module = importlib.import_module(self.target)
+        self._real_spec = module.__spec__
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        """Nothing to run: the module was imported, under its own name, by ``create_module``."""
+        """Nothing to run (``create_module`` imported it under its own name); the import system set
+        ``__spec__`` to the old path's in between, so the module gets its own back (reloads,
+        ``python -m`` and tools read it)."""
+        module.__spec__ = self._real_spec
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):

@@ -46,7 +46,7 @@ _PROBE = textwrap.dedent('''
         for path, target in [(old, moved.target)] + [(f"{old}.{s}", f"{moved.target}.{s}") for s in subs[:1]]:
             value, seen = caught(lambda: importlib.import_module(path))
             report["modules"][path] = {"same": value is importlib.import_module(target), "warnings": seen,
-                                       "facade": value.__name__ == path}
+                                       "facade": value.__name__ == path, "spec": value.__spec__.name}
     for namespace, names in MOVED_NAMES.items():
         module = importlib.import_module(namespace)
         for name, moved in names.items():
@@ -79,6 +79,7 @@ def test_an_old_module_path_is_the_module_at_its_new_one_with_a_warning(report, 
             assert path == old and old in PUBLIC_MODULES and not entry["warnings"], entry
             continue
         assert entry["same"], f"{path} is not the module at {moved_module(path)[0]}"
+        assert entry["spec"] == moved_module(path)[0], "the alias left the module its own __spec__"
         messages = _deprecations(entry["warnings"], f"{path} is deprecated")
         assert len(messages) == 1, entry["warnings"]
         instead = MOVED_MODULES[old].instead
