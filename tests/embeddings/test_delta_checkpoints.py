@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import unison
-from unison._embeddings.tables.local_table import LocalTable
 from unison._embeddings.optim.row_optimizers import RowAdagrad
+from unison._embeddings.tables.local_table import LocalTable
 from unison.embeddings import AdmitAfter, EvictUnseen
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,7 +110,7 @@ def test_a_refused_delta_names_both_and_changes_nothing():
     restored.load_state_dict(full)
     before = copy.deepcopy(restored.state_dict())
     table_id = full["_extra_state"]["table_id"]
-    with pytest.raises(ValueError, match=rf"from save 2 to 3 .* at save 1: it is out of order.*nothing was changed"):
+    with pytest.raises(ValueError, match=r"from save 2 to 3 .* at save 1: it is out of order.*nothing was changed"):
         restored.load_delta_state_dict(second)
     other, other_opt = make(eviction=EvictUnseen(3))
     train(other, other_opt, 2, seed=5)

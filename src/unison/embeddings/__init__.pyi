@@ -8,4 +8,5 @@ from unison._embeddings.tables.eviction import EvictBelowCount, EvictionPolicy, 
 from unison._embeddings.tables.initializers import Initializer, Normal, Uniform, Zeros
 
 __all__ = ["on_ps", "tables_on_ps", "Initializer", "Normal", "Uniform", "Zeros", "EvictionPolicy", "EvictUnseen",
-           "EvictBelowCount", "AdmissionPolicy", "AdmitAfter", "AdmitWithProbability", "export_for_serving", "ServingEmbedding"]
+           "EvictBelowCount", "AdmissionPolicy", "AdmitAfter", "AdmitWithProbability",
+           "export_for_serving", "ServingEmbedding"]
