@@ -14,9 +14,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["DeltaSaving", "leaving_tables_out", "tables_left_out"]
+import torch
+
+from unison.errors import CheckpointError
+
+__all__ = ["DeltaSaving", "leaving_tables_out", "tables_left_out", "delta_saving_modules", "load_table_chain"]
 
 _LEFT_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("unison_tables_left_out", default=False)
 
@@ -47,3 +52,39 @@ def leaving_tables_out() -> Iterator[None]:
         yield
     finally:
         _LEFT_OUT.reset(token)
+
+
+def delta_saving_modules(state: Mapping[str, Any]) -> dict[str, DeltaSaving]:
+    """Every table module in ``state`` (an entry itself, or a submodule of a module entry), by
+    ``"<state name>:<module path>"``."""
+    found: dict[str, DeltaSaving] = {}
+    for name, item in state.items():
+        named = getattr(item, "named_modules", None)
+        parts = list(named()) if callable(named) else [("", item)]
+        for path, module in parts:
+            if isinstance(module, DeltaSaving):
+                found[f"{name}:{path}"] = module
+    return found
+
+
+def load_table_chain(directory: Path, chain: list[str], tables: Mapping[str, DeltaSaving]) -> None:
+    """Loads a backup's table files in order: the first a full save point, the others its deltas.
+
+    Raises:
+        CheckpointError: a file of the chain is missing, or names tables the state does not hold.
+    """
+    for position, file in enumerate(chain):
+        path = directory / file
+        if not path.is_file():
+            raise CheckpointError(f"the backup in {str(directory)!r} needs table file {file!r} (part {position} "
+                                  f"of {chain}), which is missing; delete the backup to start over")
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        missing = sorted(set(saved) - set(tables))
+        if missing:
+            raise CheckpointError(f"the backup's table file {file!r} holds tables {missing} that the state does not "
+                                  f"have (it has {sorted(tables)}); pass the same model as the run that wrote it")
+        for key, part in saved.items():
+            if position == 0:
+                tables[key].load_state_dict(part)  # type: ignore[attr-defined]
+            else:
+                tables[key].load_delta_state_dict(part)
