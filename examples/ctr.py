@@ -11,6 +11,11 @@ or asynchronous parameter servers (a chief schedules steps onto the workers)::
 or one device: ``python examples/ctr.py --strategy one_device``. Table policies:
 ``--admit-after N`` gives an id a row only once seen ``N`` times (most ids of the stream
 are rare), ``--capacity N`` keeps at most ``N`` rows (least recently used evicted).
+Checkpoints and serving: ``--checkpoint-dir DIR --delta-every N`` writes the table every
+``N`` steps as a chain (a full save point, then ``--full-every K`` deltas holding only the
+rows changed since the save before, then a full one again; the dense layers whole each
+time), and ``--export-dir DIR`` writes a serving export of the rows at the end
+(``unison.embeddings.export_for_serving``; read it with ``ServingEmbedding.load``).
 
 The data is made here (``ctr_data.py``): the Criteo Kaggle schema, 13 dense counts and
 26 categorical features whose ids are 64-bit hashes with power-law frequencies, clicks
@@ -68,7 +73,48 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=None, metavar="N",
                         help="at most N rows after each step, least recently used evicted (on M ps tasks "
                              "ceil(N/M) each); default: no limit")
-    return parser.parse_args(argv)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="write table checkpoints here")
+    parser.add_argument("--delta-every", type=int, default=None, metavar="N",
+                        help="with --checkpoint-dir: a checkpoint of the table every N steps, by delta")
+    parser.add_argument("--full-every", type=int, default=10, metavar="K",
+                        help="deltas between two full checkpoints of the table (default 10)")
+    parser.add_argument("--export-dir", type=Path, default=None,
+                        help="write a serving export of the table (ids and rows) here at the end")
+    args = parser.parse_args(argv)
+    if args.delta_every is not None and (args.delta_every < 1 or args.checkpoint_dir is None):
+        parser.error(f"--delta-every must be >= 1 and needs --checkpoint-dir, got --delta-every {args.delta_every} "
+                     f"with --checkpoint-dir {args.checkpoint_dir}")
+    if args.full_every < 0:
+        parser.error(f"--full-every must be >= 0, got {args.full_every}")
+    return args
+
+
+class TableSaves:
+    """``--checkpoint-dir``/``--delta-every``/``--full-every``/``--export-dir``: the table saved by delta
+    every N steps (files ``step-<n>-full.pt`` / ``step-<n>-delta.pt``, atomic, on the chief), and a
+    serving export at the end. Call from one process only (the chief; under the hybrid strategy, worker
+    0): each save moves the table's chain. Load a chain with ``load_state_dict`` (the full file's
+    ``"table"``) then ``load_delta_state_dict`` for each delta after it, in step order."""
+
+    def __init__(self, args: argparse.Namespace, model: DLRM):
+        self.args, self.model, self.deltas = args, model, None
+
+    def after_step(self, step: int) -> None:
+        every = self.args.delta_every
+        if every is None or step % every:
+            return
+        full = self.deltas is None or self.deltas >= self.args.full_every
+        table = self.model.embeddings.delta_state_dict(full=full)
+        dense = {name: value.detach() for name, value in [*self.model.named_parameters(), *self.model.named_buffers()]
+                 if not name.startswith("embeddings.")}
+        path = self.args.checkpoint_dir / f"step-{step:08d}-{'full' if full else 'delta'}.pt"
+        unison.save_checkpoint({"step": step, "table": table, "dense": dense}, path)
+        self.deltas = 0 if full else self.deltas + 1
+
+    def at_end(self) -> None:
+        if self.args.export_dir is not None:
+            path = unison.embeddings.export_for_serving(self.model.embeddings, self.args.export_dir)
+            print(f"serving export of {self.model.embeddings.num_rows} rows: {path}")
 
 
 def _policies(args: argparse.Namespace) -> dict:
@@ -141,10 +187,13 @@ def one_device(args: argparse.Namespace) -> None:
     test = make_ctr_data(args.test, seed=args.seed + 1)
     model, optimizers = _model(args)
     step = _step(model, optimizers)
+    saves = TableSaves(args, model)
     start, samples = time.perf_counter(), 0
-    for dense, sparse, labels in train.batches(args.batch_size):
+    for number, (dense, sparse, labels) in enumerate(train.batches(args.batch_size), start=1):
         step(dense, sparse, labels)
         samples += labels.numel()
+        saves.after_step(number)
+    saves.at_end()
     _report(args, "one_device", samples, time.perf_counter() - start, test, _evaluate(model, test),
             {"rows": model.embeddings.num_rows})
 
@@ -163,10 +212,17 @@ def hybrid(args: argparse.Namespace) -> None:
         model, optimizers = _model(args)
     step = _step(model, optimizers)
     batches = train.batches(args.batch_size)
+    saves = TableSaves(args, model)
     start = time.perf_counter()
-    for _ in range(steps):
+    for number in range(1, steps + 1):
         strategy.run(step, args=next(batches))
+        if args.delta_every is not None and number % args.delta_every == 0:
+            strategy.join_pushes()  # the step's rows are on the ps tasks before worker 0 saves them
+            if rank == 0:
+                saves.after_step(number)
     strategy.join_pushes()  # every worker's pushes are on the ps tasks
+    if rank == 0:
+        saves.at_end()
     seconds = time.perf_counter() - start
     if rank == 0:
         test = make_ctr_data(args.test, seed=args.seed + 1)
@@ -204,10 +260,15 @@ def parameter_server(args: argparse.Namespace) -> None:
         return step(*next(it))
 
     coordinator.schedule(train_step, args=(iterator,)).fetch()  # warm: connections, imports, datasets
+    saves = TableSaves(args, model)
     start = time.perf_counter()
-    for _ in range(steps - 1):
+    for number in range(2, steps + 1):
         coordinator.schedule(train_step, args=(iterator,))
+        if args.delta_every is not None and number % args.delta_every == 0:
+            coordinator.join()  # the steps scheduled so far are done before the chief saves
+            saves.after_step(number)
     coordinator.join()
+    saves.at_end()
     seconds = time.perf_counter() - start
     test = make_ctr_data(args.test, seed=args.seed + 1)
     stats = model.embeddings.table_stats()

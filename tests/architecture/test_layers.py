@@ -6,6 +6,9 @@ imports a public facade, and every internal package has an underscored path (PyT
 rule; ``tests/architecture/test_public_api.py``):
 
     coordinator | embeddings | launch | optim | partitioners | placement | progress | tensorpack  (public face)
+    _embeddings.serving (the serving export of a trained module, and the read-only module a
+                         serving process loads it into: it reads a DynamicEmbedding, so it sits
+                         above the modules; a serving process imports it without training code)
     _launch | _embeddings.modules (the modules a model author builds)
     _placement | _checkpoint
     _ps (the parameter-server strategies, the chief, workers, ps tasks and the wire)
@@ -38,7 +41,7 @@ so the worker group and the transports never import the ops that drive them. Ins
     task             (the ps process: parameter store, table shards, request dispatch)
     wire             (what both sides import: the typed protocol, links, the client)
 
-and inside ``_embeddings``: ``modules`` above ``tables`` above ``optim``. And
+and inside ``_embeddings``: ``serving`` above ``modules`` above ``tables`` above ``optim``. And
 ``compat`` is imported by no module but the package's ``__init__`` (which re-exports its
 public names; everyone else, ``unison._ps`` included, imports them from there).
 
@@ -58,6 +61,7 @@ import unison
 
 LAYERS = (
     ("coordinator", "embeddings", "launch", "optim", "partitioners", "placement", "progress", "tensorpack"),
+    ("_embeddings.serving",),
     ("_launch", "_embeddings.modules"),
     ("_placement", "_checkpoint"),
     ("_ps",),
@@ -94,7 +98,7 @@ PS_LAYERS = (
 PS = "unison._ps"
 
 #: The layers inside ``unison._embeddings``.
-EMBEDDINGS_LAYERS = (("modules",), ("tables",), ("optim",))
+EMBEDDINGS_LAYERS = (("serving",), ("modules",), ("tables",), ("optim",))
 EMBEDDINGS = "unison._embeddings"
 
 #: At most this many modules directly in ``unison._ps`` (more means a role needs its own package).

@@ -72,3 +72,33 @@ def test_admission_and_a_capacity_bound_the_rows_and_the_model_still_learns(tmp_
               "--admit-after", "2", "--capacity", "20000", "--json", str(out)])
     result = json.loads(out.read_text())
     assert 0 < result["rows"] <= 20000 and result["auc"] > 0.58, result
+
+
+@pytest.mark.timeout(120)
+def test_the_table_is_saved_by_delta_and_exported_for_serving(tmp_path):
+    """``--delta-every 2 --full-every 3``: 8 steps save at 2 (full), 4, 6, 8 (deltas); the chain loads to
+    the trained table, and the serving export written at the end serves the same rows."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import ctr
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    import torch
+
+    import unison
+
+    ckpt, export = tmp_path / "ckpt", tmp_path / "export"
+    ctr.main(["--strategy", "one_device", "--train", "2048", "--test", "512", "--batch-size", "256",
+              "--checkpoint-dir", str(ckpt), "--delta-every", "2", "--full-every", "3", "--export-dir", str(export)])
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == ["step-00000002-full.pt", "step-00000004-delta.pt", "step-00000006-delta.pt",
+                     "step-00000008-delta.pt"]
+    saves = [unison.load_checkpoint(ckpt / name) for name in names]
+    model, _ = ctr._model(ctr._parse([]))
+    model.embeddings.load_state_dict(saves[0]["table"])
+    for save in saves[1:]:
+        model.embeddings.load_delta_state_dict(save["table"])
+    chained = model.embeddings.state_dict()
+    served = unison.embeddings.ServingEmbedding.load(export)
+    assert served.num_rows == chained["ids"].numel() > 0
+    assert torch.equal(served._rows_of(chained["ids"]), chained["rows"])

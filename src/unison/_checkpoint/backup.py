@@ -21,6 +21,14 @@ The loop::
         for batch in backup.batches(dataset):    # skips the batches the restored step had trained on
             strategy.run(step_fn, args=(batch,))
 
+Embedding tables by delta (``full_every=K``): a model's ``DynamicEmbedding`` tables are most
+of its bytes and change by a few per cent between saves, so with ``full_every`` each save
+writes the tables apart, in ``tables-<step>.pt``: a full save point, then ``K`` saves that
+hold only what changed since the one before (``delta_state_dict``), then a full one again;
+everything else is saved whole every time. The main file names the chain it needs, and is
+written after the chain's newest file, so a kill at any point leaves a backup that loads:
+a restarted job loads the full file and applies the deltas in order.
+
 tf.distribute equivalent: ``tf.keras.callbacks.BackupAndRestore`` (Keras' fit loop owns
 the counters there; here the two generators do).
 """
@@ -43,6 +51,8 @@ from unison._checkpoint.collective_save import (
     load_main,
     restore_generators,
 )
+from unison._checkpoint.files import atomic_save
+from unison._checkpoint.table_saves import delta_saving_modules, leaving_tables_out
 from unison.errors import CheckpointError
 
 __all__ = ["BackupAndRestore"]
@@ -61,18 +71,35 @@ class BackupAndRestore:
             optimizer, learning-rate scheduler, ...).
         save_freq: ``"epoch"`` (after every epoch) or a number of steps.
         delete_checkpoint: delete the backup when :meth:`epochs` completes.
+        full_every: None (every save holds the tables whole), or ``K``: the embedding tables
+            in ``state`` (modules with ``delta_state_dict``, e.g. ``unison.DynamicEmbedding``,
+            as entries or submodules) are saved as a full save point, then ``K`` deltas, then
+            a full one again.
 
     Raises:
-        ValueError: for a bad ``save_freq``, or an empty ``state``.
+        ValueError: for a bad ``save_freq`` or ``full_every``, ``full_every`` without a table
+            in ``state``, or an empty ``state``.
         TypeError: for a ``state`` entry without ``state_dict``/``load_state_dict``.
         CheckpointError: if the backup found cannot be restored into ``state``.
     """
 
     def __init__(self, backup_dir: str | os.PathLike[str], strategy: Any, state: Mapping[str, Any],
-                 save_freq: str | int = "epoch", delete_checkpoint: bool = True):
+                 save_freq: str | int = "epoch", delete_checkpoint: bool = True, full_every: int | None = None):
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}")
+        if full_every is not None and (isinstance(full_every, bool) or not isinstance(full_every, int)
+                                       or full_every < 0):
+            raise ValueError(f"BackupAndRestore: `full_every` must be None or the number of delta saves between two "
+                             f"full ones (an int >= 0), got {full_every!r}")
         self._state = check_state(state)
+        self._full_every = full_every
+        self._tables = delta_saving_modules(self._state) if full_every is not None else {}
+        if full_every is not None and not self._tables:
+            raise ValueError(f"BackupAndRestore: `full_every={full_every}` saves embedding tables by delta, but no "
+                             f"entry of `state` ({sorted(self._state)}) is or holds a module with delta_state_dict "
+                             f"(e.g. unison.DynamicEmbedding); fix: pass the model that holds the tables, or drop "
+                             f"full_every")
+        self._chain: list[str] = []
         self._dir = Path(backup_dir)
         self._strategy = strategy
         self._save_freq = save_freq
@@ -139,16 +166,37 @@ class BackupAndRestore:
         step = self.global_step
         collective_save(
             self._dir, _BACKUP, step, self._rank, {"rng": capture_generators(), "epoch_rng": self._epoch_rng},
-            lambda: {"step": step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "workers": self._workers,
-                     "state": {k: v.state_dict() for k, v in self._state.items()}},
-            self._barrier,
+            lambda: self._main(step), self._barrier,
         )
+        if self._rank == 0 and self._tables:
+            for path in self._dir.glob("tables-*.pt"):
+                if path.name not in self._chain:
+                    path.unlink(missing_ok=True)
+
+    def _main(self, step: int) -> dict[str, Any]:
+        """The chief's part of a save: with ``full_every``, the tables' file of the chain first, then the rest."""
+        main: dict[str, Any] = {"step": step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                                "workers": self._workers}
+        if not self._tables:
+            main["state"] = {k: v.state_dict() for k, v in self._state.items()}
+            return main
+        assert self._full_every is not None
+        full = not self._chain or len(self._chain) > self._full_every
+        name = f"tables-{step}.pt"
+        atomic_save({key: module.delta_state_dict(full=full) for key, module in self._tables.items()},
+                    self._dir / name)
+        self._chain = [name] if full else [*self._chain, name]
+        with leaving_tables_out():
+            main["state"] = {k: v.state_dict() for k, v in self._state.items()}
+        main["tables"] = list(self._chain)
+        return main
 
     def _restore(self) -> bool:
         backup = load_main(self._dir, _BACKUP, self._state, self._workers)
         if backup is None:
             return False
         self.global_step, self.epoch, self.step_in_epoch = backup["step"], backup["epoch"], backup["step_in_epoch"]
+        self._chain = list(backup.get("tables") or [])
         rng_path = generator_file(self._dir, self.global_step, self._rank)
         if not rng_path.is_file():
             raise CheckpointError(f"the backup in {str(self._dir)!r} is at step {self.global_step} but worker "
@@ -168,6 +216,8 @@ class BackupAndRestore:
         self._barrier()
         if self._rank == 0:
             (self._dir / _BACKUP).unlink(missing_ok=True)
+            for path in self._dir.glob("tables-*.pt"):
+                path.unlink(missing_ok=True)
             try:
                 self._dir.rmdir()
             except OSError:

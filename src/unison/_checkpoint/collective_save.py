@@ -8,6 +8,7 @@ worker's generator file beside it.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from unison._checkpoint.files import atomic_save
+from unison._checkpoint.table_saves import delta_saving_modules, leaving_tables_out, load_table_chain
 from unison.errors import CheckpointError
 
 __all__ = ["check_state", "capture_generators", "restore_generators", "collective_save", "load_main", "generator_file"]
@@ -96,6 +98,10 @@ def load_main(directory: Path, main_name: str, state: Mapping[str, Any], workers
     if missing:
         raise CheckpointError(f"the save in {str(directory)!r} has no state for {missing}; it holds "
                               f"{sorted(saved['state'])}; pass the same state names as the run that wrote it")
-    for name, item in state.items():
-        item.load_state_dict(saved["state"][name])
+    chain = saved.get("tables")  # tables saved apart, as a full save point and its deltas
+    with leaving_tables_out() if chain else contextlib.nullcontext():
+        for name, item in state.items():
+            item.load_state_dict(saved["state"][name])
+    if chain:
+        load_table_chain(directory, chain, delta_saving_modules(state))
     return saved

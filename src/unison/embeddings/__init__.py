@@ -6,12 +6,14 @@ initializer (``Normal``, ``Uniform``, ``Zeros``, or an ``Initializer`` of your o
 same row for an id whatever order rows are made in) and may be evicted
 (``EvictUnseen``, ``EvictBelowCount``, or an ``EvictionPolicy`` of your own). ``on_ps``
 and ``tables_on_ps`` turn a model's ``nn.Embedding``/``nn.EmbeddingBag`` tables into such
-modules (rows on the ps tasks under the parameter-server strategies).
+modules (rows on the ps tasks under the parameter-server strategies). ``export_for_serving``
+writes a trained table's ids and rows (full, or what changed since the previous export) and
+``ServingEmbedding`` serves them read-only in one process, applying later delta exports in place.
 
 Each name is imported on first use (names and types in ``__init__.pyi``). The
 implementation is ``unison._embeddings``: ``modules`` (what a model author builds),
-``tables`` (the table contract and the local table that ps tasks run too) and ``optim``
-(the row optimizers).
+``tables`` (the table contract and the local table that ps tasks run too), ``optim``
+(the row optimizers) and ``serving`` (the serving export and the module that reads it).
 """
 
 from unison import _deprecation, _facades

@@ -39,7 +39,13 @@ combine with eviction.
 Checkpoints: ``state_dict()`` holds the rows that exist (ids, rows, their optimizer
 state, touch counts), the table's step count, the admission sketch's counts of ids
 without a row and, with a time to live in seconds, each row's idle seconds;
-``load_state_dict`` restores them.
+``load_state_dict`` restores them. ``delta_state_dict()`` holds only what changed since
+the table's previous save point (rows made, read or updated, and the ids removed since)
+and ``load_delta_state_dict`` applies it; ``delta_state_dict(full=True)`` is a full one
+that starts a chain (``unison._embeddings.tables.deltas`` has the rules: each table has
+an id, each delta a sequence number, and a delta of another table, out of order or
+applied twice is refused). ``unison.embeddings.export_for_serving`` writes ids and rows
+only, for a :class:`~unison.embeddings.ServingEmbedding`.
 
 Where the rows live is the strategy's choice (its ``tables`` component; the module tests
 no types): on one device (no strategy, ``OneDeviceStrategy``) in this
@@ -64,6 +70,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison._checkpoint.table_saves import tables_left_out
 from unison._embeddings.modules.row_updates import install_row_updates, register_table_module
 from unison._embeddings.optim.row_optimizers import RowOptimizer
 from unison._embeddings.tables.admission_policies import AdmissionPolicy
@@ -231,34 +238,88 @@ class DynamicEmbedding(nn.Module):
         install_row_updates()
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        export = self.table.export()
-        for key in (*_TABLE_KEYS, *POLICY_KEYS):
-            if key in export:
-                destination[prefix + key] = export[key]
-        for name, values in export["state"].items():
-            destination[f"{prefix}state.{name}"] = values
-        destination[prefix + "_extra_state"] = export["meta"]
+        if tables_left_out():  # a delta backup saves the tables by delta_state_dict
+            return
+        _flatten(self.table.export(), prefix, destination)
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        if tables_left_out():
+            return
         keys = [prefix + key for key in (*_TABLE_KEYS, "_extra_state")]
         absent = [key for key in keys if key not in state_dict]
         if absent:
             missing_keys.extend(absent)
             return
-        state_prefix = prefix + "state."
-        export = {key: state_dict[prefix + key] for key in (*_TABLE_KEYS, *POLICY_KEYS) if prefix + key in state_dict}
-        export["state"] = {key[len(state_prefix):]: value for key, value in state_dict.items()
-                           if key.startswith(state_prefix)}
-        export["meta"] = state_dict[prefix + "_extra_state"]
         try:
-            self.table.load(export)
+            self.table.load(_unflatten(state_dict, prefix))
         except (TypeError, ValueError, KeyError) as exc:
             error_msgs.append(f"{prefix or 'DynamicEmbedding'}: {exc}")
+
+    def delta_state_dict(self, full: bool = False) -> dict[str, Any]:
+        """A new save point of the table: what changed since the previous one, or (``full=True``) every row.
+
+        A delta holds the rows made, read or updated since the table's previous save point
+        (with their optimizer state, counts and last-seen steps, as ``state_dict()`` names
+        them), ``removed`` (the ids evicted since, as tombstones), the admission sketch and
+        ``_extra_state`` naming the chain (``table_id``, ``base``, ``sequence``). With
+        ``full=True`` it is a ``state_dict()`` that starts a chain (load it with
+        ``load_state_dict``). Save either with ``unison.save_checkpoint`` (atomic, on the chief).
+        On ps tasks the parts are gathered from every ps task, and each one's save point
+        moves: call it from one process (the chief; under the hybrid strategy, worker 0).
+
+        Raises:
+            ValueError: ``full=False`` before any save point (the first save of a chain is
+                full), or after loading a full checkpoint taken between save points.
+        """
+        destination: dict[str, Any] = {}
+        _flatten(self.table.export_delta(full), "", destination)
+        return destination
+
+    def load_delta_state_dict(self, delta: Mapping[str, Any]) -> None:
+        """Applies a ``delta_state_dict()`` of this table's chain (on one device, or any number of ps tasks).
+
+        Loading the chain's full checkpoint (``load_state_dict``) and then its deltas in
+        order gives the table the full checkpoint at the last delta would (ids, rows,
+        optimizer state, counts, admission state; idle seconds excepted: clocks are not
+        compared).
+
+        Raises:
+            ValueError: a delta of another table, out of order or already applied (naming
+                both), or one that does not fit (dim, dtype, seed, optimizer state); the table
+                is left as it was.
+        """
+        if not isinstance(delta, Mapping) or "removed" not in delta or "_extra_state" not in delta:
+            got = sorted(delta) if isinstance(delta, Mapping) else type(delta).__name__
+            raise ValueError(f"DynamicEmbedding.load_delta_state_dict: not a delta (needs 'removed' and "
+                             f"'_extra_state'), got {got}; fix: pass what delta_state_dict() returned (a full one, "
+                             f"delta_state_dict(full=True) or state_dict(), loads with load_state_dict)")
+        self.table.apply_delta(_unflatten(delta, ""))
 
     def extra_repr(self) -> str:
         mode = f", mode={self.mode!r}" if self.mode else ""
         return f"{self.embedding_dim}{mode}, rows={self.num_rows}"
+
+
+def _flatten(export: dict[str, Any], prefix: str, destination: dict[str, Any]) -> None:
+    """A table export (or delta) as state-dict entries under ``prefix``."""
+    for key in (*_TABLE_KEYS, *POLICY_KEYS, "removed"):
+        if key in export:
+            destination[prefix + key] = export[key]
+    for name, values in export["state"].items():
+        destination[f"{prefix}state.{name}"] = values
+    destination[prefix + "_extra_state"] = export["meta"]
+
+
+def _unflatten(state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The table export (or delta) that :func:`_flatten` wrote under ``prefix``."""
+    state_prefix = prefix + "state."
+    export = {key: state_dict[prefix + key] for key in (*_TABLE_KEYS, *POLICY_KEYS, "removed")
+              if prefix + key in state_dict}
+    export["state"] = {key[len(state_prefix):]: value for key, value in state_dict.items()
+                       if key.startswith(state_prefix)}
+    export["meta"] = state_dict[prefix + "_extra_state"]
+    return export
 
 
 def _as_one_layout(pending: list[tuple[torch.Tensor, torch.Tensor]],

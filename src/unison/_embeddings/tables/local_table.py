@@ -23,6 +23,7 @@ tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addon
 from __future__ import annotations
 
 import itertools
+import uuid
 import warnings
 from typing import Any, final
 
@@ -34,6 +35,7 @@ from unison._embeddings.tables.bag_layout import BagLayout
 from unison._embeddings.tables.capacity import RowCapacity, row_capacity
 from unison._embeddings.tables.checks import check_table_arguments, checked_ids, checked_meta, dtype_from_name
 from unison._embeddings.tables.count_sketch import CountMinSketch
+from unison._embeddings.tables.deltas import check_next, checked_delta
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.id_hashing import shard_of
 from unison._embeddings.tables.id_index import IdIndex
@@ -98,6 +100,16 @@ class LocalTable:
         self._num_rows = 0
         self._step = 0
         self._generation = next(_GENERATIONS)
+        # what changed since a save: a slot's epoch is the save epoch it was last changed in; a save point ends an
+        # epoch, so the slots of a delta are those changed after the save's epoch (one write per touch, no scan)
+        self._epoch = 1
+        self._changed_in = torch.zeros(0, dtype=torch.int64)
+        self._removed_log: list[tuple[int, torch.Tensor]] = []  # (epoch, ids removed then)
+        self._table_id = uuid.uuid4().hex
+        self._sequence = 0  # save points passed
+        self._saved_epoch = 0  # the epoch the last save point ended
+        self._exact = True  # False: loaded from a full export taken between save points (no delta of its own yet)
+        self._export_chain: tuple[str, int, int] | None = None  # serving exports: (export id, number, epoch)
 
     @property
     def embedding_dim(self) -> int:
@@ -150,7 +162,8 @@ class LocalTable:
         """Bytes in memory: rows, optimizer state and per-row counters of the slots in use, the
         free list, the id index and the admission sketch (capacity never touched is not
         counted: it takes none)."""
-        per_slot = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, *self._state.values()]
+        per_slot = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, self._changed_in,
+                    *self._state.values()]
         if self._seen_at is not None:
             per_slot.append(self._seen_at)
         in_use = sum(t[:self._used].numel() * t.element_size() for t in per_slot)
@@ -307,6 +320,7 @@ class LocalTable:
                            capacity=None if self._capacity is None else self._capacity.rows,
                            capacity_policy="lru" if self._capacity is None else self._capacity.policy)
         fresh.import_(export)
+        fresh.adopt_save_point(export["meta"])
         self.__dict__.update(fresh.__dict__)
 
     def evict(self) -> torch.Tensor:
@@ -353,6 +367,8 @@ class LocalTable:
         if slots.numel():
             self._generation = next(_GENERATIONS)
         ids = self._slot_ids[slots]
+        if ids.numel() and self._keeps_removed():
+            self._removed_log.append((self._epoch, ids.clone()))
         self._index.remove(ids)
         self._live[slots] = False
         self._free = torch.cat([self._free, slots])
@@ -370,7 +386,10 @@ class LocalTable:
             clock, now); one with an admission policy ``"pending_counts"``, its sketch's
             ``[depth, width]`` counters of ids without a row.
         """
-        live = self._live_slots()
+        return self._export_slots(self._live_slots())
+
+    def _export_slots(self, live: torch.Tensor) -> dict[str, Any]:
+        """:meth:`export` of the rows in live ``slots`` (any order; sorted by id here)."""
         ids, order = self._slot_ids[live].sort()
         slots = live[order]
         policy_parts: dict[str, torch.Tensor] = {}
@@ -387,7 +406,7 @@ class LocalTable:
             "last_seen": self._last_seen.index_select(0, slots),
             "meta": {"embedding_dim": self._dim, "dtype": str(self._dtype), "seed": self._seed,
                      "step": self._step, "initializer": self._initializer.config(),
-                     "state_init": dict(self._state_init)},
+                     "state_init": dict(self._state_init), **self._save_point_meta()},
         }
 
     @classmethod
@@ -419,21 +438,42 @@ class LocalTable:
         every old shard's counts, merged by their maximum, so every id keeps its count;
         ``count_sketch``); a table without an admission policy ignores them.
         """
+        self._import_checked(export, self._check_import(export, shard, num_shards, "LocalTable.import_"))
+
+    def _check_import(self, export: dict[str, Any], shard: int | None, num_shards: int | None,
+                      where: str) -> torch.Tensor:
+        """Checks an export fits this table (before anything changes); returns the positions of its rows to take."""
         meta = checked_meta(export)
         for field, mine in (("embedding_dim", self._dim), ("dtype", str(self._dtype)), ("seed", self._seed)):
             if meta[field] != mine:
-                raise ValueError(f"LocalTable.import_: export has {field}={meta[field]!r} but this table has "
+                raise ValueError(f"{where}: export has {field}={meta[field]!r} but this table has "
                                  f"{mine!r}; fix: import into a table made with the same {field} (or use from_export)")
         if (shard is None) != (num_shards is None):
-            raise ValueError(f"LocalTable.import_: pass both `shard` and `num_shards` or neither, "
+            raise ValueError(f"{where}: pass both `shard` and `num_shards` or neither, "
                              f"got shard={shard!r}, num_shards={num_shards!r}")
+        for name, values in export["state"].items():
+            if name in self._state and (self._state[name].shape[1], self._state_init[name]) != (
+                    values.shape[1], meta["state_init"][name]):
+                raise ValueError(f"{where}: the export's row state {name!r} ({values.shape[1]} columns starting at "
+                                 f"{meta['state_init'][name]!r}) differs from this table's; fix: use one "
+                                 f"optimizer configuration per table")
+        pending = export.get("pending_counts")
+        if self._pending is not None and pending is not None and tuple(pending.shape) != (
+                self._pending.depth, self._pending.width):
+            raise ValueError(f"{where}: the export's admission counts are of a sketch of depth x width "
+                             f"{tuple(pending.shape)}, this table's is {(self._pending.depth, self._pending.width)}; "
+                             f"fix: build the table with sketch_width={pending.shape[-1]}, "
+                             f"sketch_depth={pending.shape[0]} (as the table that saved it)")
         ids = export["ids"]
-        pick = torch.arange(ids.numel())
         if shard is not None and num_shards is not None:
             if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < num_shards:
-                raise ValueError(f"LocalTable.import_: `shard` must be an int in 0..{num_shards - 1}, got {shard!r}")
-            pick = (shard_of(ids, num_shards) == shard).nonzero().squeeze(1)
-        ids = ids.index_select(0, pick)
+                raise ValueError(f"{where}: `shard` must be an int in 0..{num_shards - 1}, got {shard!r}")
+            return (shard_of(ids, num_shards) == shard).nonzero().squeeze(1)
+        return torch.arange(ids.numel())
+
+    def _import_checked(self, export: dict[str, Any], pick: torch.Tensor) -> None:
+        meta = export["meta"]
+        ids = export["ids"].index_select(0, pick)
         rows = export["rows"].index_select(0, pick)
         self._ensure_state({name: RowState(values.shape[1], meta["state_init"][name])
                             for name, values in export["state"].items()}, "the export")
@@ -449,6 +489,7 @@ class LocalTable:
                 values[slots] = self._state_init[name]
         self._counts.index_copy_(0, slots, export["counts"].index_select(0, pick))
         self._last_seen.index_copy_(0, slots, export["last_seen"].index_select(0, pick))
+        self._changed_in[slots] = self._epoch
         if self._clock is not None and self._seen_at is not None:
             idle = export.get("idle_seconds")
             now = self._clock()  # a row of an export without idle times counts as touched now
@@ -456,6 +497,182 @@ class LocalTable:
         if self._pending is not None and export.get("pending_counts") is not None:
             self._pending.merge(export["pending_counts"], "LocalTable.import_: the export")
         self._step = max(self._step, meta["step"])
+
+    # -- save points: delta checkpoints and serving exports (``deltas``) --------------------------------
+    @property
+    def save_point(self) -> dict[str, Any]:
+        """Where this table's chains stand: ``table_id``, ``sequence`` (save points passed), ``exact``
+        (False: loaded from a full export taken between save points, no delta of its own until the next
+        one is applied), and the serving exports' ``export_id`` and ``export_number`` (None before the
+        first export)."""
+        chain = self._export_chain
+        return {"table_id": self._table_id, "sequence": self._sequence, "exact": self._exact,
+                "export_id": None if chain is None else chain[0], "export_number": None if chain is None else chain[1]}
+
+    def _save_point_meta(self) -> dict[str, Any]:
+        """A full export's part of the chain: whether it holds exactly the last save point."""
+        exact = self._exact and self._sequence > 0 and not self._changed_since(self._saved_epoch)
+        return {"table_id": self._table_id, "sequence": self._sequence, "exact": exact}
+
+    def adopt_save_point(self, meta: dict[str, Any]) -> None:
+        """Takes a full export's chain after importing it: its table id and sequence (an export
+        without them, from an older unison, starts none), and nothing changed since."""
+        if "table_id" in meta and "sequence" in meta:
+            self._table_id, self._sequence = str(meta["table_id"]), int(meta["sequence"])
+            self._exact = bool(meta.get("exact", False))
+        self._end_epoch(checkpoint=True)
+
+    def _changed_since(self, epoch: int) -> bool:
+        live = self._live_slots()
+        return bool((self._changed_in.index_select(0, live) > epoch).any()) or any(
+            e > epoch for e, _ in self._removed_log)
+
+    def _changed_slots(self, epoch: int) -> torch.Tensor:
+        """Live slots changed after save epoch ``epoch``."""
+        used = self._used
+        return ((self._changed_in[:used] > epoch) & self._live[:used]).nonzero().squeeze(1)
+
+    def _removed_since(self, epoch: int) -> torch.Tensor:
+        """Distinct ids removed after save epoch ``epoch`` that have no row now, ascending."""
+        parts = [ids for e, ids in self._removed_log if e > epoch]
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64)
+        ids = torch.unique(torch.cat(parts))
+        return ids[self._index.find(ids) < 0]
+
+    def _keeps_removed(self) -> bool:
+        """Whether removals are logged: only while a chain needs them (a table never saved by delta
+        nor exported for serving keeps no log, so its memory does not grow with evictions)."""
+        return self._sequence > 0 or self._export_chain is not None
+
+    def _end_epoch(self, *, checkpoint: bool = False, export: bool = False) -> None:
+        """A save point for the checkpoint chain and/or the serving chain: what changes from now on is
+        in the next delta; removals no chain needs any more are dropped."""
+        if checkpoint:
+            self._saved_epoch = self._epoch
+        if export and self._export_chain is not None:
+            self._export_chain = (self._export_chain[0], self._export_chain[1], self._epoch)
+        self._epoch += 1
+        kept = [self._saved_epoch] if self._sequence > 0 else []
+        if self._export_chain is not None:
+            kept.append(self._export_chain[2])
+        oldest = min(kept, default=self._epoch)
+        self._removed_log = [(e, ids) for e, ids in self._removed_log if e > oldest]
+
+    def export_delta(self, full: bool = False, *, expect_sequence: int | None = None) -> dict[str, Any]:
+        """A new save point: what changed since the last one (``full=False``), or every row (``full=True``).
+
+        A delta is an :meth:`export` of the rows made, read or updated since the last save
+        point, with ``"removed"`` (ids removed since and not back) and ``meta`` naming the
+        chain: ``table_id``, ``base`` (the save point it starts from) and ``sequence``
+        (``base + 1``). With ``full=True`` it is an :meth:`export` at the new save point
+        (``meta["exact"]`` True), which starts a chain. The admission sketch travels whole in
+        both. ``expect_sequence`` (a ps task's shard, asked by the table's owner) refuses a
+        shard whose sequence differs.
+
+        Raises:
+            ValueError: ``full=False`` on a table with no save point yet (the first save of a
+                chain is full), or on one loaded from a full export taken between save points
+                (its changes before the load are in no delta: apply the next delta, or save full).
+        """
+        if expect_sequence is not None and expect_sequence != self._sequence:
+            raise ValueError(f"LocalTable.export_delta: this shard of table {self._table_id!r} is at save "
+                             f"{self._sequence}, the table's owner expected {expect_sequence}; fix: save full "
+                             f"(delta_state_dict(full=True)) to start a new chain")
+        if not full and self._sequence == 0:
+            raise ValueError(f"LocalTable.export_delta: table {self._table_id!r} has no save point yet, so a delta "
+                             f"would have no base; fix: make the first save of a chain full "
+                             f"(delta_state_dict(full=True)), then deltas")
+        if not full and not self._exact:
+            raise ValueError(f"LocalTable.export_delta: table {self._table_id!r} was loaded from a full checkpoint "
+                             f"taken after save {self._sequence}, so what changed between that save and the full "
+                             f"one is in no delta of its own; fix: apply the delta that follows save "
+                             f"{self._sequence}, or save full (delta_state_dict(full=True))")
+        base = self._sequence
+        if full:
+            out = self.export()
+        else:
+            out = self._export_slots(self._changed_slots(self._saved_epoch))
+            out["removed"] = self._removed_since(self._saved_epoch)
+        self._sequence, self._exact = base + 1, True
+        self._end_epoch(checkpoint=True)
+        out["meta"].update(table_id=self._table_id, sequence=self._sequence, exact=True)
+        if not full:
+            out["meta"]["base"] = base
+        return out
+
+    def apply_delta(self, delta: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None,
+                    expect: tuple[str, int] | None = None) -> None:
+        """Applies a delta of :meth:`export_delta` (of this table's chain, or gathered from its shards).
+
+        The delta's rows replace this table's rows of the same ids (or are made), its removed
+        ids go, the admission sketch becomes the delta's, the step the delta's; the table is
+        then at the delta's save point. With ``shard``/``num_shards`` only that shard's ids are
+        taken (as :meth:`import_`). ``expect`` (a ps task's shard): the table id and sequence
+        its owner read, the chain having been checked there.
+
+        Raises:
+            ValueError: a delta of another table, out of order or already applied (naming
+                both), or one that does not fit this table; nothing is changed.
+        """
+        meta = checked_delta(delta, "LocalTable.apply_delta")
+        if expect is None:
+            check_next("LocalTable.apply_delta", self._table_id, self._sequence, meta["table_id"], meta["base"],
+                       meta["sequence"])
+        elif expect != (self._table_id, self._sequence) or meta["base"] != self._sequence:
+            raise ValueError(f"LocalTable.apply_delta: this shard is table {self._table_id!r} at save "
+                             f"{self._sequence}, its owner expected {expect} and the delta starts at save "
+                             f"{meta['base']}; nothing was changed. fix: load the full checkpoint, then the deltas")
+        pick = self._check_import(delta, shard, num_shards, "LocalTable.apply_delta")
+        removed = delta["removed"]
+        if shard is not None and num_shards is not None:
+            removed = removed[shard_of(removed, num_shards) == shard]
+        gone = self._index.find(removed)
+        self._remove(gone[gone >= 0])
+        rows = {key: value for key, value in delta.items() if key not in ("removed", "pending_counts")}
+        self._import_checked(rows, pick)
+        if self._pending is not None and delta.get("pending_counts") is not None:
+            self._pending = CountMinSketch(self._pending.width, self._pending.depth)
+            self._pending.merge(delta["pending_counts"], "LocalTable.apply_delta: the delta")
+        self._step = int(meta["step"])
+        self._table_id, self._sequence, self._exact = str(meta["table_id"]), int(meta["sequence"]), True
+        self._end_epoch(checkpoint=True)
+
+    def serving_export(self, delta: bool, *, export_id: str | None = None,
+                       expect_number: int | None = None) -> dict[str, Any]:
+        """Ids and rows for serving (no optimizer state): every row, or what changed since the last export.
+
+        Returns:
+            ``{"ids": [n], "rows": [n, dim], "removed": [k], "meta": {"export_id", "number",
+            "base", "embedding_dim", "dtype"}}``: a full export starts a chain (``number`` 0,
+            ``base`` None; ``export_id`` given by a table's owner for all its shards, else made
+            here); a delta export (``delta=True``) holds the rows made, read or updated since the
+            previous export and the ids removed since, ``base`` that export's number.
+
+        Raises:
+            ValueError: ``delta=True`` with no export before it in this table's life (a job that
+                restarted exports full first), or a shard whose chain is not ``expect_number``.
+        """
+        chain = self._export_chain
+        if delta:
+            if chain is None:
+                raise ValueError("LocalTable.serving_export: a delta export needs an export before it, and this table "
+                                 "has made none (a restarted job's first export is full); fix: export with delta=False")
+            if expect_number is not None and expect_number != chain[1]:
+                raise ValueError(f"LocalTable.serving_export: this shard is at export {chain[1]}, its owner "
+                                 f"expected {expect_number}; fix: make a full export")
+            slots, removed = self._changed_slots(chain[2]), self._removed_since(chain[2])
+            export_id, number, base = chain[0], chain[1] + 1, chain[1]
+        else:
+            slots, removed = self._live_slots(), torch.zeros(0, dtype=torch.int64)
+            export_id, number, base = export_id or uuid.uuid4().hex, 0, None
+        ids, order = self._slot_ids[slots].sort()
+        rows = self._rows.index_select(0, slots[order])
+        self._export_chain = (export_id, number, self._epoch)
+        self._end_epoch(export=True)
+        return {"ids": ids, "rows": rows, "removed": removed,
+                "meta": {"export_id": export_id, "number": number, "base": base, "embedding_dim": self._dim,
+                         "dtype": str(self._dtype)}}
 
     def _live_slots(self) -> torch.Tensor:
         return self._live[:self._used].nonzero().squeeze(1)
@@ -468,8 +685,10 @@ class LocalTable:
         return rows
 
     def _touch(self, slots: torch.Tensor) -> None:
-        """Marks live ``slots`` as used now: the current step, and the clock's time if a policy reads it."""
+        """Marks live ``slots`` as used now (the current step, and the clock's time if a policy reads it),
+        and changed since the last save."""
         self._last_seen[slots] = self._step
+        self._changed_in[slots] = self._epoch
         if self._clock is not None and self._seen_at is not None:
             self._seen_at[slots] = self._clock()
 
@@ -556,6 +775,7 @@ class LocalTable:
         self._counts = grown(self._counts)
         self._last_seen = grown(self._last_seen)
         self._live = grown(self._live)
+        self._changed_in = grown(self._changed_in)
         if self._seen_at is not None:
             self._seen_at = grown(self._seen_at)
         for name in list(self._state):

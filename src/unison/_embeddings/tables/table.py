@@ -113,6 +113,18 @@ class Table(Protocol):
         """Per place the rows live (one entry here, one per ps task there): (rows, bytes)."""
         ...
 
+    def export_delta(self, full: bool = False) -> dict[str, Any]:
+        """A new save point: what changed since the previous one (``deltas``), or every row (``full``)."""
+        ...
+
+    def apply_delta(self, delta: dict[str, Any]) -> None:
+        """Applies the next delta of this table's chain (refused, changing nothing, if it is not the next)."""
+        ...
+
+    def serving_export(self, delta: bool) -> dict[str, Any]:
+        """Ids and rows for serving: all of them, or (``delta``) what changed since the previous export."""
+        ...
+
 
 @runtime_checkable
 class TableFactory(Protocol):

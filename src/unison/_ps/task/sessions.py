@@ -154,6 +154,25 @@ def _table_stats(s: _Session, h: wire.TableStats, tensors: list[torch.Tensor]) -
     return [wire.pickled(s.tables.stats())]
 
 
+def _table_save_point(s: _Session, h: wire.TableSavePoint, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [wire.pickled(s.tables.save_point(h.key))]
+
+
+def _table_export_delta(s: _Session, h: wire.TableExportDelta, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return wire.export_tensors(s.tables.export_delta(h.key, h.full, h.sequence))
+
+
+def _table_apply_delta(s: _Session, h: wire.TableApplyDelta, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    s.tables.apply_delta(h.key, wire.export_from_tensors(tensors), h.shard, h.num_shards, (h.table_id, h.sequence))
+    return []
+
+
+def _table_serving_export(s: _Session, h: wire.TableServingExport,
+                          tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    export = s.tables.serving_export(h.key, h.delta, h.export_id, h.number)
+    return [wire.pickled(export["meta"]), export["ids"], export["rows"], export["removed"]]
+
+
 _HANDLERS: dict[wire.RequestKind, Handler] = {
     wire.RequestKind.CREATE: _create,
     wire.RequestKind.PULL: _pull,
@@ -174,6 +193,10 @@ _HANDLERS: dict[wire.RequestKind, Handler] = {
     wire.RequestKind.TABLE_EXPORT: _table_export,
     wire.RequestKind.TABLE_LOAD: _table_load,
     wire.RequestKind.TABLE_STATS: _table_stats,
+    wire.RequestKind.TABLE_SAVE_POINT: _table_save_point,
+    wire.RequestKind.TABLE_EXPORT_DELTA: _table_export_delta,
+    wire.RequestKind.TABLE_APPLY_DELTA: _table_apply_delta,
+    wire.RequestKind.TABLE_SERVING_EXPORT: _table_serving_export,
 }
 """Every request kind's handler: ``handler(session, header, tensors) -> reply tensors``."""
 

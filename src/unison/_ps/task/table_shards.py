@@ -117,8 +117,34 @@ class TableShards:
         entry = self._entry(key)
         table = entry.config.new_table()
         table.import_(export, shard=shard, num_shards=num_shards)
+        table.adopt_save_point(export["meta"])
         with entry.lock:
             entry.table = table
+
+    def save_point(self, key: str) -> dict[str, Any]:
+        """Where the shard's delta and serving chains stand."""
+        entry = self._entry(key)
+        with entry.lock:
+            return entry.table.save_point
+
+    def export_delta(self, key: str, full: bool, sequence: int) -> dict[str, Any]:
+        """A new save point of the shard (at save ``sequence``): its delta, or all of it."""
+        entry = self._entry(key)
+        with entry.lock:
+            return entry.table.export_delta(full, expect_sequence=sequence)
+
+    def apply_delta(self, key: str, delta: dict[str, Any], shard: int, num_shards: int,
+                    expect: tuple[str, int]) -> None:
+        """Applies the rows of a delta that belong to shard ``shard`` of ``num_shards``, whole or not at all."""
+        entry = self._entry(key)
+        with entry.lock:
+            entry.table.apply_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
+
+    def serving_export(self, key: str, delta: bool, export_id: str, number: int) -> dict[str, Any]:
+        """The shard's ids and rows for serving: all, or those changed since export ``number``."""
+        entry = self._entry(key)
+        with entry.lock:
+            return entry.table.serving_export(delta, export_id=export_id, expect_number=number if delta else None)
 
     def stats(self) -> dict[str, tuple[int, int]]:
         """Per table: (rows stored here, bytes allocated for them)."""

@@ -37,6 +37,10 @@ header                        tensors sent                               tensors
 ``TableExport(key)``          none                                       the export's tensors
 ``TableLoad(key, shard, n)``  an export's tensors                        none
 ``TableStats()``              none                                       the pickled stats
+``TableSavePoint(key)``       none                                       the pickled save point
+``TableExportDelta(...)``     none                                       the delta's tensors
+``TableApplyDelta(...)``      a delta's tensors                          none
+``TableServingExport(...)``   none                                       meta, ids, rows, removed
 ============================  =========================================  ==========================
 """
 
@@ -56,14 +60,16 @@ __all__ = [
     "PROTOCOL_VERSION", "RequestKind", "Request", "Hello", "Accepted", "Refused", "Ok", "Failed", "PushEntry",
     "Create", "Pull", "PullShared", "Attach", "PullRows", "Push", "Assign", "Add", "OptimizerStates",
     "LoadOptimizerStates", "Ping", "TableCreate", "TableRows", "TablePush", "TablePool", "TablePushBags",
-    "TableExport", "TableLoad", "TableStats", "ProtocolError", "check_request", "encode", "decode", "dumps_header",
+    "TableExport", "TableLoad", "TableStats", "TableSavePoint", "TableExportDelta", "TableApplyDelta",
+    "TableServingExport", "ProtocolError", "check_request", "encode", "decode", "dumps_header",
     "export_tensors", "export_from_tensors", "pickled", "unpickled", "RunFunction", "BuildDataset", "FunctionResult",
     "FunctionFailed", "WorkerRequest",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1; 3: a table
-export carries its policy parts, and ``TableCreate``'s config its admission and capacity)."""
+export carries its policy parts, and ``TableCreate``'s config its admission and capacity; 4: delta
+checkpoints and serving exports of a table, and an export's ``removed`` ids)."""
 
 
 class ProtocolError(ValueError):
@@ -92,6 +98,10 @@ class RequestKind(enum.Enum):
     TABLE_EXPORT = "table_export"
     TABLE_LOAD = "table_load"
     TABLE_STATS = "table_stats"
+    TABLE_SAVE_POINT = "table_save_point"
+    TABLE_EXPORT_DELTA = "table_export_delta"
+    TABLE_APPLY_DELTA = "table_apply_delta"
+    TABLE_SERVING_EXPORT = "table_serving_export"
 
 
 _MESSAGES: list[type] = []
@@ -347,6 +357,49 @@ class TableStats(Request):
     KIND = RequestKind.TABLE_STATS
 
 
+@_message
+class TableSavePoint(Request):
+    """Where the shard's delta and serving chains stand (``LocalTable.save_point``)."""
+
+    KIND = RequestKind.TABLE_SAVE_POINT
+    key: str
+
+
+@_message
+class TableExportDelta(Request):
+    """A new save point of the shard, which must be at save ``sequence``: its delta, or all of it (``full``)."""
+
+    KIND = RequestKind.TABLE_EXPORT_DELTA
+    key: str
+    full: bool
+    sequence: int
+
+
+@_message
+class TableApplyDelta(Request):
+    """Apply a delta's rows of shard ``shard`` of ``num_shards``; the shard must be table ``table_id`` at
+    save ``sequence`` (what its owner read and checked against the delta)."""
+
+    KIND = RequestKind.TABLE_APPLY_DELTA
+    key: str
+    shard: int
+    num_shards: int
+    table_id: str
+    sequence: int
+
+
+@_message
+class TableServingExport(Request):
+    """The shard's ids and rows for serving: all (a chain ``export_id`` starts) or those changed since
+    export ``number`` (``delta``)."""
+
+    KIND = RequestKind.TABLE_SERVING_EXPORT
+    key: str
+    delta: bool
+    export_id: str
+    number: int
+
+
 # -- the chief and a worker (a ClusterCoordinator's session with a worker task) ---------------
 @_message
 class RunFunction:
@@ -387,7 +440,7 @@ _PUSH_CODE = _CODES[Push]
 
 _PLAIN = frozenset({Hello, Accepted, Refused, Ok, Create, Pull, PullShared, Attach, PullRows, Assign, Add,
                     OptimizerStates, Ping, TableRows, TablePush, TablePool, TablePushBags, TableExport, TableLoad,
-                    TableStats})
+                    TableStats, TableSavePoint, TableExportDelta, TableApplyDelta, TableServingExport})
 """Messages whose fields are builtins, tensors' metadata or unison's own objects (a table's row
 optimizer): the C pickler takes them. ``Push``, ``LoadOptimizerStates`` (optimizer classes),
 ``TableCreate`` (an initializer), ``Failed`` (an exception) and the chief's messages may hold a
@@ -419,7 +472,8 @@ def unpickled(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
-_EXPORT_POLICY_KEYS = ("idle_seconds", "pending_counts")  # a table's optional policy state (``checks.POLICY_KEYS``)
+_EXPORT_POLICY_KEYS = ("idle_seconds", "pending_counts", "removed")
+"""A table's optional policy state (``checks.POLICY_KEYS``), and a delta's removed ids."""
 
 
 def export_tensors(export: dict[str, Any]) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ config only, so a function that captures the module sends no rows.
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 
 from unison._embeddings.optim.row_optimizers import RowOptimizer
 from unison._embeddings.tables.bag_layout import BagLayout
+from unison._embeddings.tables.deltas import check_next, checked_delta
 from unison._embeddings.tables.id_hashing import shard_of
 from unison._embeddings.tables.table import TableConfig
 from unison._ps.wire import protocol as wire
@@ -163,7 +165,10 @@ class RemoteTable:
     def export(self) -> dict[str, Any]:
         """Every shard's rows merged, sorted by id: the export of the whole table."""
         replies = self._client().exchange({k: (wire.TableExport(self.key), (), None) for k in range(self.num_shards)})
-        parts = [wire.export_from_tensors(replies[k]) for k in range(self.num_shards)]
+        return self._merged([wire.export_from_tensors(replies[k]) for k in range(self.num_shards)])
+
+    def _merged(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Shards' exports (or deltas) as one, sorted by id; the chain's meta is the whole table's."""
         ids = torch.cat([p["ids"] for p in parts])
         ids, order = ids.sort()
         merged: dict[str, Any] = {name: torch.cat([p[name] for p in parts]).index_select(0, order)
@@ -181,7 +186,77 @@ class RemoteTable:
             merged["idle_seconds"] = torch.cat([p["idle_seconds"] for p in parts]).index_select(0, order)
         if all("pending_counts" in p for p in parts):  # admission counts: merged as CountMinSketch.merge does
             merged["pending_counts"] = torch.stack([p["pending_counts"] for p in parts]).amax(0)
+        if all("removed" in p for p in parts):
+            merged["removed"] = torch.cat([p["removed"] for p in parts]).sort().values
+        sequences = {p["meta"].get("sequence") for p in parts}
+        merged["meta"]["table_id"] = _whole_id([str(p["meta"].get("table_id")) for p in parts])
+        merged["meta"]["exact"] = len(sequences) == 1 and all(p["meta"].get("exact", False) for p in parts)
+        merged["meta"]["sequence"] = max(p["meta"].get("sequence", 0) for p in parts)
         return merged
+
+    def _save_points(self) -> tuple[str, int, list[dict[str, Any]]]:
+        """The whole table's id and sequence, and each shard's save point.
+
+        Raises:
+            ValueError: if the shards are at different save points (a save was cut short).
+        """
+        replies = self._client().exchange({k: (wire.TableSavePoint(self.key), (), None)
+                                           for k in range(self.num_shards)})
+        points = [wire.unpickled(replies[k][0]) for k in range(self.num_shards)]
+        sequences = sorted({p["sequence"] for p in points})
+        if len(sequences) != 1:
+            raise ValueError(f"dynamic table {self.key!r}: its shards are at saves {[p['sequence'] for p in points]} "
+                             f"(a save was cut short); fix: load the last full checkpoint, or save full "
+                             f"(delta_state_dict(full=True)) to start a new chain")
+        return _whole_id([p["table_id"] for p in points]), sequences[0], points
+
+    def export_delta(self, full: bool = False) -> dict[str, Any]:
+        """A new save point on every shard, gathered: what changed since the last one, or every row."""
+        _, sequence, _ = self._save_points()
+        replies = self._client().exchange({k: (wire.TableExportDelta(self.key, bool(full), sequence), (), None)
+                                           for k in range(self.num_shards)})
+        merged = self._merged([wire.export_from_tensors(replies[k]) for k in range(self.num_shards)])
+        merged["meta"]["exact"] = True
+        if not full:
+            merged["meta"]["base"] = sequence
+        return merged
+
+    def apply_delta(self, delta: dict[str, Any]) -> None:
+        """Applies a delta (gathered from any number of shards, or one device): each shard takes its ids.
+
+        The chain is checked here against every shard's save point before any shard changes.
+        """
+        meta = checked_delta(delta, "DynamicEmbedding.load_delta_state_dict")
+        if self._writer is None or self._writer():
+            table_id, sequence, points = self._save_points()
+            check_next(f"dynamic table {self.key!r}", table_id, sequence, meta["table_id"], meta["base"],
+                       meta["sequence"])
+            tensors = wire.export_tensors(delta)
+            self._client().exchange({k: (wire.TableApplyDelta(self.key, k, self.num_shards, points[k]["table_id"],
+                                                              sequence), tensors, None)
+                                     for k in range(self.num_shards)})
+        if self._after_load is not None:
+            self._after_load()
+
+    def serving_export(self, delta: bool) -> dict[str, Any]:
+        """Every shard's ids and rows for serving, gathered: all of them, or those changed since the last export."""
+        _, _, points = self._save_points()
+        numbers = {p["export_number"] for p in points}
+        export_ids = {p["export_id"] for p in points}
+        if delta and (len(numbers) != 1 or len(export_ids) != 1 or None in export_ids):
+            raise ValueError(f"dynamic table {self.key!r}: a delta export needs one export before it on every ps "
+                             f"task, they stand at {sorted(map(str, numbers))}; fix: export with delta=False")
+        export_id = next(iter(export_ids)) if delta else uuid.uuid4().hex
+        number = next(iter(numbers)) if delta else 0
+        replies = self._client().exchange({k: (wire.TableServingExport(self.key, bool(delta), str(export_id),
+                                                                       int(number or 0)), (), None)
+                                           for k in range(self.num_shards)})
+        metas = [wire.unpickled(replies[k][0]) for k in range(self.num_shards)]
+        ids = torch.cat([replies[k][1] for k in range(self.num_shards)])
+        ids, order = ids.sort()
+        rows = torch.cat([replies[k][2] for k in range(self.num_shards)]).index_select(0, order)
+        removed = torch.cat([replies[k][3] for k in range(self.num_shards)]).sort().values
+        return {"ids": ids, "rows": rows, "removed": removed, "meta": metas[0]}
 
     def load(self, export: dict[str, Any]) -> None:
         """Replaces every shard's rows by an export's (from any number of shards, or one device)."""
@@ -201,6 +276,12 @@ class RemoteTable:
     def num_rows(self) -> int:
         """Rows stored over all shards."""
         return sum(rows for rows, _ in self.stats())
+
+
+def _whole_id(shard_ids: list[str]) -> str:
+    """A table's id from its shards': theirs when they agree (a table loaded from a checkpoint), else
+    all of them in shard order (a table made on the ps tasks, each shard with its own)."""
+    return shard_ids[0] if len(set(shard_ids)) == 1 else "+".join(shard_ids)
 
 
 class RemoteTables:
