@@ -11,6 +11,7 @@ naming the command (except the one that checks that error message).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import sys
 from pathlib import Path
 
@@ -192,3 +193,16 @@ def test_a_short_run_on_one_device_learns_held_out_likes(split):
     trained = dlrm.evaluate(model, test)
     assert stats["samples"] == 150 * 256 and stats["loss_last"] < stats["loss_first"]
     assert trained > 0.72 and trained > untrained + 0.15, (untrained, trained)  # seen: 0.476 -> 0.763
+
+
+@needs_data
+@pytest.mark.timeout(300)  # 3 s alone
+def test_the_ctr_example_trains_on_movielens_on_one_device(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import ctr
+
+    out = tmp_path / "result.json"
+    ctr.main(["--strategy", "one_device", "--data", "movielens", "--batch-size", "512", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["data"] == "movielens" and result["samples"] == 80_000 // 512 * 512
+    assert result["auc"] > 0.72 and result["bayes_auc"] is None, result  # seen: 0.77
