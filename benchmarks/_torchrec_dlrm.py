@@ -17,6 +17,12 @@ the fbgemm CPU kernels (``apply_optimizer_in_backward``, ``EXACT_ADAGRAD``); the
 (DDP) with torch's Adagrad. Rank r trains on shard r of the data, batch B per rank
 (so W * B samples a synchronous step), the first ``--warmup`` steps untimed. If TorchRec
 cannot shard or train here, the JSON says why (``"error"``) and the exit status is 0.
+
+``--data movielens`` trains on MovieLens-100k instead (``examples/movielens_data.py``: its
+training split repeated ``--epochs`` times, the held-out split scored; ``--samples``,
+``--rows`` and ``--eval-samples`` do not apply): 2 dense features, one table per feature of
+exactly its cardinality (ids are the features' values, no hashing), the genres a bag of
+variable length in the ``KeyedJaggedTensor`` (the padding left out), pooled by sum.
 """
 
 import argparse
@@ -51,6 +57,41 @@ def _features(sparse, rows: int, keys: list):
                              lengths=torch.ones(ids.numel(), dtype=torch.int32))
 
 
+def _movielens_features(sparse, keys: list):
+    """A ``KeyedJaggedTensor`` of MovieLens ``[B, 12]`` ids: each feature's values (the genres a bag of
+    one to six, the padding left out), feature by feature, sample by sample."""
+    import torch
+    from movielens_data import FEATURE_WIDTHS, PADDING_ID, feature_values
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    values, lengths, start = [], [], 0
+    for width in FEATURE_WIDTHS:
+        columns = sparse[:, start:start + width]
+        present = columns != PADDING_ID
+        values.append(feature_values(columns)[present])  # row-major: sample by sample
+        lengths.append(present.sum(1))
+        start += width
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths).int())
+
+
+def _schema(args: argparse.Namespace, rank: int, world: int):
+    """``(keys, rows per table, dense features, training data, held-out data, features of a batch)``."""
+    if args.data == "movielens":
+        from movielens_data import FEATURES, NUM_DENSE, load_movielens
+
+        train, test = load_movielens(seed=args.seed)
+        keys = list(FEATURES)
+        return (keys, list(train.cardinalities), NUM_DENSE,
+                train.repeat(args.epochs, seed=args.seed).shard(rank, world), test.shard(rank, world),
+                lambda sparse: _movielens_features(sparse, keys))
+    from ctr_data import NUM_DENSE, NUM_SPARSE, make_ctr_data
+
+    keys = [f"f{f}" for f in range(NUM_SPARSE)]
+    return (keys, [args.rows] * NUM_SPARSE, NUM_DENSE, make_ctr_data(args.samples, seed=args.seed).shard(rank, world),
+            make_ctr_data(args.eval_samples, seed=args.seed + 1).shard(rank, world),
+            lambda sparse: _features(sparse, args.rows, keys))
+
+
 def _train(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -73,7 +114,7 @@ def _train(rank: int, args: argparse.Namespace, port: int, queue) -> None:
 
 
 def _run(rank: int, args: argparse.Namespace, torch, dist, F) -> dict:
-    from ctr_data import NUM_DENSE, NUM_SPARSE, auc, make_ctr_data
+    from ctr_data import auc
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -89,20 +130,20 @@ def _run(rank: int, args: argparse.Namespace, torch, dist, F) -> dict:
             return [ShardingType.ROW_WISE.value]
 
     began = time.perf_counter()
-    world, rows, batch = args.world_size, args.rows, args.batch_size
-    keys = [f"f{f}" for f in range(NUM_SPARSE)]
+    world, batch = args.world_size, args.batch_size
+    keys, rows, num_dense, data, test, features = _schema(args, rank, world)
     torch.manual_seed(args.seed)
     bound = DIM ** -0.5
     ebc = EmbeddingBagCollection(device=torch.device("meta"), tables=[
-        EmbeddingBagConfig(name=f"t{f}", embedding_dim=DIM, num_embeddings=rows, feature_names=[key],
+        EmbeddingBagConfig(name=f"t{f}", embedding_dim=DIM, num_embeddings=rows[f], feature_names=[key],
                            weight_init_min=-bound, weight_init_max=bound) for f, key in enumerate(keys)])
-    model = DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE, dense_arch_layer_sizes=[64, DIM],
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=num_dense, dense_arch_layer_sizes=[64, DIM],
                  over_arch_layer_sizes=[64, 32, 1], dense_device=torch.device("cpu"))
     apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": args.lr, "eps": 1e-10})
     sharding = {"row_wise": ShardingType.ROW_WISE, "table_wise": ShardingType.TABLE_WISE}[args.sharding].value
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world, compute_device="cpu", local_world_size=world),
-        constraints={f"t{f}": ParameterConstraints(sharding_types=[sharding]) for f in range(NUM_SPARSE)})
+        constraints={f"t{f}": ParameterConstraints(sharding_types=[sharding]) for f in range(len(keys))})
     sharders = [_RowWiseCpuSharder()] if args.sharding == "row_wise" else None
     plan = planner.collective_plan(model, sharders, pg=dist.GroupMember.WORLD)
     model = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan, sharders=sharders)
@@ -110,9 +151,9 @@ def _run(rank: int, args: argparse.Namespace, torch, dist, F) -> dict:
                                             lambda params: torch.optim.Adagrad(params, lr=args.lr))
     optimizer = CombinedOptimizer([model.fused_optimizer, dense_optimizer])
 
-    data = make_ctr_data(args.samples, seed=args.seed).shard(rank, world)
-    batches = [(dense, _features(sparse, rows, keys), labels) for dense, sparse, labels in data.batches(batch)]
-    steps = min(_dist_min(len(batches), torch, dist), args.samples // (world * batch))
+    batches = [(dense, features(sparse), labels) for dense, sparse, labels in data.batches(batch)]
+    total = args.samples if args.data == "synthetic" else len(data) * world
+    steps = min(_dist_min(len(batches), torch, dist), total // (world * batch))
 
     def step(dense, features, labels):
         optimizer.zero_grad()
@@ -131,10 +172,9 @@ def _run(rank: int, args: argparse.Namespace, torch, dist, F) -> dict:
     dist.barrier()
     elapsed = time.perf_counter() - start
 
-    test = make_ctr_data(args.eval_samples, seed=args.seed + 1).shard(rank, world)
     model.eval()
     with torch.no_grad():  # every rank scores its part (the sharded lookup needs all ranks); rank 0 gathers
-        scores = torch.cat([model(dense, _features(sparse, rows, keys)).squeeze(1)
+        scores = torch.cat([model(dense, features(sparse)).squeeze(1)
                             for dense, sparse, _ in test.batches(4096, drop_last=False)])
     gathered = [None] * world
     dist.all_gather_object(gathered, (scores, test.labels, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
@@ -146,7 +186,8 @@ def _run(rank: int, args: argparse.Namespace, torch, dist, F) -> dict:
             "setup_seconds": start - began,
             "auc": auc(torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered])),
             "samples": steps * batch * world, "timed_samples": timed, "batch_size_per_rank": batch,
-            "world_size": world, "ps": None, "rows": rows, "sharding": args.sharding, "last_loss": loss.item(),
+            "world_size": world, "ps": None, "rows": rows if args.data == "movielens" else rows[0],
+            "data": args.data, "sharding": args.sharding, "last_loss": loss.item(),
             "worker_peak_rss_mb": max(g[2] for g in gathered) / 1024, "ps_peak_rss_mb": None,
             "torchrec": torchrec.__version__, "fbgemm_gpu": fbgemm_gpu.__version__, "torch": torch.__version__}
 
@@ -165,6 +206,8 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--sharding", choices=("row_wise", "table_wise"), default="table_wise")
+    parser.add_argument("--data", choices=("synthetic", "movielens"), default="synthetic")
+    parser.add_argument("--epochs", type=int, default=1, help="movielens: passes over the training split")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # ctr_data, also in the ranks
     import torch.multiprocessing as mp

@@ -27,9 +27,16 @@ samples (seed 1):
   rows and table bytes per ps task come from ``table_stats``. Not run unless named in
   ``--variants``.
 
+``--data movielens`` trains every variant on MovieLens-100k instead (``examples/movielens_data.py``:
+``--epochs`` passes over its 80,000 training ratings, AUC on the 20,000 held out, each
+user's last 20% by time; ``--samples``, ``--eval-samples`` and ``--rows`` do not apply):
+one device, the floor, the hybrid and async PS jobs and TorchRec (one table per feature of
+exactly its cardinality); TensorFlow's script has no MovieLens path.
+
 unison's tables are dynamic (any int64 id, no ``--rows``); the peers need a fixed size.
 Rounds alternate the order of the variants (paired measurements on a noisy machine).
-Writes ``<out>/recsys.json`` and ``<out>/recsys.png``. Run it on a quiet machine.
+Writes ``<out>/recsys.json`` and ``<out>/recsys.png`` (``recsys_movielens.*`` with
+``--data movielens``). Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -95,11 +102,15 @@ def _two_alone(common: list[str]) -> dict[str, Any]:
 
 def variants(args: argparse.Namespace) -> dict[str, Any]:
     """Each variant's command: a callable that returns its result."""
-    common = ["--train", str(args.samples), "--test", str(args.eval_samples)]
     py = sys.executable
-    peer_args = ["--samples", str(args.samples), "--batch-size", "256", "--rows", str(args.rows),
-                 "--eval-samples", str(args.eval_samples), "--seed", "0"]
-    return {
+    if args.data == "movielens":
+        common = ["--data", "movielens", "--epochs", str(args.epochs)]
+        peer_args = ["--data", "movielens", "--epochs", str(args.epochs), "--batch-size", "256", "--seed", "0"]
+    else:
+        common = ["--train", str(args.samples), "--test", str(args.eval_samples)]
+        peer_args = ["--samples", str(args.samples), "--batch-size", "256", "--rows", str(args.rows),
+                     "--eval-samples", str(args.eval_samples), "--seed", "0"]
+    commands = {
         "one_device": lambda: _run_json([py, str(EXAMPLE), "--strategy", "one_device", *common]),
         "one_device_512": lambda: _run_json([py, str(EXAMPLE), "--strategy", "one_device", "--batch-size", "512",
                                              *common]),
@@ -116,6 +127,9 @@ def variants(args: argparse.Namespace) -> dict[str, Any]:
                                                   str(EXAMPLE), *common, *flags]))
            for name, flags in _policy_variants(args).items()},
     }
+    if args.data == "movielens":
+        del commands["tensorflow_pss"]  # _tf_dlrm.py trains on the synthetic data only
+    return commands
 
 
 def _policy_variants(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -164,12 +178,15 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     if "auc" in table.get("unison_hybrid", {}) and "auc" in table.get("one_device_512", {}):
         ratios["hybrid_auc_minus_one_device_512"] = round(
             table["unison_hybrid"]["auc"] - table["one_device_512"]["auc"], 4)
+    if "auc" in table.get("unison_hybrid", {}) and "auc" in table.get("torchrec_cpu", {}):
+        ratios["hybrid_auc_minus_torchrec_cpu"] = round(table["unison_hybrid"]["auc"] - table["torchrec_cpu"]["auc"],
+                                                        4)
     if "auc" in table.get("unison_ps", {}) and "auc" in table.get("one_device", {}):
         ratios["ps_auc_minus_one_device"] = round(table["unison_ps"]["auc"] - table["one_device"]["auc"], 4)
     return {"variants": table, "goals": ratios}
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
+def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,13 +200,16 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     axes[1].barh(names, [v["auc"] for _, v in rows], color="tab:green")
     axes[1].set_xlim(0.5, 0.85)
     axes[1].set_xlabel("held-out AUC after the same samples")
-    fig.suptitle("DLRM on Criteo-schema synthetic data (2 workers, 2 ps where distributed)")
+    fig.suptitle(f"DLRM on {title} (2 workers, 2 ps where distributed)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", choices=("synthetic", "movielens"), default="synthetic",
+                        help="Criteo-schema synthetic clicks, or MovieLens-100k's ratings")
+    parser.add_argument("--epochs", type=int, default=1, help="movielens: passes over the training split")
     parser.add_argument("--samples", type=int, default=200_000)
     parser.add_argument("--eval-samples", type=int, default=50_000)
     parser.add_argument("--rows", type=int, default=200_000, help="rows per feature of the peers' fixed tables")
@@ -219,11 +239,14 @@ def main() -> None:
             print(f"round {index + 1}/{args.rounds} {name}: {shown}", flush=True)
         rounds.append({"order": order, "results": results})
     summary = summarize(rounds)
-    result = {"machine": machine_info(), "samples": args.samples, "eval_samples": args.eval_samples,
-              "peer_rows": args.rows, "rounds": rounds, "summary": summary}
+    result = {"machine": machine_info(), "data": args.data, "rounds": rounds, "summary": summary,
+              **({"epochs": args.epochs} if args.data == "movielens" else
+                 {"samples": args.samples, "eval_samples": args.eval_samples, "peer_rows": args.rows})}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "recsys.json").write_text(json.dumps(result, indent=2, default=str))
-    plot(summary, args.out / "recsys.png")
+    name = "recsys_movielens" if args.data == "movielens" else "recsys"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
+    plot(summary, args.out / f"{name}.png",
+         "MovieLens-100k" if args.data == "movielens" else "Criteo-schema synthetic data")
     print(json.dumps(summary, indent=2))
 
 

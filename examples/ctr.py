@@ -8,7 +8,10 @@ or asynchronous parameter servers (a chief schedules steps onto the workers)::
 
     unison launch --chief --workers 2 --ps 2 examples/ctr.py --strategy ps
 
-or one device: ``python examples/ctr.py --strategy one_device``. Table policies:
+or one device: ``python examples/ctr.py --strategy one_device``. Real data: ``--data movielens``
+trains on MovieLens-100k (``movielens_data.py``: a rating of 4 or 5 is a click; user, movie,
+user attributes and a bag of genres; each user's last 20% of ratings held out), ``--epochs
+N`` passes over its 80,000 training ratings. Table policies:
 ``--admit-after N`` gives an id a row only once seen ``N`` times (most ids of the stream
 are rare), ``--capacity N`` keeps at most ``N`` rows (least recently used evicted).
 Checkpoints and serving: ``--checkpoint-dir DIR --delta-every N`` writes the table every
@@ -49,8 +52,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ctr_data import CtrData, auc, bayes_auc, make_ctr_data  # noqa: E402
+from ctr_data import NUM_DENSE, NUM_SPARSE, CtrData, auc, bayes_auc, make_ctr_data  # noqa: E402
 from dlrm import DLRM, dynamic_table  # noqa: E402
+from movielens_data import MovieLensData  # noqa: E402
 
 import unison  # noqa: E402
 
@@ -58,8 +62,13 @@ import unison  # noqa: E402
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=("hybrid", "ps", "one_device"), default="hybrid")
-    parser.add_argument("--train", type=int, default=200_000, help="training samples over all workers (one pass)")
-    parser.add_argument("--test", type=int, default=50_000, help="held-out samples")
+    parser.add_argument("--data", choices=DATA, default="synthetic",
+                        help="synthetic Criteo-schema clicks (ctr_data.py) or MovieLens-100k (movielens_data.py)")
+    parser.add_argument("--train", type=int, default=200_000,
+                        help="synthetic: training samples over all workers (one pass)")
+    parser.add_argument("--test", type=int, default=50_000, help="synthetic: held-out samples")
+    parser.add_argument("--epochs", type=int, default=1,
+                        help="movielens: passes over the 80,000 training ratings (each in its own order)")
     parser.add_argument("--batch-size", type=int, default=256, help="per worker (one device: per step)")
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
@@ -128,13 +137,42 @@ def _policies(args: argparse.Namespace) -> dict:
 
 
 OPTIMIZERS = ("adagrad", "rowwise_adagrad", "sparse_adam", "ftrl")
+DATA = ("synthetic", "movielens")
+Data = CtrData | MovieLensData
+
+
+def _training_data(data: str, train: int, epochs: int, seed: int) -> Data:
+    """The training samples, in the order they are trained on (sharded by the caller)."""
+    if data == "movielens":
+        from movielens_data import load_movielens
+
+        return load_movielens(seed=seed)[0].repeat(epochs, seed=seed)
+    return make_ctr_data(train, seed=seed)
+
+
+def _test_data(args: argparse.Namespace) -> Data:
+    if args.data == "movielens":
+        from movielens_data import load_movielens
+
+        return load_movielens(seed=args.seed)[1]
+    return make_ctr_data(args.test, seed=args.seed + 1)
+
+
+def _schema(data: str) -> dict:
+    """The DLRM's arguments that follow the data: dense features, columns per sparse feature, padding."""
+    if data == "movielens":
+        import movielens_data
+
+        return {"num_dense": movielens_data.NUM_DENSE, "feature_widths": movielens_data.FEATURE_WIDTHS,
+                "padding_id": movielens_data.PADDING_ID}
+    return {"num_dense": NUM_DENSE, "feature_widths": (1,) * NUM_SPARSE}
 
 
 def _model(args: argparse.Namespace) -> tuple[DLRM, list[torch.optim.Optimizer]]:
     torch.manual_seed(args.seed)
     table = dynamic_table(args.dim, seed=args.seed, row_wise_adagrad=args.optimizer == "rowwise_adagrad",
                           **_policies(args))
-    model = DLRM(table, embedding_dim=args.dim, bottom=(64, args.dim))
+    model = DLRM(table, embedding_dim=args.dim, bottom=(64, args.dim), **_schema(args.data))
     return model, _optimizers(model, args.optimizer, args.lr)
 
 
@@ -151,7 +189,7 @@ def _optimizers(model: DLRM, name: str, lr: float) -> list[torch.optim.Optimizer
     return [unison.optim.Ftrl(rows, lr=lr), torch.optim.Adagrad(dense, lr=lr)]
 
 
-def _evaluate(model: DLRM, test: CtrData) -> float:
+def _evaluate(model: DLRM, test: Data) -> float:
     model.eval()
     with torch.no_grad():
         scores = torch.cat([model(dense, sparse) for dense, sparse, _ in test.batches(8192, drop_last=False)])
@@ -159,12 +197,14 @@ def _evaluate(model: DLRM, test: CtrData) -> float:
     return auc(scores, test.labels)
 
 
-def _report(args: argparse.Namespace, strategy: str, samples: int, seconds: float, test: CtrData, score: float,
+def _report(args: argparse.Namespace, strategy: str, samples: int, seconds: float, test: Data, score: float,
             extra: dict | None = None) -> None:
-    result = {"strategy": strategy, "optimizer": args.optimizer, "samples": samples, "seconds": seconds,
-              "samples_per_s": samples / seconds, "auc": score, "bayes_auc": bayes_auc(test), **(extra or {})}
-    print(f"[{strategy}] trained on {samples} samples in {seconds:.1f} s ({samples / seconds:.0f} samples/s); "
-          f"held-out AUC {score:.4f} (Bayes-optimal {result['bayes_auc']:.4f})")
+    best = bayes_auc(test) if isinstance(test, CtrData) else None  # known for the synthetic data only
+    result = {"strategy": strategy, "data": args.data, "optimizer": args.optimizer, "samples": samples,
+              "seconds": seconds, "samples_per_s": samples / seconds, "auc": score, "bayes_auc": best, **(extra or {})}
+    print(f"[{strategy}] trained on {samples} samples of {args.data} in {seconds:.1f} s "
+          f"({samples / seconds:.0f} samples/s); held-out AUC {score:.4f}"
+          + ("" if best is None else f" (Bayes-optimal {best:.4f})"))
     if args.json is not None:
         args.json.write_text(json.dumps(result))
 
@@ -183,8 +223,8 @@ def _step(model: DLRM, optimizers: list[torch.optim.Optimizer]):
 
 def one_device(args: argparse.Namespace) -> None:
     index, count = (int(part) for part in args.shard.split("/"))
-    train = make_ctr_data(args.train, seed=args.seed).shard(index, count)
-    test = make_ctr_data(args.test, seed=args.seed + 1)
+    train = _training_data(args.data, args.train, args.epochs, args.seed).shard(index, count)
+    test = _test_data(args)
     model, optimizers = _model(args)
     step = _step(model, optimizers)
     saves = TableSaves(args, model)
@@ -205,7 +245,7 @@ def hybrid(args: argparse.Namespace) -> None:
         return
     strategy = unison.HybridParameterServerStrategy(resolver)
     rank, workers = strategy.extended.components.cluster.rank, strategy.num_replicas_in_sync  # chief first, if any
-    data = make_ctr_data(args.train, seed=args.seed)
+    data = _training_data(args.data, args.train, args.epochs, args.seed)
     steps = len(data) // workers // args.batch_size  # the same count on every worker
     train = data.shard(rank, workers)
     with strategy.scope():
@@ -225,7 +265,7 @@ def hybrid(args: argparse.Namespace) -> None:
         saves.at_end()
     seconds = time.perf_counter() - start
     if rank == 0:
-        test = make_ctr_data(args.test, seed=args.seed + 1)
+        test = _test_data(args)
         stats = model.embeddings.table_stats()
         print(f"[hybrid] rows per ps task: {[s['rows'] for s in stats]}, "
               f"MB: {[round(s['bytes'] / 2**20) for s in stats]}")
@@ -245,16 +285,18 @@ def parameter_server(args: argparse.Namespace) -> None:
         model, optimizers = _model(args)
     step = _step(model, optimizers)
     workers = len(strategy.ps_cluster.workers)
-    batch, seed, total = args.batch_size, args.seed, args.train
+    batch, seed, total, name, epochs = args.batch_size, args.seed, args.train, args.data, args.epochs
 
     def dataset_fn(context: unison.InputContext):
         # repeated: a free worker takes the next step, so one may run more than its shard's share
-        shard = make_ctr_data(total, seed=seed).shard(context.input_pipeline_id, context.num_input_pipelines)
+        data = _training_data(name, total, epochs, seed)
+        shard = data.shard(context.input_pipeline_id, context.num_input_pipelines)
         while True:
             yield from shard.batches(batch)
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-    steps = total // workers // batch * workers
+    size = len(_training_data(name, total, epochs, seed)) if name == "movielens" else total
+    steps = size // workers // batch * workers
 
     def train_step(it):
         return step(*next(it))
@@ -270,7 +312,7 @@ def parameter_server(args: argparse.Namespace) -> None:
     coordinator.join()
     saves.at_end()
     seconds = time.perf_counter() - start
-    test = make_ctr_data(args.test, seed=args.seed + 1)
+    test = _test_data(args)
     stats = model.embeddings.table_stats()
     print(f"[ps] rows per ps task: {[s['rows'] for s in stats]}, MB: {[round(s['bytes'] / 2**20) for s in stats]}")
     _report(args, "ps", (steps - 1) * batch, seconds, test, _evaluate(model, test),

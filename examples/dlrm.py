@@ -52,14 +52,27 @@ class DLRM(nn.Module):
         embedding_dim: the width of every embedding and of the bottom MLP's output.
         bottom: hidden sizes of the bottom MLP, its last equal to ``embedding_dim``.
         top: sizes of the top MLP after its input, its last 1.
+        num_dense: dense features (the bottom MLP's input); Criteo's 13 by default.
+        feature_widths: the columns of ``sparse`` each feature takes, in order; a width above 1
+            is a bag of ids pooled by sum (e.g. a movie's genres). Default: 26 features of one id.
+        padding_id: an id that stands for nothing in a bag's unused columns: it adds no vector
+            to its bag and takes no gradient (``nn.EmbeddingBag``'s ``padding_idx``); None: every
+            column is an id. A fused table still looks the padding up (one row, never trained).
     """
 
     def __init__(self, embeddings: nn.Module | Sequence[nn.Module], *, embedding_dim: int = 16,
-                 bottom: Sequence[int] = (64, 16), top: Sequence[int] = (64, 32, 1)):
+                 bottom: Sequence[int] = (64, 16), top: Sequence[int] = (64, 32, 1), num_dense: int = NUM_DENSE,
+                 feature_widths: Sequence[int] | None = None, padding_id: int | None = None):
         super().__init__()
+        widths = tuple(feature_widths) if feature_widths is not None else (1,) * NUM_SPARSE
+        if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+            raise ValueError(f"DLRM: `feature_widths` must be ints >= 1, one per sparse feature, "
+                             f"got {feature_widths!r}")
+        self.feature_widths = widths
+        self.padding_id = padding_id
         self.fused = isinstance(embeddings, nn.Module) and not isinstance(embeddings, nn.ModuleList)
-        if not self.fused and len(embeddings) != NUM_SPARSE:  # type: ignore[arg-type]
-            raise ValueError(f"DLRM: `embeddings` must hold one module per sparse feature ({NUM_SPARSE}), "
+        if not self.fused and len(embeddings) != len(widths):  # type: ignore[arg-type]
+            raise ValueError(f"DLRM: `embeddings` must hold one module per sparse feature ({len(widths)}), "
                              f"got {len(embeddings)}")
         if not bottom or bottom[-1] != embedding_dim:
             raise ValueError(f"DLRM: `bottom` must end with embedding_dim={embedding_dim} (its output meets the "
@@ -69,24 +82,42 @@ class DLRM(nn.Module):
         self.embedding_dim = embedding_dim
         self.embeddings = (embeddings if self.fused or isinstance(embeddings, nn.ModuleList)
                            else nn.ModuleList(embeddings))
-        self.bottom = _mlp((NUM_DENSE, *bottom), last_relu=True)
-        vectors = NUM_SPARSE + 1
+        self.bottom = _mlp((num_dense, *bottom), last_relu=True)
+        vectors = len(widths) + 1
         self.top = _mlp((embedding_dim + vectors * (vectors - 1) // 2, *top), last_relu=False)
         upper = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("_upper", upper, persistent=False)
+        starts = [0]
+        for width in widths:
+            starts.append(starts[-1] + width)
+        self._starts = starts
+        feature_of_column = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths))
+        self.register_buffer("_feature_of_column", feature_of_column, persistent=False)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B]`` of ``dense`` float ``[B, 13]`` and ``sparse`` int64 ``[B, 26]`` (feature f in column f)."""
-        if sparse.dim() != 2 or sparse.shape[1] != NUM_SPARSE:
-            raise ValueError(f"DLRM: `sparse` must be [B, {NUM_SPARSE}], got {tuple(sparse.shape)}")
+        """Logits ``[B]`` of ``dense`` float ``[B, num_dense]`` and ``sparse`` int64 ``[B, sum(feature_widths)]``
+        (feature f in its columns; by default ``[B, 26]``, feature f in column f)."""
+        columns = self._starts[-1]
+        if sparse.dim() != 2 or sparse.shape[1] != columns:
+            raise ValueError(f"DLRM: `sparse` must be [B, {columns}] (the sum of feature_widths), "
+                             f"got {tuple(sparse.shape)}")
         x = self.bottom(dense)
+        present = None if self.padding_id is None else (sparse != self.padding_id).to(x.dtype)  # [B, columns]
         if self.fused:
-            vectors = torch.cat([x.unsqueeze(1), self.embeddings(sparse)], dim=1)  # [B, 27, dim]
+            looked_up = self.embeddings(sparse)  # [B, columns, dim]
+            if present is not None:
+                looked_up = looked_up * present.unsqueeze(2)
+            if columns != len(self.feature_widths):  # bags: sum each feature's columns
+                looked_up = looked_up.new_zeros(sparse.shape[0], len(self.feature_widths), looked_up.shape[2]
+                                                ).index_add_(1, self._feature_of_column, looked_up)
+            vectors = torch.cat([x.unsqueeze(1), looked_up], dim=1)  # [B, features + 1, dim]
         else:
-            pooled = [module(sparse[:, f:f + 1]) for f, module in enumerate(self.embeddings)]
-            vectors = torch.stack([x, *pooled], dim=1)  # [B, 27, dim]
-        dots = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, 27, 27]
-        pairs = dots[:, self._upper[0], self._upper[1]]  # [B, 351]
+            pooled = [module(sparse[:, a:b]) if present is None
+                      else module(sparse[:, a:b], per_sample_weights=present[:, a:b])
+                      for module, a, b in zip(self.embeddings, self._starts[:-1], self._starts[1:])]
+            vectors = torch.stack([x, *pooled], dim=1)  # [B, features + 1, dim]
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, features + 1, features + 1]
+        pairs = dots[:, self._upper[0], self._upper[1]]  # the upper triangle: 351 for Criteo's 26 + 1
         return self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
 
 
