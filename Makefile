@@ -8,7 +8,7 @@ WORKERS ?= 2
 .PHONY: install demo test lint typecheck check bench clean
 
 install:
-	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,lint,examples,bench,models]"
+	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,lint,examples,bench,models,disk]"
 
 demo: install
 	$(PYTHON) -m unison.launch --workers $(WORKERS) examples/digits.py
