@@ -61,9 +61,10 @@ __all__ = [
     "FunctionFailed", "WorkerRequest",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1; 3: a table
-export carries its policy parts, and ``TableCreate``'s config its admission and capacity)."""
+export carries its policy parts, and ``TableCreate``'s config its admission and capacity; 4: the
+config its disk tier, ``storage``, which an older ps task would drop, keeping every row in memory)."""
 
 
 class ProtocolError(ValueError):

@@ -40,7 +40,7 @@ class DiskStorage:
     Each place that owns rows of the table (this process on one device, each ps task for its
     shard) keeps at most ``memory_budget_bytes`` of them in memory: the hot rows' values,
     optimizer state and counters, and the in-memory index of the cold ones (id, count, last
-    step: about 60 bytes a row); the rest live in an LMDB store in its own directory,
+    step: about 75 bytes a row); the rest live in an LMDB store in its own directory,
     ``path/local`` on one device and ``path/ps-K/<table>`` on ps task ``K``. After each
     optimizer step the rows over the budget, least recently used first (``cache="lru"``) or
     least often (``"lfu"``), spill to disk in one batch; the step's own rows stay. A lookup
@@ -163,6 +163,10 @@ class KeyValueStore:
         with self._env.begin(write=True) as txn:
             for key in _keys(keys):
                 txn.delete(key)
+
+    def __len__(self) -> int:
+        """Values stored."""
+        return int(self._env.stat()["entries"])
 
     @property
     def disk_bytes(self) -> int:

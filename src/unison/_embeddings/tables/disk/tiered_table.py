@@ -45,7 +45,8 @@ from unison._embeddings.tables.local_table import LocalTable
 
 __all__ = ["TieredTable"]
 
-_INDEX_BYTES_PER_ROW = 32
+_INDEX_BYTES_PER_ROW = 32  # a hot row's id index entry, about
+_COLD_BYTES_PER_ROW = 80  # a cold row's counters and index entry, about (``ColdRows``)
 
 
 @final
@@ -268,21 +269,36 @@ class TieredTable:
         self._cold.remove(positions)
 
     def _budget_rows(self) -> int:
-        """How many rows the budget holds in memory now, beside the cold rows' index."""
+        """How many rows the budget holds in memory now, beside the cold rows' index, counting the index
+        entries that the rows spilled to get there will take."""
+        per_row = self._hot.slot_bytes + _INDEX_BYTES_PER_ROW
         free = self._storage.memory_budget_bytes - self._cold.nbytes
-        return max(0, free // (self._hot.slot_bytes + _INDEX_BYTES_PER_ROW))
+        hot = self._hot.num_rows
+        if hot * per_row <= free:
+            return hot
+        if per_row <= _COLD_BYTES_PER_ROW:  # a spilled row saves nothing: keep what fits now
+            return max(0, free // per_row)
+        return max(0, (free - hot * _COLD_BYTES_PER_ROW) // (per_row - _COLD_BYTES_PER_ROW))
 
     def _spill(self, protect: bool = True) -> None:
-        """Writes the hot rows over the budget to disk, in one batch (``storage.cache`` chooses which)."""
-        allowed = self._budget_rows()
-        if self._hot.num_rows <= allowed:
-            return
-        hot = self._hot.row_counters()
-        live = torch.arange(hot["ids"].numel())
-        protect_from = self.current_step - 1 if protect else -(2 ** 62)
-        chosen, over = RowCapacity(allowed, self._storage.cache).victims(live, hot["ids"], hot["counts"],
-                                                                         hot["last_seen"], protect_from)
-        self._cold.put(self._hot.take(hot["ids"].index_select(0, chosen)))
+        """Writes the hot rows over the budget to disk, in batches (``storage.cache`` chooses which).
+
+        The cold rows' index grows with each batch and counts against the budget, so the budget
+        is read again after each (a few rounds: each takes the rows its index costs).
+        """
+        protect_from = self.current_step - 1 if protect else 2 ** 62
+        over = 0
+        for _ in range(4):
+            allowed = self._budget_rows()
+            if self._hot.num_rows <= allowed:
+                return
+            hot = self._hot.row_counters()
+            live = torch.arange(hot["ids"].numel())
+            chosen, over = RowCapacity(allowed, self._storage.cache).victims(live, hot["ids"], hot["counts"],
+                                                                             hot["last_seen"], protect_from)
+            if not chosen.numel():
+                break
+            self._cold.put(self._hot.take(hot["ids"].index_select(0, chosen)))
         if over and not self._warned["budget"]:
             self._warned["budget"] = True
             warnings.warn(f"DiskStorage: {self._hot.num_rows} rows in memory after spilling, over the "
