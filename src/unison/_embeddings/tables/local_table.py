@@ -323,6 +323,37 @@ class LocalTable:
         fresh.adopt_save_point(export["meta"])
         self.__dict__.update(fresh.__dict__)
 
+    def close(self) -> None:
+        """Nothing to release: the rows are in memory (a disk tier closes its files)."""
+
+    # -- seams of a disk tier (``disk.tiered_table``): it applies the policies over every tier itself ------
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one row's slot: its values, optimizer state and counters (not the id index)."""
+        per_slot = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, *self._state.values()]
+        if self._seen_at is not None:
+            per_slot.append(self._seen_at)
+        return sum(t.element_size() * (t.shape[1] if t.dim() == 2 else 1) for t in per_slot)
+
+    def row_counters(self) -> dict[str, torch.Tensor]:
+        """Per stored row (in slot order): ``ids``, ``counts``, ``last_seen`` and, with a clock,
+        ``idle_seconds``: what eviction policies and a capacity read."""
+        live = self._live_slots()
+        out = {"ids": self._slot_ids[live], "counts": self._counts[live], "last_seen": self._last_seen[live]}
+        if self._clock is not None and self._seen_at is not None:
+            out["idle_seconds"] = self._clock() - self._seen_at[live]
+        return out
+
+    def take(self, ids: torch.Tensor) -> dict[str, Any]:
+        """The :meth:`export` of the stored rows among distinct ``ids`` (no admission counts), removed
+        from the table: a disk tier moves them to disk, or evicts them."""
+        slots = self._index.find(ids)
+        slots = slots[slots >= 0]
+        out = self._export_slots(slots)
+        out.pop("pending_counts", None)
+        self._remove(slots)
+        return out
+
     def evict(self) -> torch.Tensor:
         """Remove the rows the eviction policy names, then those over capacity; returns their ids, ascending.
 

@@ -19,10 +19,12 @@ from unison._embeddings.optim.row_optimizers import RowOptimizer
 from unison._embeddings.tables.admission_policies import AdmissionPolicy
 from unison._embeddings.tables.bag_layout import BagLayout
 from unison._embeddings.tables.capacity import RowCapacity
+from unison._embeddings.tables.disk.storage import DiskStorage
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.initializers import Initializer
 
 if TYPE_CHECKING:
+    from unison._embeddings.tables.disk.tiered_table import TieredTable
     from unison._embeddings.tables.local_table import LocalTable
 
 __all__ = ["Table", "TableConfig", "TableFactory", "LocalTables", "NoTables"]
@@ -33,6 +35,7 @@ class TableConfig:
     """What a table (or one shard of it) is made from; every shard and every worker agree on it.
 
     ``capacity`` is the whole table's; :meth:`per_shard` gives what one of ``M`` shards keeps.
+    ``storage`` (a disk tier) is per place that owns rows: each shard keeps its budget.
     """
 
     embedding_dim: int
@@ -42,12 +45,20 @@ class TableConfig:
     eviction: EvictionPolicy | None
     admission: AdmissionPolicy | None = None
     capacity: RowCapacity | None = None
+    storage: DiskStorage | None = None
 
-    def new_table(self) -> LocalTable:
-        """An empty local table (a whole table here, or one shard on a ps task)."""
+    def new_table(self, place: str = "local") -> LocalTable | TieredTable:
+        """An empty local table (a whole table here, or one shard on a ps task); with ``storage``, one whose
+        rows beyond the budget live on disk under ``storage.path / place`` (``"ps-0/<table>"`` on ps task 0)."""
         from unison._embeddings.tables.local_table import LocalTable
 
         capacity = self.capacity
+        if self.storage is not None:
+            from unison._embeddings.tables.disk.tiered_table import TieredTable
+
+            return TieredTable(self.embedding_dim, storage=self.storage, place=place, dtype=self.dtype,
+                               initializer=self.initializer, seed=self.seed, eviction=self.eviction,
+                               admission=self.admission, capacity=capacity)
         return LocalTable(self.embedding_dim, dtype=self.dtype, initializer=self.initializer, seed=self.seed,
                           eviction=self.eviction, admission=self.admission,
                           capacity=None if capacity is None else capacity.rows,
@@ -63,7 +74,7 @@ class TableConfig:
         """The config in words, to compare two workers' (the objects are rebuilt by pickling)."""
         return (f"dim={self.embedding_dim}, dtype={self.dtype}, initializer={self.initializer!r}, "
                 f"seed={self.seed}, eviction={self.eviction!r}, admission={self.admission!r}, "
-                f"capacity={self.capacity!r}")
+                f"capacity={self.capacity!r}, storage={self.storage!r}")
 
 
 @runtime_checkable
@@ -140,7 +151,7 @@ class LocalTables:
     """Tables in this process: no strategy, ``OneDeviceStrategy``."""
 
     def create_table(self, config: TableConfig) -> Table:
-        return config.new_table()
+        return config.new_table("local")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,10 +52,10 @@ def _make_optimizer(cls: type, tensor: torch.Tensor, hyper: dict) -> torch.optim
 class ParameterStore:
     """The tensors of one ps task and their optimizers; safe for concurrent sessions."""
 
-    def __init__(self) -> None:
+    def __init__(self, task_index: int = 0) -> None:
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()
-        self.tables = TableShards()
+        self.tables = TableShards(f"ps-{task_index}")
         """The shards of dynamic embedding tables on this ps task."""
 
     def __len__(self) -> int:

@@ -28,18 +28,23 @@ __all__ = ["TableShards"]
 
 
 class _Entry:
-    __slots__ = ("config", "table", "lock")
+    __slots__ = ("config", "place", "table", "lock")
 
-    def __init__(self, config: TableConfig):
-        self.config = config
-        self.table = config.new_table()
+    def __init__(self, config: TableConfig, place: str):
+        self.config, self.place = config, place
+        self.table = config.new_table(place)
         self.lock = threading.Lock()
 
 
 class TableShards:
-    """The dynamic table shards of one ps task; safe for concurrent sessions."""
+    """The dynamic table shards of one ps task; safe for concurrent sessions.
 
-    def __init__(self) -> None:
+    ``place`` names this ps task (``"ps-0"``): a table with a disk tier keeps its cold rows
+    under ``storage.path / place / <table key>``.
+    """
+
+    def __init__(self, place: str = "ps-0") -> None:
+        self._place = place
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._recent = threading.local()  # per session thread: table key -> (ids, slots, generation) of its last lookup
@@ -60,7 +65,7 @@ class TableShards:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                self._entries[key] = _Entry(config)
+                self._entries[key] = _Entry(config, f"{self._place}/{_directory_name(key)}")
             elif entry.config.describe() != config.describe():
                 raise ValueError(f"dynamic table {key!r} exists on this ps task with {entry.config.describe()}, "
                                  f"asked for {config.describe()}; every worker must build the same model")
@@ -115,11 +120,12 @@ class TableShards:
     def load(self, key: str, export: dict[str, Any], shard: int, num_shards: int) -> None:
         """Replaces the shard by the rows of ``export`` that belong to shard ``shard`` of ``num_shards``."""
         entry = self._entry(key)
-        table = entry.config.new_table()
+        table = entry.config.new_table(entry.place)
         table.import_(export, shard=shard, num_shards=num_shards)
         table.adopt_save_point(export["meta"])
         with entry.lock:
-            entry.table = table
+            entry.table, old = table, entry.table
+        old.close()  # a disk tier's files of the rows before (the new table's are its own)
 
     def save_point(self, key: str) -> dict[str, Any]:
         """Where the shard's delta and serving chains stand."""
@@ -155,3 +161,8 @@ class TableShards:
             with entry.lock:
                 out[key] = (entry.table.num_rows, entry.table.bytes)
         return out
+
+
+def _directory_name(key: str) -> str:
+    """A table key as one directory name (keys hold ``:``; ``/`` would nest)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)

@@ -66,10 +66,11 @@ __all__ = [
     "FunctionFailed", "WorkerRequest",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1; 3: a table
 export carries its policy parts, and ``TableCreate``'s config its admission and capacity; 4: delta
-checkpoints and serving exports of a table, and an export's ``removed`` ids)."""
+checkpoints and serving exports of a table, and an export's ``removed`` ids; 5: a table config's disk tier, ``storage``,
+which an older ps task would drop, keeping every row in memory)."""
 
 
 class ProtocolError(ValueError):

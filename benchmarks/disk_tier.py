@@ -1,0 +1,109 @@
+"""The disk tier's costs: a table several times its memory budget trains; RSS growth against the budget;
+samples/s at a ~90% and ~50% hot-set hit rate against the same table all in memory; disk bytes per row.
+
+    python benchmarks/disk_tier.py --rows 200000 --dim 32 --budget-fraction 0.25 --steps 60 --batch 2048
+
+One process, one device (the ps task's path is the same table code). Each run is paired: the
+in-memory table and the tiered one train on the same batches in the same run. The hit rate is
+the share of a batch's ids drawn from a hot set of ``budget rows / 2`` ids; the rest are drawn
+uniformly from every row. Writes ``benchmarks/out/disk_tier.json``; results in
+``benchmarks/RESULTS.md`` (indicative: a shared 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from unison import DynamicEmbedding
+from unison.embeddings import DiskStorage
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _batches(rows: int, hot: int, hit: float, steps: int, batch: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        from_hot = torch.rand(batch, generator=g) < hit
+        ids = torch.where(from_hot, torch.randint(0, hot, (batch,), generator=g),
+                          torch.randint(0, rows, (batch,), generator=g))
+        out.append(ids)
+    return out
+
+
+def _fill(emb: DynamicEmbedding, opt: torch.optim.Optimizer, rows: int, chunk: int = 8192) -> None:
+    """Makes every row (and its Adagrad state) by training on each id once."""
+    for start in range(0, rows, chunk):
+        emb(torch.arange(start, min(rows, start + chunk))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _train(emb: DynamicEmbedding, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for ids in batches:
+        emb(ids).pow(2).sum().mul(1e-3).backward()
+        opt.step()
+        opt.zero_grad()
+    return sum(b.numel() for b in batches) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--budget-fraction", type=float, default=0.25, help="budget / bytes of every row in memory")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=2048)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    row_bytes = 4 * 2 * args.dim + 25 + 32  # a row, its Adagrad sum, counters and index entry
+    budget = int(args.rows * row_bytes * args.budget_fraction)
+    budget_rows = int(budget / row_bytes)
+    results: dict = {"rows": args.rows, "dim": args.dim, "budget_bytes": budget, "steps": args.steps,
+                     "batch": args.batch}
+    warnings.simplefilter("ignore", RuntimeWarning)
+
+    rss_before = _rss_mb()
+    with tempfile.TemporaryDirectory() as path:
+        tiered = DynamicEmbedding(args.dim, storage=DiskStorage(path, memory_budget_bytes=budget))
+        opt_t = torch.optim.Adagrad(tiered.parameters(), lr=0.05)
+        _fill(tiered, opt_t, args.rows)
+        rss_tiered = _rss_mb() - rss_before
+        results["tiered_rss_growth_mb"] = rss_tiered
+        results["rss_growth_over_budget"] = rss_tiered * 2**20 / budget
+        results["hot_rows"] = tiered.table.hot_rows
+        results["disk_bytes_per_row"] = tiered.table.disk_bytes / max(1, tiered.num_rows - tiered.table.hot_rows)
+        memory = DynamicEmbedding(args.dim)
+        opt_m = torch.optim.Adagrad(memory.parameters(), lr=0.05)
+        _fill(memory, opt_m, args.rows)
+        results["in_memory_table_bytes"] = memory.table.bytes
+        for hit in (0.9, 0.5):
+            batches = _batches(args.rows, max(1, budget_rows // 2), hit, args.steps, args.batch, seed=int(hit * 10))
+            _train(tiered, opt_t, batches[:3])  # warm: the hot set comes in
+            _train(memory, opt_m, batches[:3])
+            ours, theirs = _train(tiered, opt_t, batches[3:]), _train(memory, opt_m, batches[3:])
+            results[f"hit_{hit}"] = {"tiered_samples_per_s": ours, "in_memory_samples_per_s": theirs,
+                                     "ratio": ours / theirs}
+        tiered.table.close()
+    for key, value in results.items():
+        print(f"{key}: {value}")
+    out = Path(__file__).parent / "out"
+    os.makedirs(out, exist_ok=True)
+    (out / "disk_tier.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The cold tier of a table shard: rows and optimizer state on disk, their ids and counters in memory.
+
+Eviction policies and a capacity choose over every row of a table from its counters
+(count, last step, idle seconds), every step; reading them from disk each time would
+read the whole table. So a cold row keeps in memory what a policy reads (about 60
+bytes: its id in an index, count, last step, last-touch time by the policy's clock, the
+layout of its state) and on disk only its values and optimizer state, one LMDB value per
+id. Its metadata lives by position, like a ``LocalTable``'s slots: positions of rows read
+back or deleted go to a free list for the next spill.
+"""
+
+from __future__ import annotations
+
+from typing import Any, final
+
+import torch
+
+from unison._embeddings.tables.disk.storage import KeyValueStore
+from unison._embeddings.tables.id_index import IdIndex
+
+__all__ = ["ColdRows"]
+
+_MIN_CAPACITY = 16
+
+
+@final
+class ColdRows:
+    """The rows of one shard that are on disk; not thread-safe (the tiered table's holder serialises calls).
+
+    Args:
+        store: the shard's key-value store (empty).
+        embedding_dim, dtype: of the rows.
+        clock: the eviction policy's clock, or None: then no idle time is kept.
+    """
+
+    def __init__(self, store: KeyValueStore, embedding_dim: int, dtype: torch.dtype, clock: Any) -> None:
+        self._store, self._dim, self._dtype, self._clock = store, embedding_dim, dtype, clock
+        self._itemsize = torch.empty(0, dtype=dtype).element_size()
+        self._index = IdIndex()
+        self._ids = torch.zeros(0, dtype=torch.int64)
+        self._counts = torch.zeros(0, dtype=torch.int64)
+        self._last_seen = torch.zeros(0, dtype=torch.int64)
+        self._seen_at = torch.zeros(0, dtype=torch.float64)
+        self._layout = torch.zeros(0, dtype=torch.int8)
+        self._live = torch.zeros(0, dtype=torch.bool)
+        self._free = torch.zeros(0, dtype=torch.int64)
+        self._used = 0
+        self._num_rows = 0
+        # each distinct set of optimizer states the spilled rows had: ((name, columns), ...) and their initial values
+        self._layouts: list[tuple[tuple[str, int], ...]] = []
+        self.state_init: dict[str, float] = {}
+
+    @property
+    def num_rows(self) -> int:
+        """Rows on disk."""
+        return self._num_rows
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in memory: the index and counters of the cold rows (not the store's page cache)."""
+        per_slot = (self._ids, self._counts, self._last_seen, self._seen_at, self._layout, self._live)
+        used = sum(t[:self._used].numel() * t.element_size() for t in per_slot)
+        return used + self._index.nbytes + self._free.numel() * self._free.element_size()
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the store's files on disk."""
+        return self._store.disk_bytes
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Positions of ``ids``, -1 for those not on disk."""
+        return self._index.find(ids) if self._num_rows else torch.full_like(ids, -1)
+
+    def put(self, export: dict[str, Any]) -> None:
+        """Writes the rows of a ``LocalTable`` export (ids absent here) with their state; keeps their counters."""
+        ids = export["ids"]
+        if not ids.numel():
+            return
+        names = tuple(sorted(export["state"]))
+        layout = tuple((name, int(export["state"][name].shape[1])) for name in names)
+        if layout not in self._layouts:
+            self._layouts.append(layout)
+        self.state_init.update(export["meta"]["state_init"])
+        values = torch.cat([export["rows"], *(export["state"][name] for name in names)], dim=1)
+        self._store.put(ids, values.contiguous().view(torch.uint8))
+        positions = self._allocate(ids.numel())
+        self._ids[positions] = ids
+        self._counts[positions] = export["counts"]
+        self._last_seen[positions] = export["last_seen"]
+        if self._clock is not None:
+            self._seen_at[positions] = self._clock() - export["idle_seconds"].to(torch.float64)
+        self._layout[positions] = self._layouts.index(layout)
+        self._live[positions] = True
+        self._index.insert(ids, positions)
+        self._num_rows += ids.numel()
+
+    def read(self, positions: torch.Tensor, meta: dict[str, Any]) -> list[dict[str, Any]]:
+        """Exports of the rows at live ``positions``, one per state layout, with ``meta`` (rows stay here)."""
+        out = []
+        layouts = self._layout.index_select(0, positions)
+        for code in torch.unique(layouts).tolist():
+            at = positions[layouts == code]
+            layout = self._layouts[code]
+            columns = self._dim + sum(c for _, c in layout)
+            values = self._store.get(self._ids.index_select(0, at), columns * self._itemsize).view(self._dtype)
+            state, start = {}, self._dim
+            for name, width in layout:
+                state[name] = values[:, start:start + width]
+                start += width
+            part = {"ids": self._ids.index_select(0, at), "rows": values[:, :self._dim], "state": state,
+                    "counts": self._counts.index_select(0, at), "last_seen": self._last_seen.index_select(0, at),
+                    "meta": {**meta, "state_init": {name: self.state_init[name] for name, _ in layout}}}
+            if self._clock is not None:
+                part["idle_seconds"] = self._clock() - self._seen_at.index_select(0, at)
+            out.append(part)
+        return out
+
+    def remove(self, positions: torch.Tensor) -> None:
+        """Deletes the rows at live ``positions`` from disk and memory."""
+        if not positions.numel():
+            return
+        ids = self._ids.index_select(0, positions)
+        self._store.delete(ids)
+        self._index.remove(ids)
+        self._live[positions] = False
+        self._free = torch.cat([self._free, positions])
+        self._num_rows -= positions.numel()
+
+    def live_positions(self) -> torch.Tensor:
+        """Positions of every row on disk."""
+        return self._live[:self._used].nonzero().squeeze(1)
+
+    def counters(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``ids``, ``counts``, ``last_seen`` (and with a clock ``idle_seconds``) of ``positions``."""
+        out = {"ids": self._ids.index_select(0, positions), "counts": self._counts.index_select(0, positions),
+               "last_seen": self._last_seen.index_select(0, positions)}
+        if self._clock is not None:
+            out["idle_seconds"] = self._clock() - self._seen_at.index_select(0, positions)
+        return out
+
+    def close(self) -> None:
+        """Closes the store and removes its files."""
+        self._store.close()
+
+    def _allocate(self, count: int) -> torch.Tensor:
+        reused = min(count, self._free.numel())
+        taken = self._free[self._free.numel() - reused:]
+        self._free = self._free[:self._free.numel() - reused]
+        fresh = count - reused
+        if self._used + fresh > self._ids.shape[0]:
+            capacity = max(_MIN_CAPACITY, 2 * self._ids.shape[0], self._used + fresh)
+            used = self._used
+
+            def grown(old: torch.Tensor) -> torch.Tensor:
+                new = torch.empty(capacity, dtype=old.dtype)
+                new[:used] = old[:used]
+                return new
+
+            self._ids, self._counts, self._last_seen = grown(self._ids), grown(self._counts), grown(self._last_seen)
+            self._seen_at, self._layout, self._live = grown(self._seen_at), grown(self._layout), grown(self._live)
+        positions = torch.cat([taken, torch.arange(self._used, self._used + fresh)])
+        self._used += fresh
+        return positions

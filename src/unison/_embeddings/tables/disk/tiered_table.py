@@ -1,0 +1,409 @@
+"""A table shard whose rows beyond a memory budget live on disk: hot rows in a ``LocalTable``, cold ones in LMDB.
+
+What a ``LocalTable`` does to its rows, this does to the same rows wherever they are, so
+a table with ``storage=DiskStorage(...)`` trains, evicts, admits and checkpoints exactly as
+it would in memory:
+
+- a lookup or update of a cold row first reads it back (values, optimizer state, counters)
+  into the hot table, in one batch per request;
+- after each optimizer step (:meth:`evict`, which a push runs) the eviction policy and the
+  capacity choose over every row, hot and cold, from their counters (an evicted cold row
+  is deleted from disk), then the hot rows over the budget spill to disk in one batch,
+  least recently (``"lru"``) or least often (``"lfu"``) used first; the rows the step
+  touched stay in memory (a step that touches more than the budget holds stays over it
+  until the next, and warns once);
+- an export (a checkpoint) holds both tiers' rows; an import writes the rows beyond the
+  budget to disk as it goes, so a shard larger than memory loads in budget-sized chunks.
+
+Spilling runs in the push that ends a step, after its rows are applied (the request path
+of that push; simple and exact first: a background writer is the next step if the
+measured cost asks for one). The disk copy is the table's own: a cold row read back is
+deleted from disk, so each row is in exactly one tier.
+
+tf.distribute equivalent: none; DeepRec's multi-tier hash storage (DRAM + SSD, LRU/LFU
+caches) and TorchRec's SSD virtual tables do the same for their tables.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, final
+
+import torch
+
+from unison._embeddings.optim.row_optimizers import RowOptimizer
+from unison._embeddings.tables.admission_policies import AdmissionPolicy
+from unison._embeddings.tables.bag_layout import BagLayout
+from unison._embeddings.tables.capacity import RowCapacity
+from unison._embeddings.tables.checks import checked_ids, checked_meta
+from unison._embeddings.tables.disk.cold_rows import ColdRows
+from unison._embeddings.tables.disk.storage import DiskStorage
+from unison._embeddings.tables.eviction import EvictionPolicy
+from unison._embeddings.tables.id_hashing import shard_of
+from unison._embeddings.tables.initializers import Initializer
+from unison._embeddings.tables.local_table import LocalTable
+
+__all__ = ["TieredTable"]
+
+_NOT_YET = ("a DynamicEmbedding with storage=DiskStorage(...) has no {what} yet: save it with a full "
+            "state_dict() / unison.save_checkpoint, or train without storage= to use them")
+
+_INDEX_BYTES_PER_ROW = 32  # a hot row's id index entry, about
+_COLD_BYTES_PER_ROW = 80  # a cold row's counters and index entry, about (``ColdRows``)
+
+
+@final
+class TieredTable:
+    """One shard of a dynamic table (or a whole one) with its rows beyond ``storage``'s budget on disk.
+
+    Args: as :class:`~unison._embeddings.tables.local_table.LocalTable`'s, and
+        storage: the budget, cache policy and directory.
+        place: this shard's directory under ``storage.path`` (``"local"``, ``"ps-0/<table>"``).
+    """
+
+    def __init__(self, embedding_dim: int, *, storage: DiskStorage, place: str, dtype: torch.dtype = torch.float32,
+                 initializer: Initializer | None = None, seed: int = 0, eviction: EvictionPolicy | None = None,
+                 admission: AdmissionPolicy | None = None, capacity: RowCapacity | None = None) -> None:
+        storage.check_fits("TieredTable", embedding_dim, dtype)
+        # the hot table keeps the policies' counters (and the admission sketch); the policies are applied here,
+        # over both tiers, so its own evict() is never called
+        self._hot = LocalTable(embedding_dim, dtype=dtype, initializer=initializer, seed=seed, eviction=eviction,
+                               admission=admission)
+        self._storage, self._place = storage, place
+        self._eviction, self._capacity = eviction, capacity
+        self._cold = ColdRows(storage.open(place), embedding_dim, dtype, None if eviction is None else eviction.clock)
+        self._warned = {"capacity": False, "budget": False}
+
+    # -- what the Table contract and a ps task's shard ask ------------------------------------------
+    @property
+    def embedding_dim(self) -> int:
+        """Columns per row."""
+        return self._hot.embedding_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of rows and optimizer state."""
+        return self._hot.dtype
+
+    @property
+    def seed(self) -> int:
+        """Seed of the initializer's hash."""
+        return self._hot.seed
+
+    @property
+    def initializer(self) -> Initializer:
+        """How missing rows are made."""
+        return self._hot.initializer
+
+    @property
+    def eviction(self) -> EvictionPolicy | None:
+        """The eviction policy, or None."""
+        return self._eviction
+
+    @property
+    def admission(self) -> AdmissionPolicy | None:
+        """The admission policy, or None."""
+        return self._hot.admission
+
+    @property
+    def capacity(self) -> RowCapacity | None:
+        """The row capacity (over both tiers), or None."""
+        return self._capacity
+
+    @property
+    def storage(self) -> DiskStorage:
+        """Where the cold rows are, and the memory budget."""
+        return self._storage
+
+    @property
+    def current_step(self) -> int:
+        """Optimizer steps taken (as ``LocalTable.current_step``)."""
+        return self._hot.current_step
+
+    @property
+    def num_rows(self) -> int:
+        """Rows stored, in memory and on disk."""
+        return self._hot.num_rows + self._cold.num_rows
+
+    @property
+    def hot_rows(self) -> int:
+        """Rows in memory now."""
+        return self._hot.num_rows
+
+    @property
+    def bytes(self) -> int:
+        """Bytes in memory: the hot table's and the cold rows' index and counters (not the store's page cache)."""
+        return self._hot.bytes + self._cold.nbytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the cold rows' files on disk."""
+        return self._cold.disk_bytes
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a row leaves memory (spill, eviction, load): slots read before stay valid until then."""
+        return self._hot.generation
+
+    def step(self) -> int:
+        """Advances the table's clock by one; returns the new step."""
+        return self._hot.step()
+
+    def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``LocalTable.lookup``; cold rows of ``ids`` are read back into memory first (evaluation reads
+        them from disk and leaves them there)."""
+        ids = checked_ids(ids, "TieredTable.lookup")
+        if create:
+            self._read_back(torch.unique(ids.reshape(-1)))
+            return self._hot.lookup(ids, create=True, occurrences=occurrences)
+        rows = self._hot.lookup(ids, create=False, occurrences=occurrences)
+        wanted = ids.reshape(-1)
+        positions = self._cold.find(wanted)
+        cold = (positions >= 0).nonzero().squeeze(1)
+        if not cold.numel():
+            return rows
+        parts = self._cold.read(torch.unique(positions.index_select(0, cold)), self._meta())
+        found = torch.cat([part["ids"] for part in parts])
+        order = found.argsort()
+        at = order.index_select(0, torch.searchsorted(found.index_select(0, order), wanted.index_select(0, cold)))
+        flat = rows.reshape(-1, self.embedding_dim)
+        flat.index_copy_(0, cold, torch.cat([part["rows"] for part in parts]).index_select(0, at))
+        return flat.reshape(rows.shape)
+
+    def lookup_distinct(self, ids: torch.Tensor, occurrences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``LocalTable.lookup_distinct`` (a ps task's lookup), cold rows read back first."""
+        self._read_back(ids)
+        return self._hot.lookup_distinct(ids, occurrences)
+
+    def apply_to_slots(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """As ``LocalTable.apply_to_slots``: slots of :meth:`lookup_distinct` in the same :attr:`generation`."""
+        self._hot.apply_to_slots(slots, grads, optimizer)
+
+    def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """As ``LocalTable.apply_gradients``, cold rows of ``ids`` read back first."""
+        self._read_back(torch.unique(checked_ids(ids, "TieredTable.apply_gradients")))
+        self._hot.apply_gradients(ids, grads, optimizer)
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+        """One optimizer step: apply the row gradients (if any), advance the clock, evict, spill."""
+        if ids.numel():
+            self.apply_gradients(ids, grads, optimizer)
+        self.step()
+        self.evict()
+
+    def prefers_pooling(self, num_bags: int, num_distinct: int) -> bool:
+        """Never: the rows are in this process."""
+        return False
+
+    def pooled_lookup(self, layout: BagLayout, create: bool) -> torch.Tensor:
+        """``[num_bags, dim]``: each bag's weighted sum of rows (repeats counted)."""
+        return layout.pool(self.lookup(layout.ids, create=create))
+
+    def push_bags(self, bags: tuple[BagLayout, torch.Tensor], optimizer: RowOptimizer) -> None:
+        """:meth:`push` with each id's gradient made from its bag's."""
+        layout, bag_grads = bags
+        self.push(layout.ids, layout.expand(bag_grads), optimizer)
+
+    def stats(self) -> list[tuple[int, int]]:
+        """One place: (rows, bytes in memory)."""
+        return [(self.num_rows, self.bytes)]
+
+    def evict(self) -> torch.Tensor:
+        """The eviction policy, then the capacity, over both tiers (as ``LocalTable.evict``), then the spill
+        of the hot rows over the budget; returns the evicted ids, ascending."""
+        removed = self._evict_by_policy() if self._eviction is not None else torch.zeros(0, dtype=torch.int64)
+        if self._capacity is not None and self.num_rows > self._capacity.rows:
+            removed = torch.cat([removed, self._evict_over_capacity()])
+        self._spill()
+        return removed.sort().values
+
+    def export(self) -> dict[str, Any]:
+        """Every row, in memory and on disk, as ``LocalTable.export`` (sorted by id)."""
+        hot = self._hot.export()
+        cold = self._cold.read(self._cold.live_positions(), hot["meta"])
+        return _joined([hot, *cold], hot["meta"], self._hot)
+
+    def import_(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
+        """As ``LocalTable.import_``, in chunks of what the budget holds, the rows beyond it written to disk."""
+        checked_meta(export)
+        pick = torch.arange(export["ids"].numel())
+        if shard is not None and num_shards is not None:
+            pick = (shard_of(export["ids"], num_shards) == shard).nonzero().squeeze(1)
+        elif (shard is None) != (num_shards is None):
+            raise ValueError(f"TieredTable.import_: pass both `shard` and `num_shards` or neither, "
+                             f"got shard={shard!r}, num_shards={num_shards!r}")
+        chunk = max(1, self._budget_rows())
+        starts = range(0, pick.numel(), chunk) if pick.numel() else range(1)
+        for number, start in enumerate(starts):
+            part = _selected(export, pick[start:start + chunk], with_sketch=number == 0)
+            self._read_back(part["ids"])
+            self._hot.import_(part)
+            self._spill(protect=False)
+
+    def load(self, export: dict[str, Any]) -> None:
+        """Replaces every row (and the clock) by an export's: what ``load_state_dict`` does (the disk
+        files of the rows before are removed: the checkpoint is the truth)."""
+        fresh = TieredTable(self.embedding_dim, storage=self._storage, place=self._place, dtype=self.dtype,
+                            initializer=self.initializer, seed=self.seed, eviction=self._eviction,
+                            admission=self.admission, capacity=self._capacity)
+        fresh.import_(export)
+        self._cold.close()
+        self.__dict__.update(fresh.__dict__)
+
+    def close(self) -> None:
+        """Closes the disk store and removes its files."""
+        self._cold.close()
+
+    # -- not yet on a disk tier: delta checkpoints and serving exports ------------------------------
+    @property
+    def save_point(self) -> dict[str, Any]:
+        """No chain: a table on a disk tier makes no delta or serving export yet."""
+        return {"table_id": None, "sequence": 0, "exact": False, "export_id": None, "export_number": None}
+
+    def export_delta(self, full: bool = False, *, expect_sequence: int | None = None) -> dict[str, Any]:
+        """Refused: a table with ``storage=`` has no delta checkpoints yet (a full ``state_dict`` works)."""
+        raise NotImplementedError(_NOT_YET.format(what="delta checkpoints (delta_state_dict)"))
+
+    def apply_delta(self, delta: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None,
+                    expect: tuple[str, int] | None = None) -> None:
+        """Refused, changing nothing: as :meth:`export_delta`."""
+        raise NotImplementedError(_NOT_YET.format(what="delta checkpoints (load_delta_state_dict)"))
+
+    def serving_export(self, delta: bool, *, export_id: str | None = None,
+                       expect_number: int | None = None) -> dict[str, Any]:
+        """Refused: a table with ``storage=`` has no serving export yet."""
+        raise NotImplementedError(_NOT_YET.format(what="serving exports (export_for_serving)"))
+
+    def adopt_save_point(self, meta: dict[str, Any]) -> None:
+        """Nothing to adopt: a table on a disk tier starts no delta chain (see :meth:`export_delta`)."""
+
+    # -- tiers -------------------------------------------------------------------------------------
+    def _meta(self) -> dict[str, Any]:
+        return {"embedding_dim": self.embedding_dim, "dtype": str(self.dtype), "seed": self.seed,
+                "step": self.current_step, "initializer": self.initializer.config(), "state_init": {}}
+
+    def _read_back(self, ids: torch.Tensor) -> None:
+        """Moves the cold rows among distinct ``ids`` into memory, with their state and counters."""
+        if not self._cold.num_rows:
+            return
+        positions = self._cold.find(ids)
+        positions = positions[positions >= 0]
+        if not positions.numel():
+            return
+        for part in self._cold.read(positions, self._meta()):
+            self._hot.import_(part)
+        self._cold.remove(positions)
+
+    def _budget_rows(self) -> int:
+        """How many rows the budget holds in memory now, beside the cold rows' index, counting the index
+        entries that the rows spilled to get there will take."""
+        per_row = self._hot.slot_bytes + _INDEX_BYTES_PER_ROW
+        free = self._storage.memory_budget_bytes - self._cold.nbytes
+        hot = self._hot.num_rows
+        if hot * per_row <= free:
+            return hot
+        if per_row <= _COLD_BYTES_PER_ROW:  # a spilled row saves nothing: keep what fits now
+            return max(0, free // per_row)
+        return max(0, (free - hot * _COLD_BYTES_PER_ROW) // (per_row - _COLD_BYTES_PER_ROW))
+
+    def _spill(self, protect: bool = True) -> None:
+        """Writes the hot rows over the budget to disk, in batches (``storage.cache`` chooses which).
+
+        The cold rows' index grows with each batch and counts against the budget, so the budget
+        is read again after each (a few rounds: each takes the rows its index costs).
+        """
+        protect_from = self.current_step - 1 if protect else 2 ** 62
+        over = 0
+        for _ in range(4):
+            allowed = self._budget_rows()
+            if self._hot.num_rows <= allowed:
+                return
+            hot = self._hot.row_counters()
+            live = torch.arange(hot["ids"].numel())
+            chosen, over = RowCapacity(allowed, self._storage.cache).victims(live, hot["ids"], hot["counts"],
+                                                                             hot["last_seen"], protect_from)
+            if not chosen.numel():
+                break
+            self._cold.put(self._hot.take(hot["ids"].index_select(0, chosen)))
+        if over and not self._warned["budget"]:
+            self._warned["budget"] = True
+            warnings.warn(f"DiskStorage: {self._hot.num_rows} rows in memory after spilling, over the "
+                          f"{allowed} that memory_budget_bytes={self._storage.memory_budget_bytes} holds: this step "
+                          f"touched {over} more rows than the budget holds (they spill at a later step; warned "
+                          f"once per table); fix: a larger `memory_budget_bytes` or smaller batches",
+                          RuntimeWarning, stacklevel=3)
+
+    def _counters(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+        """Both tiers' counters, concatenated (hot rows first), the cold positions, and the hot count."""
+        hot = self._hot.row_counters()
+        positions = self._cold.live_positions()
+        cold = self._cold.counters(positions)
+        return {key: torch.cat([hot[key], cold[key]]) for key in hot}, positions, hot["ids"].numel()
+
+    def _remove(self, chosen: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, num_hot: int) -> torch.Tensor:
+        """Deletes the rows at ``chosen`` (indices into :meth:`_counters`) from their tier; returns their ids."""
+        in_hot = chosen[chosen < num_hot]
+        self._hot.take(ids.index_select(0, in_hot))
+        self._cold.remove(positions.index_select(0, chosen[chosen >= num_hot] - num_hot))
+        return ids.index_select(0, chosen)
+
+    def _evict_by_policy(self) -> torch.Tensor:
+        assert self._eviction is not None
+        counters, positions, num_hot = self._counters()
+        args = (counters["counts"], counters["last_seen"], self.current_step)
+        if "idle_seconds" in counters:
+            chosen = self._eviction.select(*args, idle_seconds=counters["idle_seconds"])
+        else:
+            chosen = self._eviction.select(*args)
+        if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool or chosen.shape != counters["ids"].shape:
+            raise TypeError(f"{self._eviction!r}.select must return a bool mask of shape "
+                            f"{tuple(counters['ids'].shape)}, got {chosen!r:.80}")
+        return self._remove(chosen.nonzero().squeeze(1), counters["ids"], positions, num_hot)
+
+    def _evict_over_capacity(self) -> torch.Tensor:
+        assert self._capacity is not None
+        counters, positions, num_hot = self._counters()
+        live = torch.arange(counters["ids"].numel())
+        chosen, over = self._capacity.victims(live, counters["ids"], counters["counts"], counters["last_seen"],
+                                              protect_from=self.current_step - 1)
+        removed = self._remove(chosen, counters["ids"], positions, num_hot)
+        if over and not self._warned["capacity"]:
+            self._warned["capacity"] = True
+            warnings.warn(f"TieredTable: {self.num_rows} rows after evicting, over the capacity of "
+                          f"{self._capacity.rows}: this step touched {over} more rows than the capacity holds "
+                          f"(they go at a later step when untouched; warned once per table); fix: a larger "
+                          f"`capacity` or smaller batches", RuntimeWarning, stacklevel=3)
+        return removed
+
+
+def _selected(export: dict[str, Any], pick: torch.Tensor, with_sketch: bool) -> dict[str, Any]:
+    """The rows of ``export`` at ``pick``, as an export (the admission sketch only ``with_sketch``)."""
+    out: dict[str, Any] = {key: export[key].index_select(0, pick)
+                           for key in ("ids", "rows", "counts", "last_seen", "idle_seconds") if key in export}
+    out["state"] = {name: values.index_select(0, pick) for name, values in export["state"].items()}
+    out["meta"] = export["meta"]
+    if with_sketch and export.get("pending_counts") is not None:
+        out["pending_counts"] = export["pending_counts"]
+    return out
+
+
+def _joined(parts: list[dict[str, Any]], meta: dict[str, Any], hot: LocalTable) -> dict[str, Any]:
+    """One export of disjoint parts (sorted by id); a state a part lacks starts at its initial value."""
+    state_init = dict(meta["state_init"])
+    for part in parts:
+        state_init.update(part["meta"]["state_init"])
+    ids = torch.cat([part["ids"] for part in parts])
+    order = ids.argsort()
+    out: dict[str, Any] = {"ids": ids.index_select(0, order)}
+    for key in ("rows", "counts", "last_seen", "idle_seconds"):
+        if key in parts[0]:
+            out[key] = torch.cat([part[key] for part in parts]).index_select(0, order)
+    columns = {name: values.shape[1] for part in parts for name, values in part["state"].items()}
+    out["state"] = {name: torch.cat([part["state"].get(name, torch.full((part["ids"].numel(), width),
+                                                                         state_init[name], dtype=hot.dtype))
+                                     for part in parts]).index_select(0, order)
+                    for name, width in columns.items()}
+    if parts[0].get("pending_counts") is not None:
+        out["pending_counts"] = parts[0]["pending_counts"]
+    out["meta"] = {**meta, "state_init": state_init}
+    return out

@@ -1,0 +1,80 @@
+"""The disk tier on 2 ps tasks (real processes), one function at a time: each ps task keeps its shard's hot
+rows within the budget and the rest under ``path/ps-K/<table>``, and the table trains as one device's in
+memory; its checkpoint loads onto one device."""
+
+import pytest
+import torch
+
+pytest.importorskip("lmdb", reason="the disk tier needs lmdb: pip install 'unison[disk]' (make install does)")
+
+import unison  # noqa: E402
+from tests.ps import _policy_workers as pw  # noqa: E402
+from tests.ps._cluster import ps_cluster  # noqa: E402
+from unison import DynamicEmbedding  # noqa: E402
+from unison.embeddings import DiskStorage, EvictUnseen  # noqa: E402
+
+IDS, DIM = 300, 16  # rows of 16 values: a hot row (with its Adagrad sum) takes well more than a cold one's index
+BUDGET = 38 * (4 * 2 * DIM + 25 + 32) + 112 * 80  # per ps task: about a quarter of its ~150 rows hot
+
+
+class DiskRanker(torch.nn.Module):
+    """A pooled table with Adagrad state and a time to live, and a linear head."""
+
+    def __init__(self, storage=None):
+        super().__init__()
+        self.table = DynamicEmbedding(DIM, mode="sum", seed=9, eviction=EvictUnseen(15), storage=storage)
+        self.head = torch.nn.Linear(DIM, 1)
+
+    def forward(self, ids):
+        return self.head(self.table(ids)).squeeze(1)
+
+
+def _rows_on_disk(directory):
+    """Rows in the LMDB store of a ps task's table (read from this process: LMDB takes other readers)."""
+    import lmdb
+
+    (store,) = [p for p in directory.rglob("rows-*") if p.is_dir()]
+    with lmdb.open(str(store), readonly=True, lock=False) as env:
+        return env.stat()["entries"]
+
+
+def _batches(count, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    skew = torch.linspace(3.0, 0.2, IDS)
+    return [((torch.multinomial(skew, 32 * 2, replacement=True, generator=g) * 7919 - 2**40).reshape(32, 2),
+             torch.randn(32, generator=g)) for _ in range(count)]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+def test_two_ps_tasks_with_a_quarter_of_their_rows_in_memory_train_as_one_device(tmp_path):
+    batches = _batches(20)
+    torch.manual_seed(0)
+    reference = DiskRanker()
+    step = pw.train_step(reference, torch.optim.Adagrad(reference.parameters(), lr=0.2))
+    for ids, target in batches:
+        step(ids, target)
+    with ps_cluster(1, 2) as cluster:
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 2))
+        coordinator = unison.ClusterCoordinator(strategy)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = DiskRanker(DiskStorage(tmp_path / "rows", memory_budget_bytes=BUDGET))
+            opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
+        remote_step = pw.train_step(model, opt)
+        for ids, target in batches:  # one function at a time: the pushes in the one-device order
+            coordinator.schedule(remote_step, args=(ids, target)).fetch()
+        ours, theirs = model.state_dict(), reference.state_dict()
+        assert sorted(ours) == sorted(theirs)
+        for key in ("table.ids", "table.counts", "table.last_seen", "table.rows", "table.state.sum"):
+            assert torch.equal(ours[key], theirs[key]), key
+        torch.testing.assert_close(ours["head.weight"], theirs["head.weight"], rtol=1e-5, atol=1e-6)
+        # each ps task spilled to its own directory, and keeps what its budget holds in memory
+        for k, stats in enumerate(model.table.table_stats()):
+            on_disk = _rows_on_disk(tmp_path / "rows" / f"ps-{k}")
+            assert stats["rows"] / 2 < on_disk < stats["rows"], (k, stats, on_disk)
+        # the checkpoint, with every ps task's disk rows, loads onto one device
+        local = DiskRanker()
+        local.load_state_dict(ours)
+        assert torch.equal(local.state_dict()["table.rows"], theirs["table.rows"])
+        coordinator.shutdown()
