@@ -87,8 +87,11 @@ class CountMinSketch:
     def remove(self, ids: torch.Tensor, amounts: torch.Tensor) -> None:
         """Takes ``amounts`` (an estimate of distinct ``ids``, at most each of their counters) back out."""
         if ids.numel() and self._cells is not None:
-            self.add(ids, -amounts)
-            self._cells.clamp_(min=0)
+            flat = self._flat(ids).reshape(-1)
+            cells = self._cells.view(-1)
+            cells.index_add_(0, flat, amounts.to(torch.int32).neg().repeat(self.depth))
+            touched = flat.unique()  # only these can have gone below zero: not a pass over the whole sketch
+            cells[touched] = cells[touched].clamp_(min=0)
 
     def merge(self, cells: torch.Tensor, source: str) -> None:
         """Merges another sketch's counters (``cells()`` of one with the same width and depth): the
