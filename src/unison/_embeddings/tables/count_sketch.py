@@ -62,6 +62,10 @@ class CountMinSketch:
             return torch.zeros(self.depth, self.width, dtype=torch.int32)
         return self._cells.clone()
 
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[depth, n]`` positions of each id's counters: hashed once, for several of the calls below."""
+        return self._flat(ids)
+
     def _flat(self, ids: torch.Tensor) -> torch.Tensor:
         """``[depth, n]`` positions of each id's counter in the flattened counters."""
         return torch.stack([bucket_of(ids, salt, self.width) + row * self.width
@@ -72,22 +76,22 @@ class CountMinSketch:
             self._cells = torch.zeros(self.depth, self.width, dtype=torch.int32)
         return self._cells
 
-    def estimate(self, ids: torch.Tensor) -> torch.Tensor:
-        """Int64 count of each id of a 1-D int64 tensor: at least its true count."""
+    def estimate(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Int64 count of each id of a 1-D int64 tensor: at least its true count (``positions``: theirs, if known)."""
         if self._cells is None or not ids.numel():
             return torch.zeros(ids.numel(), dtype=torch.int64)
-        return self._cells.view(-1)[self._flat(ids)].amin(0).to(torch.int64)
+        return self._cells.view(-1)[self._flat(ids) if positions is None else positions].amin(0).to(torch.int64)
 
-    def add(self, ids: torch.Tensor, amounts: torch.Tensor) -> None:
-        """Counts ``amounts`` (int, one per id; repeated ids add up) for ``ids``."""
+    def add(self, ids: torch.Tensor, amounts: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Counts ``amounts`` (int, one per id; repeated ids add up) for ``ids`` (``positions``: theirs, if known)."""
         if ids.numel():
-            flat = self._flat(ids).reshape(-1)
+            flat = (self._flat(ids) if positions is None else positions).reshape(-1)
             self._allocated().view(-1).index_add_(0, flat, amounts.to(torch.int32).repeat(self.depth))
 
-    def remove(self, ids: torch.Tensor, amounts: torch.Tensor) -> None:
+    def remove(self, ids: torch.Tensor, amounts: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Takes ``amounts`` (an estimate of distinct ``ids``, at most each of their counters) back out."""
         if ids.numel() and self._cells is not None:
-            flat = self._flat(ids).reshape(-1)
+            flat = (self._flat(ids) if positions is None else positions).reshape(-1)
             cells = self._cells.view(-1)
             cells.index_add_(0, flat, amounts.to(torch.int32).neg().repeat(self.depth))
             touched = flat.unique()  # only these can have gone below zero: not a pass over the whole sketch

@@ -735,15 +735,16 @@ class LocalTable:
         if not missing.numel():
             return slots
         new_ids, occurrences = unique.index_select(0, missing), occurrences.index_select(0, missing)
-        seen = self._pending.estimate(new_ids)
+        positions = self._pending.positions(new_ids)  # hashed once for the estimate, the counts and the removal
+        seen = self._pending.estimate(new_ids, positions)
         admitted = self._admission.admit(new_ids, seen, occurrences, self._seed)
         if not isinstance(admitted, torch.Tensor) or admitted.dtype != torch.bool or admitted.shape != new_ids.shape:
             raise TypeError(f"{self._admission!r}.admit must return a bool mask of shape {tuple(new_ids.shape)}, "
                             f"got {admitted!r:.80}")
-        self._pending.add(new_ids[~admitted], occurrences[~admitted])
+        self._pending.add(new_ids[~admitted], occurrences[~admitted], positions[:, ~admitted])
         if bool(admitted.any()):
             ids, before = new_ids[admitted], seen[admitted]
-            self._pending.remove(ids, before)
+            self._pending.remove(ids, before, positions[:, admitted])
             made = self._create(ids, self._initial_rows(ids), ends.index_select(0, missing)[admitted])
             self._counts[made] = before
             slots[missing[admitted]] = made
