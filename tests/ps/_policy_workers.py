@@ -136,23 +136,37 @@ def hybrid_batches(steps: int, workers: int, per_worker: int = 4, seed: int = 0)
 SECONDS_PER_STEP = 2.0
 
 
-def hybrid_reference(steps: int, world: int, clock_path: str, capacity: int):
+def hybrid_optimizers(model: HybridPolicyRanker, optimizer: str) -> list[torch.optim.Optimizer]:
+    """Adagrad for all; or SparseAdam (Adam for the dense tower), or Ftrl (Adagrad for it) on the rows."""
+    if optimizer == "adagrad":
+        return [torch.optim.Adagrad(model.parameters(), lr=0.2)]
+    rows = [*model.admit.parameters(), *model.cap.parameters(), *model.ttl.parameters()]
+    dense = [*model.dense.parameters(), *model.head.parameters()]
+    if optimizer == "sparse_adam":
+        return [torch.optim.SparseAdam(rows, lr=0.05), torch.optim.Adam(dense, lr=0.05)]
+    return [unison.optim.Ftrl(rows, lr=0.2, l1=0.001), torch.optim.Adagrad(dense, lr=0.2)]
+
+
+def hybrid_reference(steps: int, world: int, clock_path: str, capacity: int, optimizer: str = "adagrad"):
     """One device on the global batches, its clock moving as the workers move theirs."""
     clock = FileClock(clock_path)
     clock.set(100.0)
     torch.manual_seed(0)
     model = HybridPolicyRanker(clock, capacity)
-    opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
+    opts = hybrid_optimizers(model, optimizer)
     for ids, features, target in hybrid_batches(steps, world):
         loss = F.mse_loss(model(ids, features), target)
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         loss.backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
         clock.advance(SECONDS_PER_STEP)
     return model.state_dict()
 
 
-def hybrid_train(rank: int, world: int, ps: list[str], key_hex: str, steps: int, clock_path: str, capacity: int):
+def hybrid_train(rank: int, world: int, ps: list[str], key_hex: str, steps: int, clock_path: str, capacity: int,
+                 optimizer: str = "adagrad"):
     """Trains this worker's share; after every step all pushes land, then worker 0 moves the clock."""
     strategy = hw.strategy_for(rank, world, ps, key_hex)
     clock = FileClock(clock_path)
@@ -160,13 +174,15 @@ def hybrid_train(rank: int, world: int, ps: list[str], key_hex: str, steps: int,
     torch.manual_seed(0)
     with strategy.scope():
         model = HybridPolicyRanker(clock, capacity)
-        opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
+        opts = hybrid_optimizers(model, optimizer)
     for ids, features, target in hybrid_batches(steps, world):
         mine = slice(rank, None, world)
         loss = F.mse_loss(model(ids[mine], features[mine]), target[mine])
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         loss.backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
         strategy.join_pushes()
         barrier()  # every push of this step is on the ps task...
         if rank == 0:

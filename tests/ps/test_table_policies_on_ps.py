@@ -21,18 +21,14 @@ from unison.embeddings import AdmitAfter, EvictUnseen
 KEYS = ("ids", "counts", "last_seen")
 
 
-def _assert_tables_equal(ours, theirs, prefix, pushes_per_step=1):
-    """A table's rows, counters and policy state, and (for PolicyRanker) its head.
-
-    ``pushes_per_step``: a ps shard's clock counts pushes, ``W`` per global step under the
-    hybrid strategy with ``W`` workers; a row's last step there, divided by ``W``, is one device's.
-    """
+def _assert_tables_equal(ours, theirs, prefix):
+    """A table's rows, counters and policy state, and (for PolicyRanker) its head (under the
+    hybrid strategy a shard's clock moves once per global step, as one device's)."""
     head = prefix.replace("tables.", "heads.") + "weight"
     if head in ours:
         torch.testing.assert_close(ours[head], theirs[head], rtol=1e-4, atol=1e-5, msg=head)
     for key in KEYS:
-        got = ours[prefix + key] // pushes_per_step if key == "last_seen" else ours[prefix + key]
-        assert torch.equal(got, theirs[prefix + key]), prefix + key
+        assert torch.equal(ours[prefix + key], theirs[prefix + key]), prefix + key
     torch.testing.assert_close(ours[prefix + "rows"], theirs[prefix + "rows"], rtol=1e-4, atol=1e-5, msg=prefix)
     for key in ("pending_counts", "idle_seconds"):
         assert (prefix + key in ours) == (prefix + key in theirs), prefix + key
@@ -153,17 +149,21 @@ def test_on_two_ps_tasks_each_shard_keeps_its_share_and_a_checkpoint_resplits_on
 
 
 @pytest.mark.timeout(150)
-def test_under_the_hybrid_strategy_disjoint_ids_see_every_policy_as_one_device_on_the_global_batch(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adagrad", "sparse_adam", "ftrl"])
+def test_under_the_hybrid_strategy_disjoint_ids_see_every_policy_as_one_device_on_the_global_batch(tmp_path, optimizer):
+    """Each worker pushes every global step, naming it: a shard steps once per global step (SparseAdam's t,
+    the capacity's and time to live's last-seen steps), as one device on the global batch."""
     steps, capacity = 6, 16  # two global steps of new ids: the capacity evicts whole steps
-    reference = pw.hybrid_reference(steps, 2, str(tmp_path / "reference_clock"), capacity)
+    reference = pw.hybrid_reference(steps, 2, str(tmp_path / "reference_clock"), capacity, optimizer)
     clock = pw.FileClock(tmp_path / "clock")
     clock.set(100.0)
     with ps_cluster(0, 1) as cluster:
         ps = [cluster.addresses["ps:0"]]
-        results = run_workers(pw.hybrid_train, 2, args=(ps, cluster.key_hex, steps, clock.path, capacity), timeout=120)
+        results = run_workers(pw.hybrid_train, 2, args=(ps, cluster.key_hex, steps, clock.path, capacity, optimizer),
+                              timeout=120)
     ours = results[0]
     for name in ("admit", "cap", "ttl"):
-        _assert_tables_equal(ours, reference, f"{name}.", pushes_per_step=2)
+        _assert_tables_equal(ours, reference, f"{name}.")
     assert torch.equal(results[1]["admit.rows"], ours["admit.rows"])
     assert ours["cap.ids"].numel() == capacity and ours["cap.ids"].min() == 10**6 * (steps - 1)  # the last two steps
     assert 0 < ours["admit.ids"].numel() < 12 and 0 < ours["ttl.ids"].numel() < 12

@@ -17,15 +17,13 @@ Semantics:
   (those of ``t - 1`` may or may not have landed: one step of staleness at most, as the
   dense all-reduce of step ``t - 1`` holds every worker within a step of the others).
   ``join_pushes()`` waits for every worker's pushes (before a checkpoint or evaluation).
-  Eviction counts pushes, as on one device it counts steps: with ``W`` workers a shard's
-  clock advances ``W`` times per global step (``EvictUnseen(n)``: unseen for ``n`` pushes),
-  and so does SparseAdam's step count ``t`` (its bias correction fades ``W`` times sooner
-  than on one device on the global batch; the order pushes land in decides each one's ``t``).
-  The other table policies run on the ps tasks as on one device: admission by each id's
+  Every worker pushes once per global step and names it (``RemoteTable(synchronous=True)``),
+  so a shard's clock moves once per global step whichever push lands first: eviction's
+  steps, last-seen steps and SparseAdam's step count ``t`` are one device's on the global
+  batch. The table policies run on the ps tasks as on one device: admission by each id's
   count (with disjoint ids, the global step that reaches the count makes the row), a time
   to live in seconds by the ps task's clock, and a capacity of ``ceil(N / M)`` rows per
-  shard after each push, in which rows touched in one global step are ordered by push
-  (the first worker's count as less recently used).
+  shard after each push.
   With the mean reduction (the default) a worker's
   row gradients are divided by ``num_replicas_in_sync``, so when workers touch
   different rows the update is the one a single device would make on the global batch.
@@ -123,7 +121,7 @@ class HybridParameterServerStrategy(Strategy):
         chosen = canonicalize_all(devices) if devices is not None else default_devices(cluster)
         tables = RemoteTables(len(self._ps_addresses), self._ps_client, prefix="hybrid:",
                               grad_scale=self._row_grad_scale, after_load=self._barrier,
-                              writer=lambda: self.extended.components.cluster.is_chief)
+                              writer=lambda: self.extended.components.cluster.is_chief, synchronous=True)
         super().__init__(dataclasses.replace(collective_components(self, cluster, chosen, options), tables=tables))
 
     @property

@@ -25,8 +25,8 @@ SparseAdam's bias correction needs the step count ``t`` it keeps per parameter: 
 table keeps it, as its clock (one per optimizer step, the rows touched or not; a row made
 at step ``t`` starts with zero moments there) and checkpoints it in ``_extra_state``. On
 ps tasks every push advances every shard's ``t``, so one function at a time trains as
-one device; under the hybrid strategy each worker's push is a step (``t`` advances once
-per worker per synchronous step).
+one device; under the hybrid strategy each push names its global step, and ``t`` is that
+step, as on one device on the global batch.
 
 Table policies (the same on one device, on ps tasks and under the hybrid strategy):
 ``admission`` gives a row only to ids a policy admits (``AdmitAfter(count)``,

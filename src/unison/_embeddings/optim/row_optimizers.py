@@ -12,8 +12,8 @@ step count ``torch.optim.SparseAdam`` keeps for a parameter does (one per ``opt.
 and travels with the table's checkpoints. Only :class:`RowSparseAdam` reads it (its bias
 correction). On ps tasks every push reaches every shard, even one that holds none of
 its ids, so each shard's ``t`` is the number of pushes: one function at a time, that is
-the one-device count. Under the hybrid strategy each worker's push is a step, so ``t``
-advances once per worker per synchronous step.
+the one-device count. Under the hybrid strategy each push names its global step, and
+``t`` is that step, as on one device on the global batch.
 """
 
 from __future__ import annotations

@@ -22,9 +22,11 @@ tf.distribute equivalent: none in core TensorFlow; TensorFlow Recommenders-Addon
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import uuid
 import warnings
+from collections.abc import Iterator
 from typing import Any, final
 
 import torch
@@ -175,6 +177,11 @@ class LocalTable:
         self._step += 1
         return self._step
 
+    def advance_to(self, step: int) -> int:
+        """Moves the clock to ``step`` unless it is past it already (a synchronous job's global step)."""
+        self._step = max(self._step, step)
+        return self._step
+
     def lookup(self, ids: torch.Tensor, create: bool = True, occurrences: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (any shape) as a new ``[*ids.shape, embedding_dim]`` tensor.
 
@@ -268,10 +275,14 @@ class LocalTable:
         """Changes whenever a row leaves (eviction, load): slots read before stay valid while it does not."""
         return self._generation
 
-    def apply_to_slots(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+    def apply_to_slots(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
+                       at_step: int | None = None) -> None:
         """Updates distinct ``slots`` (of live rows, e.g. from :meth:`lookup_distinct` in the same
         generation) by their summed gradients ``[len(slots), dim]``; slots -1 (ids without a
-        row under an admission policy) are left out."""
+        row under an admission policy) are left out. ``at_step``: see :meth:`push`."""
+        if at_step is not None:
+            with self.stepping_at(at_step):
+                return self.apply_to_slots(slots, grads, optimizer)
         if self._admission is not None:
             have = (slots >= 0).nonzero().squeeze(1)
             slots, grads = slots.index_select(0, have), grads.index_select(0, have)
@@ -286,15 +297,37 @@ class LocalTable:
             self._state[name].index_copy_(0, slots, state[name].to(self._dtype))
         self._touch(slots)
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
+             at_step: int | None = None) -> None:
         """One optimizer step: apply the row gradients (if any), advance the clock, evict.
 
         What an optimizer's ``step()`` does to a table; a ps task does the same to its shard.
+        ``at_step``: the push of a synchronous job's global step ``at_step`` (1-based; the
+        hybrid strategy's workers each push every step): its rows step as the table's
+        ``at_step``-th step (SparseAdam's t, last-seen steps) however many workers pushed it
+        before, and the clock moves to ``at_step``, once per global step as on one device.
         """
+        if at_step is not None:
+            if ids.numel():
+                with self.stepping_at(at_step):
+                    self.apply_gradients(ids, grads, optimizer)
+            self.advance_to(at_step)
+            self.evict()
+            return
         if ids.numel():
             self.apply_gradients(ids, grads, optimizer)
         self.step()
         self.evict()
+
+    @contextlib.contextmanager
+    def stepping_at(self, at_step: int) -> Iterator[None]:
+        """Rows applied inside step as the table's ``at_step``-th step (the clock reads ``at_step - 1``
+        meanwhile, and is never moved back); :meth:`push` with ``at_step`` uses it."""
+        clock, self._step = self._step, at_step - 1
+        try:
+            yield
+        finally:
+            self._step = max(clock, at_step - 1)
 
     def prefers_pooling(self, num_bags: int, num_distinct: int) -> bool:
         """Never: the rows are here, a bag is pooled where it is used."""

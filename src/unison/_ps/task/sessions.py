@@ -128,7 +128,7 @@ def _table_rows(s: _Session, h: wire.TableRows, tensors: list[torch.Tensor]) -> 
 
 
 def _table_push(s: _Session, h: wire.TablePush, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    s.tables.push(h.key, tensors[0], tensors[1], h.optimizer)
+    s.tables.push(h.key, tensors[0], tensors[1], h.optimizer, h.at_step)
     return []
 
 
@@ -137,7 +137,7 @@ def _table_pool(s: _Session, h: wire.TablePool, tensors: list[torch.Tensor]) -> 
 
 
 def _table_push_bags(s: _Session, h: wire.TablePushBags, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    s.tables.push_bags(h.key, tensors[0], tensors[1], tensors[2], tensors[3], h.optimizer)
+    s.tables.push_bags(h.key, tensors[0], tensors[1], tensors[2], tensors[3], h.optimizer, h.at_step)
     return []
 
 

@@ -84,19 +84,24 @@ class TableShards:
             self._recent.__dict__[key] = (ids.clone(), slots, entry.table.generation)
             return rows
 
-    def push(self, key: str, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
-        """Applies row gradients, then advances the shard's clock and evicts (one optimizer step)."""
+    def push(self, key: str, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
+             at_step: int | None = None) -> None:
+        """Applies row gradients, then advances the shard's clock and evicts (one optimizer step;
+        ``at_step``: a synchronous job's global step, ``LocalTable.push``)."""
         entry = self._entry(key)
         recent = self._recent.__dict__.pop(key, None)
         with entry.lock:
             table = entry.table
             if (recent is not None and recent[2] == table.generation and recent[0].shape == ids.shape
                     and torch.equal(recent[0], ids)):
-                table.apply_to_slots(recent[1], grads, optimizer)  # the ids this session just read
-                table.step()
+                table.apply_to_slots(recent[1], grads, optimizer, at_step)  # the ids this session just read
+                if at_step is None:
+                    table.step()
+                else:
+                    table.advance_to(at_step)
                 table.evict()
                 return
-            table.push(ids, grads, optimizer)
+            table.push(ids, grads, optimizer, at_step)
 
     def pool(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor, num_bags: int,
              create: bool) -> torch.Tensor:
@@ -107,9 +112,9 @@ class TableShards:
         return BagLayout(ids, bags, weights, num_bags).pool(rows)
 
     def push_bags(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor,
-                  bag_grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+                  bag_grads: torch.Tensor, optimizer: RowOptimizer, at_step: int | None = None) -> None:
         """:meth:`push` with each id's gradient made here from its bag's: ``bag_grads[bags] * weights``."""
-        self.push(key, ids, BagLayout(ids, bags, weights, bag_grads.shape[0]).expand(bag_grads), optimizer)
+        self.push(key, ids, BagLayout(ids, bags, weights, bag_grads.shape[0]).expand(bag_grads), optimizer, at_step)
 
     def export(self, key: str) -> dict[str, Any]:
         """The shard's rows (a checkpoint's part)."""

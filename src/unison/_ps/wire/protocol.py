@@ -66,11 +66,12 @@ __all__ = [
     "FunctionFailed", "WorkerRequest",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1; 3: a table
 export carries its policy parts, and ``TableCreate``'s config its admission and capacity; 4: delta
 checkpoints and serving exports of a table, and an export's ``removed`` ids; 5: a table config's disk tier, ``storage``,
-which an older ps task would drop, keeping every row in memory)."""
+which an older ps task would drop, keeping every row in memory; 6: a table push's ``at_step``,
+the global step of a synchronous job's push)."""
 
 
 class ProtocolError(ValueError):
@@ -320,6 +321,7 @@ class TablePush(Request):
     KIND = RequestKind.TABLE_PUSH
     key: str
     optimizer: Any
+    at_step: int | None  # a synchronous job's global step (the hybrid strategy), else None: one per push
 
 
 @_message
@@ -335,6 +337,7 @@ class TablePushBags(Request):
     KIND = RequestKind.TABLE_PUSH_BAGS
     key: str
     optimizer: Any
+    at_step: int | None
 
 
 @_message

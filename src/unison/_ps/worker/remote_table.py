@@ -52,17 +52,23 @@ class RemoteTable:
             strategy's barrier: no worker trains before every worker has loaded).
         writer: whether this process writes a load (the hybrid strategy: its chief only,
             every worker holding the same checkpoint); None: it does.
+        synchronous: every worker pushes once per global step (the hybrid strategy): each
+            push names its global step, so a shard steps once per global step however many
+            workers push it (SparseAdam's t, last-seen steps), as one device does. Counted
+            here, from the step of the last checkpoint loaded. False: each push is a step.
     """
 
     def __init__(self, key: str, num_shards: int, config: TableConfig,
                  client: Callable[[], PSClient], *,
                  grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
-                 writer: Callable[[], bool] | None = None):
+                 writer: Callable[[], bool] | None = None, synchronous: bool = False):
         self.key, self.num_shards, self.config = key, num_shards, config
         self._client_source = client
         self._grad_scale = grad_scale
         self._after_load = after_load
         self._writer = writer
+        self._synchronous = synchronous
+        self._global_step = 0  # synchronous: the global steps pushed so far
         self.traffic = {"rows": 0, "pooled": 0}
         """Lookups made here so far, by kind: distinct rows pulled, or bags pooled on the ps tasks."""
         self._last_split: tuple[torch.Tensor, list[torch.Tensor]] | None = None
@@ -70,7 +76,7 @@ class RemoteTable:
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": WORKER_CLIENT,
                 "_grad_scale": None, "_after_load": None, "_writer": None, "traffic": {"rows": 0, "pooled": 0},
-                "_last_split": None}
+                "_last_split": None, "_synchronous": False, "_global_step": 0}
 
     @property
     def embedding_dim(self) -> int:
@@ -141,10 +147,11 @@ class RemoteTable:
         layout, grads = bags
         if self._grad_scale is not None:
             grads = grads * self._grad_scale()
+        at_step = self._next_step()
         requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
         for k, where in enumerate(self._split(layout.ids)):
             touched, local = torch.unique(layout.bags[where], return_inverse=True)
-            requests[k] = (wire.TablePushBags(self.key, optimizer),
+            requests[k] = (wire.TablePushBags(self.key, optimizer, at_step),
                            [layout.ids[where], local, layout.weights[where], grads.index_select(0, touched)], None)
         self._client().exchange(requests, wait=False)
 
@@ -159,8 +166,16 @@ class RemoteTable:
         if self._grad_scale is not None:
             grads = grads * self._grad_scale()
         positions = self._split(ids)
-        self._client().exchange({k: (wire.TablePush(self.key, optimizer), [ids[where], grads[where]], None)
+        at_step = self._next_step()
+        self._client().exchange({k: (wire.TablePush(self.key, optimizer, at_step), [ids[where], grads[where]], None)
                                  for k, where in enumerate(positions)}, wait=False)
+
+    def _next_step(self) -> int | None:
+        """This push's global step (synchronous), else None: the shard counts pushes."""
+        if not self._synchronous:
+            return None
+        self._global_step += 1
+        return self._global_step
 
     def export(self) -> dict[str, Any]:
         """Every shard's rows merged, sorted by id: the export of the whole table."""
@@ -227,6 +242,7 @@ class RemoteTable:
         The chain is checked here against every shard's save point before any shard changes.
         """
         meta = checked_delta(delta, "DynamicEmbedding.load_delta_state_dict")
+        self._global_step = max(self._global_step, int(meta.get("step", 0)))  # synchronous pushes go on from there
         if self._writer is None or self._writer():
             table_id, sequence, points = self._save_points()
             check_next(f"dynamic table {self.key!r}", table_id, sequence, meta["table_id"], meta["base"],
@@ -260,6 +276,7 @@ class RemoteTable:
 
     def load(self, export: dict[str, Any]) -> None:
         """Replaces every shard's rows by an export's (from any number of shards, or one device)."""
+        self._global_step = int(export.get("meta", {}).get("step", 0))  # synchronous pushes go on from there
         if self._writer is None or self._writer():
             tensors = wire.export_tensors(export)
             self._client().exchange({k: (wire.TableLoad(self.key, k, self.num_shards), tensors, None)
@@ -294,14 +311,16 @@ class RemoteTables:
 
     def __init__(self, num_shards: int, client: Callable[[], PSClient], *, prefix: str = "",
                  grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
-                 writer: Callable[[], bool] | None = None):
+                 writer: Callable[[], bool] | None = None, synchronous: bool = False):
         self._num_shards, self._client, self._prefix = num_shards, client, prefix
         self._grad_scale, self._after_load, self._writer = grad_scale, after_load, writer
+        self._synchronous = synchronous
         self._ids = itertools.count()
 
     def create_table(self, config: TableConfig) -> RemoteTable:
         """A table on every ps task, made there now or found there (the same key on every worker)."""
         table = RemoteTable(f"{self._prefix}{next(self._ids)}:dynamic_table", self._num_shards, config, self._client,
-                            grad_scale=self._grad_scale, after_load=self._after_load, writer=self._writer)
+                            grad_scale=self._grad_scale, after_load=self._after_load, writer=self._writer,
+                            synchronous=self._synchronous)
         table.create()
         return table

@@ -175,20 +175,33 @@ class TieredTable:
         self._read_back(ids)
         return self._hot.lookup_distinct(ids, occurrences)
 
-    def apply_to_slots(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
+    def apply_to_slots(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
+                       at_step: int | None = None) -> None:
         """As ``LocalTable.apply_to_slots``: slots of :meth:`lookup_distinct` in the same :attr:`generation`."""
-        self._hot.apply_to_slots(slots, grads, optimizer)
+        self._hot.apply_to_slots(slots, grads, optimizer, at_step)
+
+    def advance_to(self, step: int) -> int:
+        """As ``LocalTable.advance_to``."""
+        return self._hot.advance_to(step)
 
     def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """As ``LocalTable.apply_gradients``, cold rows of ``ids`` read back first."""
         self._read_back(torch.unique(checked_ids(ids, "TieredTable.apply_gradients")))
         self._hot.apply_gradients(ids, grads, optimizer)
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
-        """One optimizer step: apply the row gradients (if any), advance the clock, evict, spill."""
-        if ids.numel():
-            self.apply_gradients(ids, grads, optimizer)
-        self.step()
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
+             at_step: int | None = None) -> None:
+        """One optimizer step: apply the row gradients (if any), advance the clock, evict, spill
+        (``at_step``: as ``LocalTable.push``)."""
+        if at_step is not None:
+            if ids.numel():
+                with self._hot.stepping_at(at_step):
+                    self.apply_gradients(ids, grads, optimizer)
+            self._hot.advance_to(at_step)
+        else:
+            if ids.numel():
+                self.apply_gradients(ids, grads, optimizer)
+            self.step()
         self.evict()
 
     def prefers_pooling(self, num_bags: int, num_distinct: int) -> bool:
