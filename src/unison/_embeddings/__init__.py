@@ -1,4 +1,4 @@
-"""``unison.embeddings``: embedding tables keyed by any int64 id, for recommendation models.
+"""The implementation behind ``unison.embeddings``: embedding tables keyed by any int64 id, for recommendation models.
 
 ``DynamicEmbedding`` creates rows on first touch; its rows start from an id-keyed
 initializer (``Normal``, ``Uniform``, ``Zeros``: the same row for an id whatever the
