@@ -76,3 +76,46 @@ def test_a_malformed_worker_request_gets_an_error_naming_it():
     assert isinstance(reply, wire.FunctionFailed) and not reply.lost_ps
     assert isinstance(reply.error, wire.ProtocolError)
     assert "malformed worker request 'tuple'" in str(reply.error) and "RunFunction" in str(reply.error)
+
+
+def test_a_ps_task_never_reached_is_named_unreachable_not_lost(free_port):
+    address = f"127.0.0.1:{free_port}"  # nothing listens there
+    client = PSClient([address], generate_authkey(), timeout=0.5, reply_timeout=5)
+    try:
+        with pytest.raises(ParameterServerError, match=r"could not be reached") as caught:
+            client.read([(0, "w")])
+    finally:
+        client.close()
+    message = str(caught.value)
+    assert f"ps:0 at {address}" in message and "no variables were lost" in message, message
+    assert "variables are lost" not in message and "restore the last checkpoint" not in message, message
+
+
+def test_another_version_through_the_client_says_only_how_to_fix_it(ps_server, monkeypatch):
+    address, key = ps_server
+    monkeypatch.setattr("unison._ps.wire.links.PROTOCOL_VERSION", wire.PROTOCOL_VERSION + 1)
+    client = PSClient([address], key, timeout=10, reply_timeout=10)
+    try:
+        with pytest.raises(ParameterServerError, match=r"refused the ps session") as caught:
+            client.read([(0, "w")])
+    finally:
+        client.close()
+    message = str(caught.value)
+    assert "run the same unison version on every task" in message, message
+    assert "variables are lost" not in message and "restore the last checkpoint" not in message, message
+
+
+def test_a_ps_task_gone_after_it_was_reached_is_lost():
+    key = generate_authkey()
+    server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=key, bind_address="127.0.0.1:0")
+    client = PSClient([server.address], key, timeout=0.5, reply_timeout=5)
+    try:
+        client.write(wire.Create, [(0, "w")], [torch.arange(4.0)])
+        server.stop()
+        with pytest.raises(ParameterServerError, match=r"its variables are lost"):
+            for _ in range(3):  # the first request after the stop may still find the link open
+                client.read([(0, "w")])
+                client._drop(0)
+    finally:
+        client.close()
+        server.stop()

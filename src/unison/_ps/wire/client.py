@@ -55,6 +55,8 @@ class PSClient:
         self._grad_slots: dict[tuple[int, str], torch.Tensor] = {}
         #: ps tasks whose reply to a request sent without waiting (a row push) is still to be read
         self._unanswered: set[int] = set()
+        #: ps tasks this client has opened a session with (a failure to reach one later means it is lost)
+        self._reached: set[int] = set()
 
     def new_tensor(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor for a worker's cached parameter: in the arena when there is one."""
@@ -103,6 +105,15 @@ class PSClient:
             f"and start this task again"
         )
 
+    def _unreachable(self, index: int, cause: BaseException) -> ParameterServerError:
+        # Not _lost: this client never reached the ps task, so it lost nothing of its; the
+        # task may still be starting, or the cluster spec may name the wrong address.
+        return ParameterServerError(
+            f"ps:{index} at {self.addresses[index]} could not be reached ({type(cause).__name__}: {cause}); this "
+            f"task had not reached it before, so no variables were lost: start the ps task or fix its address in "
+            f"the cluster spec, then start this task again"
+        )
+
     def _link(self, index: int) -> TensorLink:
         with self._lock:
             link = self._links.get(index)
@@ -111,9 +122,12 @@ class PSClient:
                     link = open_link(self.addresses[index], self._authkey, "ps", f"ps:{index}", self._timeout)
                 except AuthenticationError as e:
                     raise self._refused(index) from e
+                except ParameterServerError:
+                    raise  # the ps task answered and refused the session (another version): open_link says why
                 except Exception as e:
-                    raise self._lost(index, e) from e
+                    raise (self._lost(index, e) if index in self._reached else self._unreachable(index, e)) from e
                 self._links[index] = link
+                self._reached.add(index)
             return link
 
     def exchange(self, requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]], *,
