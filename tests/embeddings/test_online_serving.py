@@ -227,3 +227,27 @@ def test_bad_arguments_name_the_field_the_value_and_the_fix(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written by a refused call
     with pytest.raises(TypeError, match="`default` must be a number"):
         ServingFollower(tmp_path, default="0")
+
+
+def test_the_dense_state_leaves_the_tables_out_without_reading_them(tmp_path, monkeypatch):
+    """A table's state_dict reads every row (from the ps tasks, there): the exporter never asks for it, and
+    the dense state is the model's state_dict less the tables' entries, buffers and nested modules included."""
+    model, opt = make()
+    model.norm = nn.BatchNorm1d(8)  # persistent buffers, in a subtree without a table
+    outer = nn.ModuleDict({"ranker": model, "calibration": nn.Linear(1, 1)})
+    outer.register_buffer("scale", torch.tensor(2.0))
+    outer.register_buffer("scratch", torch.zeros(3), persistent=False)
+    train(model, opt, 2, seed=0)
+    exporter = ServingExporter(tmp_path, {"users": model.users, "items": model.items}, dense=outer, every_seconds=1)
+    want = {k: v for k, v in outer.state_dict().items() if ".users." not in k and ".items." not in k}
+    for table in (model.users, model.items):
+        def refuse(*args, **kwargs):
+            raise AssertionError("the exporter read a table's state_dict")
+        monkeypatch.setattr(table, "_save_to_state_dict", refuse)
+    exporter.export()
+    follower = ServingFollower(tmp_path)
+    follower.poll()
+    assert follower.dense_state is not None and sorted(follower.dense_state) == sorted(want)
+    assert "ranker.norm.running_mean" in want and "scale" in want and "scratch" not in want
+    for key, value in want.items():
+        assert torch.equal(follower.dense_state[key], value), key

@@ -111,7 +111,7 @@ class ServingExporter:
         self.root = Path(root)
         self._embeddings = dict(embeddings)
         self._dense = dense
-        self._left_out = _table_prefixes(dense, self._embeddings) if dense is not None else ()
+        self._holders = _holders(dense, self._embeddings) if dense is not None else frozenset()
         self.every_seconds = float(every_seconds)
         self.full_every, self.keep_chains = full_every, keep_chains
         self._clock = clock
@@ -171,7 +171,7 @@ class ServingExporter:
             for name, module in self._embeddings.items():
                 export_for_serving(module, temporary / "embeddings" / name, delta=not is_full)
             if self._dense is not None:
-                _save_dense(self._dense, self._left_out, temporary / DENSE_FILE)
+                _save_dense(self._dense, self._holders, temporary / DENSE_FILE)
             meta = snapshots.SnapshotMeta(number=number, kind="full" if is_full else "delta", chain=chain,
                                 base=None if is_full else number - 1, began=began,
                                 seconds=self._clock() - began_at, embeddings=tuple(self._embeddings),
@@ -203,10 +203,10 @@ class ServingExporter:
                 f"{self.every_seconds}, full_every={self.full_every}, next={self._next})")
 
 
-def _table_prefixes(dense: nn.Module, embeddings: dict[str, DynamicEmbedding]) -> tuple[str, ...]:
-    """The state_dict prefixes of ``dense``'s DynamicEmbedding submodules (each must be exported)."""
+def _holders(dense: nn.Module, embeddings: dict[str, DynamicEmbedding]) -> frozenset[int]:
+    """The ids of ``dense``'s modules that are tables or hold one (each table must be exported)."""
     exported = {id(module) for module in embeddings.values()}
-    prefixes = []
+    holders: set[int] = set()
     for name, module in dense.named_modules():
         if isinstance(module, DynamicEmbedding):
             if id(module) not in exported:
@@ -214,15 +214,48 @@ def _table_prefixes(dense: nn.Module, embeddings: dict[str, DynamicEmbedding]) -
                                  f"that is not in `embeddings` ({sorted(embeddings)}); its rows would be lost to "
                                  f"the server. fix: add it, e.g. embeddings={{{name.split('.')[-1]!r}: "
                                  f"model.{name}}}")
-            prefixes.append(f"{name}." if name else "")
-    return tuple(prefixes)
+            holders.update(id(m) for _, m in _ancestors(dense, name))
+    return frozenset(holders)
 
 
-def _save_dense(dense: nn.Module, left_out: tuple[str, ...], path: Path) -> None:
+def _ancestors(root: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
+    """``root`` and each module on the path to its submodule ``name``, that one included."""
+    path, module, prefix = [("", root)], root, ""
+    for part in name.split(".") if name else []:
+        module = module.get_submodule(part)
+        prefix = f"{prefix}{part}."
+        path.append((prefix, module))
+    return path
+
+
+def _dense_state(module: nn.Module, holders: frozenset[int], prefix: str = "") -> dict[str, torch.Tensor]:
+    """``module``'s state_dict without its tables' entries, never asking a table for its state.
+
+    A table's ``state_dict()`` reads every row (from the ps tasks, on ps tasks), so the
+    subtrees without a table give their own ``state_dict()`` and the modules that hold one
+    give their parameters and persistent buffers, then recurse.
+    """
+    if id(module) not in holders:
+        return dict(module.state_dict(prefix=prefix))
+    state: dict[str, torch.Tensor] = {}
+    if isinstance(module, DynamicEmbedding):
+        return state
+    for name, parameter in module._parameters.items():
+        if parameter is not None:
+            state[prefix + name] = parameter
+    for name, buffer in module._buffers.items():
+        if buffer is not None and name not in module._non_persistent_buffers_set:
+            state[prefix + name] = buffer
+    for name, child in module._modules.items():
+        if child is not None:
+            state.update(_dense_state(child, holders, f"{prefix}{name}."))
+    return state
+
+
+def _save_dense(dense: nn.Module, holders: frozenset[int], path: Path) -> None:
     """``dense``'s state_dict without its tables, as plain CPU tensors (``torch.load(weights_only=True)`` reads it)."""
     state = {key: value.detach().cpu().clone().as_subclass(torch.Tensor)
-             for key, value in dense.state_dict().items()
-             if isinstance(value, torch.Tensor) and not any(key.startswith(p) for p in left_out)}
+             for key, value in _dense_state(dense, holders).items() if isinstance(value, torch.Tensor)}
     with open(path, "wb") as handle:
         torch.save(state, handle)
         handle.flush()
