@@ -114,8 +114,8 @@ def serve(args: argparse.Namespace) -> None:
             assert follower.dense_state is not None
             model.load_state_dict(follower.dense_state)
             records = _report(args, model, applied)
-            for record in records:  # the first poll's lag is the server's start-up, not serving's
-                record["startup"] = not ready.exists()
+            for record in records:  # the untrained model's lags hold the server's start-up, not serving's
+                record["startup"] = not record["position"]
             served.extend(records)
             if not ready.exists():  # the trainer starts once a model is served
                 ready.write_text("")
@@ -179,6 +179,7 @@ def train(args: argparse.Namespace) -> None:
     stream = drifting_clicks(args.batch_size, seed=args.seed, start=rank * args.batch_size, stride=global_batch,
                              period=args.period, amplitude=args.amplitude)
     serving = _Serving(args, model) if rank == 0 and not args.no_serving else None
+    strategy.join_pushes()  # a barrier: every worker's clock starts once the model is served
     start, steps, loss = time.perf_counter(), 0, float("nan")
     while True:
         _, batch = next(stream)
@@ -232,6 +233,9 @@ class _Serving:
                                         *_serving_flags(args)])
         print(f"[train] serving process {self.server.pid} follows {self.workdir / 'snapshots'}", flush=True)
         self._wait_until_served()
+        # Training starts now: a snapshot that begins now (a delta of nothing) is the predecessor of the first
+        # one with trained rows, so that one's worst-case lag is not the server's start-up.
+        self._export({"position": 0, "step": 0})
 
     def _wait_until_served(self) -> None:
         """Blocks until the serving process serves the first snapshot (its start-up is not part of the lag)."""
