@@ -14,10 +14,11 @@ the last one and the dense layers) and starts the serving process, this script w
 ``--serve``, which polls the snapshots every ``--poll-every`` seconds with
 ``unison.embeddings.ServingFollower``, scores held-out samples of the stream's latest
 moment with the served model (``ServingEmbedding`` rows and the dense state in a
-``DLRM``), and prints, for each snapshot it applied:
+``DLRM``), and prints, for each poll that applied a snapshot (a line from a run with
+``--export-every 0.5 --poll-every 0.2``)::
 
-    [serving] snapshot 7 (delta) at 412,160 samples: served AUC 0.7012 (best possible 0.8410);
-              lag 0.41 s from its export, 5.38 s worst case
+    [serving] snapshot 27 (delta) at 21,504 samples: served AUC 0.7547 (best possible 0.8474);
+    lag 0.46 s from its export, 0.97 s worst case
 
 The lag is from the export's start (a row updated just before it) to the serving process
 answering from it; the worst case is from the previous export's start (a row updated just
