@@ -24,7 +24,9 @@ The lag is from the export's start (a row updated just before it) to the serving
 answering from it; the worst case is from the previous export's start (a row updated just
 after that one read it waits for this one). Training goes on meanwhile. It stops after
 ``--seconds`` or ``--steps`` (whichever comes first; workers agree every 10 steps), writes a
-last snapshot, and waits for the serving process to serve it. ``--no-serving`` trains the
+last snapshot, and waits for the serving process to serve it; the serving process prints the
+lags' median and max (leaving out the untrained model's snapshots, written before training
+starts: their lag is the server's start-up). ``--no-serving`` trains the
 same way without exporting or serving (``benchmarks/online_serving.py`` compares the two).
 """
 
@@ -135,7 +137,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace, model: DLRM, applied: list) -> list[dict]:
-    """One line and one record per applied snapshot; the newest is scored on the stream's latest samples."""
+    """One record per applied snapshot and one line per poll: the newest is scored on the stream's latest samples."""
     newest = applied[-1]
     position = int(newest.info.get("position", 0))
     test = batch_at(position, args.eval_samples, seed=args.seed + EVAL_SEED, period=args.period,
