@@ -162,3 +162,29 @@ def test_lookups_go_on_while_deltas_land(tmp_path):
         t.join(30)
     assert not errors and lookups[0] > 0
     assert_serves(served, emb)
+
+
+def test_deltas_read_ahead_apply_in_order_and_a_stale_read_is_refused(tmp_path):
+    """read_delta checks a delta against a number the table will reach, changing nothing; apply_read_delta
+    applies it only at that number (what ServingFollower does to check a poll's deltas before any applies)."""
+    emb, opt = make()
+    train(emb, opt, 2, seed=0)
+    served = ServingEmbedding.load(export_for_serving(emb, tmp_path / "0"))
+    paths = []
+    for k in (1, 2):
+        train(emb, opt, 2, seed=k)
+        paths.append(export_for_serving(emb, tmp_path / str(k), delta=True))
+    before = served._rows_of(torch.arange(-5, 20000)).clone()
+    first = served.read_delta(paths[0])
+    second = served.read_delta(paths[1], after=first.number)
+    with pytest.raises(ValueError, match="export 1 -> 2 .* at export 0: it is out of order"):
+        served.read_delta(paths[1])
+    assert served.number == 0 and torch.equal(served._rows_of(torch.arange(-5, 20000)), before)
+    with pytest.raises(ValueError, match="follows export 1, this table is at export 0; nothing was changed"):
+        served.apply_read_delta(second)
+    served.apply_read_delta(first)
+    with pytest.raises(ValueError, match="follows export 0, this table is at export 1"):
+        served.apply_read_delta(first)
+    served.apply_read_delta(second)
+    assert served.number == 2
+    assert_serves(served, emb)

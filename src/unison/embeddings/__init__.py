@@ -9,6 +9,9 @@ and ``tables_on_ps`` turn a model's ``nn.Embedding``/``nn.EmbeddingBag`` tables 
 modules (rows on the ps tasks under the parameter-server strategies). ``export_for_serving``
 writes a trained table's ids and rows (full, or what changed since the previous export) and
 ``ServingEmbedding`` serves them read-only in one process, applying later delta exports in place.
+For online training, ``ServingExporter`` publishes a training model's tables and dense state
+as numbered snapshots every few seconds and ``ServingFollower`` serves the newest one in
+another process (``ServingSnapshot``: one applied, with its lag).
 
 Each name is imported on first use (names and types in ``__init__.pyi``). The
 implementation is ``unison._embeddings``: ``modules`` (what a model author builds),

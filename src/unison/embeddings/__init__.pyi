@@ -2,6 +2,8 @@
 
 from unison._embeddings.modules.fixed_tables import on_ps, tables_on_ps
 from unison._embeddings.serving.export import export_for_serving
+from unison._embeddings.serving.exporter import ServingExporter
+from unison._embeddings.serving.follower import ServingFollower, ServingSnapshot
 from unison._embeddings.serving.serving_embedding import ServingEmbedding
 from unison._embeddings.tables.admission_policies import AdmissionPolicy, AdmitAfter, AdmitWithProbability
 from unison._embeddings.tables.disk.storage import DiskStorage
@@ -10,4 +12,5 @@ from unison._embeddings.tables.initializers import Initializer, Normal, Uniform,
 
 __all__ = ["on_ps", "tables_on_ps", "Initializer", "Normal", "Uniform", "Zeros", "EvictionPolicy", "EvictUnseen",
            "EvictBelowCount", "AdmissionPolicy", "AdmitAfter", "AdmitWithProbability",
-           "export_for_serving", "ServingEmbedding", "DiskStorage"]
+           "export_for_serving", "ServingEmbedding", "ServingExporter", "ServingFollower", "ServingSnapshot",
+           "DiskStorage"]

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "VERSION", "write_export", "read_export"]
+__all__ = ["FORMAT", "VERSION", "write_export", "read_export", "fsync_directory"]
 
 FORMAT = "unison.serving_embedding"
 VERSION = 1
@@ -83,7 +83,7 @@ def write_export(path: str | os.PathLike[str], export: dict[str, Any], mode: str
             handle.flush()
             os.fsync(handle.fileno())
         os.rename(temporary, target)
-        _fsync_directory(target.parent)
+        fsync_directory(target.parent)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
@@ -129,7 +129,8 @@ def read_export(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str,
     return manifest, tensors
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Flushes ``directory``'s entries (a rename into it) to disk, where the platform can."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # pragma: no cover - not every platform opens directories

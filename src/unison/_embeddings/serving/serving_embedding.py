@@ -15,6 +15,7 @@ between; its time follows the delta's size, not the table's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import final
@@ -25,9 +26,20 @@ from torch import nn
 from unison._embeddings.serving.files import read_export
 from unison._embeddings.tables.id_index import IdIndex
 
-__all__ = ["ServingEmbedding"]
+__all__ = ["ServingEmbedding", "ReadDelta"]
 
 _MODES = (None, "sum", "mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadDelta:
+    """A delta export read and checked against a table (:meth:`ServingEmbedding.read_delta`), not yet applied."""
+
+    base: int
+    number: int
+    ids: torch.Tensor
+    rows: torch.Tensor
+    removed: torch.Tensor
 
 
 @final
@@ -105,32 +117,57 @@ class ServingEmbedding(nn.Module):
             ValueError: an export of another chain, out of order, already applied, a full
                 export, or one of another shape; nothing is changed.
         """
+        self.apply_read_delta(self.read_delta(path))
+
+    def read_delta(self, path: str | os.PathLike[str], after: int | None = None) -> ReadDelta:
+        """Reads and checks the delta export at ``path`` as the one that follows export ``after``
+        (default: this table's ``number``), changing nothing; :meth:`apply_read_delta` applies it.
+
+        The two halves of :meth:`apply_delta`, for a caller that checks several tables'
+        deltas (or several deltas in a row) before it changes any table.
+
+        Raises:
+            ValueError: as :meth:`apply_delta`.
+        """
         manifest, arrays = read_export(path)
         where = f"ServingEmbedding.apply_delta({os.fspath(path)!r})"
+        at = self.number if after is None else after
         if manifest["kind"] != "delta":
             raise ValueError(f"{where}: a full export (chain {manifest['export_id']!r}); nothing was changed. fix: "
                              f"ServingEmbedding.load it as a new table, or pass a delta export")
         if manifest["export_id"] != self.export_id:
             raise ValueError(f"{where}: a delta of export chain {manifest['export_id']!r} but this table is chain "
-                             f"{self.export_id!r} (at export {self.number}); nothing was changed. fix: load the full "
+                             f"{self.export_id!r} (at export {at}); nothing was changed. fix: load the full "
                              f"export of chain {manifest['export_id']!r}")
-        if manifest["base"] != self.number:
-            what = "was already applied" if manifest["number"] <= self.number else "is out of order"
+        if manifest["base"] != at:
+            what = "was already applied" if manifest["number"] <= at else "is out of order"
             raise ValueError(f"{where}: export {manifest['base']} -> {manifest['number']} of chain "
-                             f"{self.export_id!r}, but this table is at export {self.number}: it {what}; nothing "
+                             f"{self.export_id!r}, but this table is at export {at}: it {what}; nothing "
                              f"was changed. fix: apply the deltas in order, each once")
         if manifest["embedding_dim"] != self.embedding_dim or arrays["rows"].dtype != self._rows.dtype:
             raise ValueError(f"{where}: rows of dim {manifest['embedding_dim']} {arrays['rows'].dtype}, this table's "
                              f"are {self.embedding_dim} {self._rows.dtype}; nothing was changed")
+        return ReadDelta(int(manifest["base"]), int(manifest["number"]), arrays["ids"], arrays["rows"],
+                         arrays["removed"])
+
+    def apply_read_delta(self, delta: ReadDelta) -> None:
+        """Applies a delta from :meth:`read_delta` under the lookups' lock.
+
+        Raises:
+            ValueError: the table is no longer at the delta's base (another delta came first);
+                nothing is changed.
+        """
         with self._lock:
-            removed = arrays["removed"]
-            slots = self._index.find(removed)
+            if delta.base != self.number:
+                raise ValueError(f"ServingEmbedding.apply_read_delta: the delta follows export {delta.base}, this "
+                                 f"table is at export {self.number}; nothing was changed. fix: read it again")
+            slots = self._index.find(delta.removed)
             present = slots >= 0
             if bool(present.any()):
-                self._index.remove(removed[present])
+                self._index.remove(delta.removed[present])
                 self._free.append(slots[present])
-            self._upsert(arrays["ids"], arrays["rows"])
-            self.number = manifest["number"]
+            self._upsert(delta.ids, delta.rows)
+            self.number = delta.number
 
     def _upsert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Rows of distinct ids replaced, or stored in free or new slots (the caller holds the lock or owns self)."""
