@@ -53,7 +53,8 @@ def test_training_with_compression_between_hosts_is_close_and_equal_on_every_wor
         assert _max_diff(result["weights"]["exact"], reference) <= 1e-5
         assert 0 < _max_diff(result["weights"][compression], reference) < 1e-2
     for result in trained[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(result["weights"][compression], trained[0]["weights"][compression]))
+        mine, first = result["weights"][compression], trained[0]["weights"][compression]
+        assert all(torch.equal(a, b) for a, b in zip(mine, first))
 
 
 @pytest.mark.timeout(240)

@@ -47,7 +47,7 @@ def test_error_feedback_makes_the_applied_updates_add_up_to_the_true_gradients()
         sent = grad.clone()
         reducer.reduce([sent], 1)
         applied += sent
-        owed = reducer._errors[0]
+        owed = reducer.owed(0)
         torch.testing.assert_close(applied + owed, truth, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(applied, truth, atol=1e-2)  # rank 1 of a random 32 x 24: it did compress
 
@@ -75,7 +75,7 @@ def test_with_several_workers_the_errors_add_up_to_what_the_updates_missed(mean)
             sent = grads[step][rank].clone()
             reducers[rank].reduce([sent], divisor)
             applied[rank].append(sent)
-            owed[rank].append(reducers[rank]._errors[0].clone())
+            owed[rank].append(reducers[rank].owed(0).clone())
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(workers)]
     for t in threads:
