@@ -408,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round (default 5)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
-    parser.add_argument("--quick", action="store_true", help="smoke mode: 2 rounds of 2 steps, W2 only, no link limit")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke mode: 2 rounds of 2 steps, W2 only, no link limit (compression suite: 1 round of "
+                             "2 steps, every workload, 250mbit unless --links, 2 digits epochs of one seed)")
     parser.add_argument("--out", type=Path, default=HERE / "out", help="output folder (default benchmarks/out)")
     args = parser.parse_args(argv)
     reason = unavailable_reason()
@@ -418,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "compression":
         given = set(sys.argv[1:] if argv is None else argv)
         if "--links" not in given:
-            args.links = "100mbit,250mbit,1gbit"
+            args.links = "250mbit" if args.quick else "100mbit,250mbit,1gbit"
         if "--workloads" not in given:
             args.workloads = "W1,W2,LM"
         if "--rounds" not in given:
