@@ -7,7 +7,9 @@ two hosts of two workers: the hierarchical transport), under the same with
 unison formed -- then times interleaved rounds of each (the order rotating) and writes
 ``OUT/worker:<i>.json``: every step time, which transport each strategy chose, the
 largest weight difference to DDP after the same steps on the same data, and the share of
-the machine's CPU time that was busy while each variant's steps ran.
+the machine's CPU time that was busy while each variant's steps ran. With
+``"suite": "compression"`` in the configuration it runs the variants of
+``_multi_host_compression.py`` instead (issue 45).
 """
 
 from __future__ import annotations
@@ -98,7 +100,16 @@ def main() -> int:
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     rank = int(task["index"])
     world = sum(len(v) for v in json.loads(os.environ["TF_CONFIG"])["cluster"].values())
-    result = {"task": f"{task['type']}:{rank}", "train": {w: _train(w, cfg, rank, world) for w in cfg["workloads"]}}
+    suite = cfg.get("suite", "transports")
+    if suite == "compression":  # issue 45: benchmarks/_multi_host_compression.py
+        import _multi_host_compression as compression
+
+        result: dict[str, Any] = {"task": f"{task['type']}:{rank}", "train": {
+            w: compression.train(w, cfg, rank, world, _counting_busy) for w in cfg["workloads"]}}
+        if cfg.get("accuracy"):
+            result["accuracy"] = compression.accuracy(cfg, rank, world)
+    else:
+        result = {"task": f"{task['type']}:{rank}", "train": {w: _train(w, cfg, rank, world) for w in cfg["workloads"]}}
     (out / f"worker:{rank}.json").write_text(json.dumps(result))
     print(f"worker:{rank} done", flush=True)
     return 0

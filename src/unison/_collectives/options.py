@@ -39,9 +39,12 @@ class Compression(NamedEnum):
     done again exactly, so an overflow never reaches the weights.
 
     Integer tensors are always exact. Only traffic between workers is compressed
-    (gradient buckets and ``reduce``/``batch_reduce_to`` across workers, over every
-    transport: compressed tensors always travel over the network collectives, since
-    shared memory has no wire to save); replicas in one process exchange nothing.
+    (gradient buckets and ``reduce``/``batch_reduce_to`` across workers); replicas in
+    one process exchange nothing. Across several hosts of several workers (the
+    hierarchical transport) the workers of a host sum exactly in shared memory, which has
+    no wire to save, and the host sums cross the network in the half type. Elsewhere
+    (one host, ``RING``, NCCL, one worker per host) every worker's share travels
+    compressed over the network collectives.
     """
 
     NONE = "NONE"
@@ -65,7 +68,9 @@ class PowerSGD:
     so over steps the applied updates add up to the true gradients. Vectors (biases),
     matrices too small to gain, and every gradient during the first ``start_iter``
     steps are all-reduced exactly. Applies to gradient buckets between workers;
-    ``reduce``/``batch_reduce_to`` stay exact.
+    ``reduce``/``batch_reduce_to`` stay exact. The factors are summed by the transport
+    the cluster calls for: across several hosts of several workers, the hierarchical one
+    (shared memory within a host, once per host across the network).
 
     Args:
         rank: the factors' rank (1 is DDP's default; higher is more precise, more bytes).

@@ -47,7 +47,7 @@ def test_error_feedback_makes_the_applied_updates_add_up_to_the_true_gradients()
         sent = grad.clone()
         reducer.reduce([sent], 1)
         applied += sent
-        owed = reducer._errors[0]
+        owed = reducer.owed(0)
         torch.testing.assert_close(applied + owed, truth, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(applied, truth, atol=1e-2)  # rank 1 of a random 32 x 24: it did compress
 
@@ -75,7 +75,7 @@ def test_with_several_workers_the_errors_add_up_to_what_the_updates_missed(mean)
             sent = grads[step][rank].clone()
             reducers[rank].reduce([sent], divisor)
             applied[rank].append(sent)
-            owed[rank].append(reducers[rank]._errors[0].clone())
+            owed[rank].append(reducers[rank].owed(0).clone())
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(workers)]
     for t in threads:
@@ -112,6 +112,28 @@ def test_vectors_small_matrices_and_the_first_steps_are_exact():
         reducer.reduce(grads, 2)
         assert torch.equal(grads[0], bias / 2) and torch.equal(grads[1], small / 2)
         assert torch.equal(grads[2], big / 2) == (step < 2)
+
+
+def test_same_shaped_gradients_go_together_and_each_keeps_its_own_error():
+    """Gradients of one shape go through PowerSGD as one batch (issue 45): each is what it
+    would be alone (the same seeded Q, the same steps), and its error stays its own."""
+    config = unison.PowerSGD(rank=2, start_iter=0)
+    g = torch.Generator().manual_seed(3)
+    steps = [[torch.randn(24, 16, generator=g), torch.randn(7, generator=g), torch.randn(24, 16, generator=g),
+              torch.randn(30, 12, generator=g)] for _ in range(4)]
+    together = _one_worker(config)
+    alone = {index: _one_worker(config) for index in (0, 2, 3)}
+    for grads in steps:
+        sent = [t.clone() for t in grads]
+        together.reduce(sent, 2)
+        for index, reducer in alone.items():
+            # alone: the same index (its seed), beside an exact vector in the other places
+            own = [grads[index].clone() if i == index else torch.zeros(3) for i in range(4)]
+            reducer.reduce(own, 2)
+            torch.testing.assert_close(sent[index], own[index], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(together.owed(index), reducer.owed(index), rtol=1e-5, atol=1e-6)
+        assert torch.equal(sent[1], grads[1] / 2)
+    assert together.owed(1) is None  # a vector: exact, nothing owed
 
 
 @pytest.mark.parametrize("field, value", [("rank", 0), ("start_iter", -1), ("min_compression_rate", 0.5)])

@@ -18,7 +18,13 @@ so a reduction reads straight through:
   out of the shared file (Horovod's hierarchical all-reduce: a local reduce-scatter, a
   cross-host all-reduce per slice, a local all-gather; TF's hierarchical copy, for
   processes). It falls back to the packed transport, on every host together, when a
-  host cannot give the memory.
+  host cannot give the memory. With bf16 / fp16 compression the hop between hosts
+  carries the host sums in the half type, while the sums within a host stay exact.
+- ``CompressedTransport``: packed collectives in bfloat16 or float16 (one host, RING,
+  NCCL, or one worker per host);
+- ``PowerSGDTransport``: gradient buckets through PowerSGD, whose factors (and exact
+  tensors) are summed by the exact transport the hosts call for (hierarchical across
+  hosts, so the factors cross the network once per host, not once per worker).
 
 All take the per-call check as an argument and run it before any data moves. Each
 names the way gradient buckets travel with it (``bucket_transport``, one of
@@ -100,6 +106,10 @@ class PackedTransport(_OverTheGroup):
     def bucket_transport(self) -> BucketTransport:
         return AllReduceBuckets(self._control)
 
+    def sum_checked(self, tensors: list[torch.Tensor], divisor: int) -> list[torch.Tensor]:
+        """``all_reduce`` of tensors whose layout the caller checked already (the same on every worker)."""
+        return self.all_reduce(tensors, divisor, _checked)
+
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         check()
         if not tensors:
@@ -140,12 +150,19 @@ class HierarchicalTransport:
         control: the whole group's plumbing (the per-call check, the fallback agreement).
         hosts: the host of every rank (``ResolvedCluster.task_hosts``).
         bytes_per_pack: packing of the fallback transport.
+        compression: ``BF16`` / ``FP16``: floating-point host sums cross hosts in the half
+            type (the sums within a host stay exact; the fallback is compressed too);
+            ``NONE``: exact.
     """
 
-    def __init__(self, control: WorkerControl, hosts: Sequence[str], bytes_per_pack: int):
+    def __init__(self, control: WorkerControl, hosts: Sequence[str], bytes_per_pack: int,
+                 compression: Compression = Compression.NONE):
         self._control = control
-        self._fallback = PackedTransport(control, bytes_per_pack)
-        self.share = HostsShare(control, hosts)
+        self.compressor = None if compression is Compression.NONE else Compressor(compression)
+        self._fallback: PackedTransport | CompressedTransport = (
+            PackedTransport(control, bytes_per_pack) if compression is Compression.NONE
+            else CompressedTransport(control, bytes_per_pack, compression))
+        self.share = HostsShare(control, hosts, self.compressor)
 
     @property
     def shared_memory(self) -> SharedMemoryAllReduce:
@@ -153,21 +170,33 @@ class HierarchicalTransport:
         return self.share.shared_memory
 
     def bucket_transport(self) -> BucketTransport:
-        return PipelinedHostBuckets(self._control, self.share)
+        return PipelinedHostBuckets(self._control, self.share, fallback=self._fallback.bucket_transport)
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         return _through_shared_memory(self.share.shared_memory, self._fallback, tensors, divisor, check)
 
+    def sum_checked(self, tensors: list[torch.Tensor], divisor: int) -> list[torch.Tensor]:
+        """``all_reduce`` of tensors whose layout the caller checked already (the same on every worker).
 
-def _through_shared_memory(engine: SharedMemoryAllReduce, fallback: PackedTransport, tensors: list[torch.Tensor],
-                           divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
-    """The shared-memory path, or the packed one for tensors it does not take (or once it gave up)."""
+        Not ``all_reduce`` with a no-op check: in shared memory the check doubles as the
+        barrier after every worker wrote its inputs, and here the engine must wait itself.
+        """
+        return _through_shared_memory(self.share.shared_memory, self._fallback, tensors, divisor, None)
+
+
+def _through_shared_memory(engine: SharedMemoryAllReduce, fallback: CrossWorkerTransport, tensors: list[torch.Tensor],
+                           divisor: int, check: Callable[[], None] | None) -> list[torch.Tensor]:
+    """The shared-memory path, or the packed one for tensors it does not take (or once it gave up).
+
+    ``check``: the per-call layout check (a collective that doubles as the barrier after
+    the inputs are written); None where the caller checked already (the engine then
+    waits for the inputs with a barrier of its own)."""
     if tensors and engine.eligible(tensors):
         reduced = engine(tensors, divisor, check)
         if reduced is not None:
             return reduced
-        return fallback.all_reduce(tensors, divisor, lambda: None)  # the check has run
-    return fallback.all_reduce(tensors, divisor, check)
+        return fallback.all_reduce(tensors, divisor, _checked)  # the check has run
+    return fallback.all_reduce(tensors, divisor, check if check is not None else _checked)
 
 
 @typing.final
@@ -208,19 +237,31 @@ class CompressedTransport(_OverTheGroup):
 
 
 @typing.final
-class PowerSGDTransport(_OverTheGroup):
-    """Exact packed collectives for batches; gradient buckets reduced by PowerSGD (``powersgd.py``)."""
+class PowerSGDTransport:
+    """Gradient buckets reduced by PowerSGD (``powersgd.py``); its sums, and batches, by an exact transport.
 
-    def __init__(self, control: WorkerControl, bytes_per_pack: int, config: PowerSGD):
-        self._packed = PackedTransport(control, bytes_per_pack)
-        self.powersgd = PowerSGDReducer(config, lambda tensors: self._packed.all_reduce(tensors, 1, _checked),
-                                        control.world_size)
+    Args:
+        control: the group's plumbing (its size: how many workers' errors add up).
+        config: the user's PowerSGD options.
+        exact: what sums the factors, the tensors PowerSGD leaves exact, and batch
+            reductions: packed collectives, or on several hosts the hierarchical transport
+            (the factors then cross the network once per host sum, not once per worker).
+    """
+
+    def __init__(self, control: WorkerControl, config: PowerSGD, exact: PackedTransport | HierarchicalTransport):
+        self.exact = exact
+        self.powersgd = PowerSGDReducer(config, lambda tensors: exact.sum_checked(tensors, 1), control.world_size)
+
+    @property
+    def shared_memory(self) -> SharedMemoryAllReduce | None:
+        """The exact transport's shared-memory engine (None: every byte goes through the group)."""
+        return self.exact.shared_memory
 
     def bucket_transport(self) -> BucketTransport:
         return PowerSGDBuckets(self.powersgd)
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
-        return self._packed.all_reduce(tensors, divisor, check)
+        return self.exact.all_reduce(tensors, divisor, check)
 
 
 def _checked() -> None:
@@ -237,19 +278,29 @@ def choose_transport(control: WorkerControl, options: CommunicationOptions, back
     host has one worker. Packed collectives otherwise (RING, NCCL, and gloo between
     replicas on GPUs: the shared-memory files and their results live in host memory,
     while the gradient buckets stay on the GPU, so gloo's staging does the same
-    copies with no second path to keep). With compression:
-    compressed packed collectives, whatever the hosts.
+    copies with no second path to keep).
+
+    With compression, where the hosts call for the hierarchical transport, it is the
+    hierarchical transport that compresses: bf16 / fp16 on the hop between hosts (the
+    sums within a host exact), PowerSGD's factors summed hierarchically. Elsewhere (one
+    host, RING, NCCL, one worker per host): compressed packed collectives, or PowerSGD
+    over packed collectives.
     """
-    if isinstance(options.compression, PowerSGD):
-        return PowerSGDTransport(control, options.bytes_per_pack, options.compression)
-    if options.compression is not Compression.NONE:
-        return CompressedTransport(control, options.bytes_per_pack, options.compression)
+    pack, hosts = options.bytes_per_pack, tuple(hosts or ())
+    hierarchical = (options.implementation is CommunicationImplementation.AUTO and backend == "gloo"
+                    and not replicas_on_cuda and 1 < len(set(hosts)) < len(hosts))  # fmt: skip
+    compression = options.compression
+    if isinstance(compression, PowerSGD):
+        exact = HierarchicalTransport(control, hosts, pack) if hierarchical else PackedTransport(control, pack)
+        return PowerSGDTransport(control, compression, exact)
+    if hierarchical:
+        return HierarchicalTransport(control, hosts, pack, compression)
+    if compression is not Compression.NONE:
+        return CompressedTransport(control, pack, compression)
     if options.implementation is not CommunicationImplementation.AUTO or backend != "gloo" or replicas_on_cuda:
-        return PackedTransport(control, options.bytes_per_pack)
+        return PackedTransport(control, pack)
     if not hosts or len(set(hosts)) == 1:
-        return SharedMemoryTransport(control, options.bytes_per_pack)
-    if len(set(hosts)) == len(hosts):
-        return PackedTransport(control, options.bytes_per_pack)
-    return HierarchicalTransport(control, hosts, options.bytes_per_pack)
+        return SharedMemoryTransport(control, pack)
+    return PackedTransport(control, pack)  # one worker per host: nothing to share
 
 

@@ -9,7 +9,10 @@ sums through it, never by calling back the transport that built it.
   all-reduce) says a slot is written, one more wait says every slice is summed;
 - :class:`HostsShare`: several hosts: each host's workers share files, and each host's
   sums are added across hosts, slice by slice by the workers of one local rank on every
-  host (equal hosts: "columns"), else whole by one leader per host.
+  host (equal hosts: "columns"), else whole by one leader per host. Given a
+  :class:`~unison._collectives.transport.compression.Compressor` (bf16 / fp16), the hop
+  between hosts carries the host sums in the half type: the network is where
+  compression pays, while the sums within a host stay exact (shared memory has no wire).
 
 The shared-memory engine of either is made on first use, when the group has formed.
 """
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from unison._collectives.group.process_group import WorkerGroup
 from unison._collectives.group.worker_control import WorkerControl
+from unison._collectives.transport.compression import Compressor
 from unison._collectives.transport.shared_memory import SharedMemoryAllReduce, SharedSegment
 from unison._collectives.transport.shm_signals import WRITTEN
 
@@ -55,6 +59,46 @@ class _Posted:
         signals = self._engine.signals
         assert signals is not None
         return signals.reached(WRITTEN, self._count)
+
+
+class _Trip:
+    """One tensor's all-reduce between hosts, exact: the sum lands in the tensor itself."""
+
+    def __init__(self, across: WorkerControl, tensor: torch.Tensor):
+        self._across = across
+        self._work = across.launch(BATCH_OPERATION, dist.all_reduce, tensor)
+
+    def finish(self) -> None:
+        self._across.wait(self._work, f"{BATCH_OPERATION} (between hosts)")
+
+
+class _CompressedTrip:
+    """One tensor's all-reduce between hosts in a half type, cast back into the tensor when it lands.
+
+    A float16 sum that overflowed is done again exactly (the tensor still holds the host's
+    sum): every worker of the group between hosts holds the very same reduced wire
+    tensor, so all of them take the same decision without a word.
+    """
+
+    def __init__(self, across: WorkerControl, tensor: torch.Tensor, compressor: Compressor):
+        self._across, self._tensor, self._compressor = across, tensor, compressor
+        self._wire = compressor.to_wire(tensor)
+        self._work = across.launch(BATCH_OPERATION, dist.all_reduce, self._wire)
+
+    def finish(self) -> None:
+        operation = f"{BATCH_OPERATION} (between hosts)"
+        self._across.wait(self._work, operation)
+        if self._compressor.overflowed(self._wire):
+            self._across.call(operation, dist.all_reduce, self._tensor)
+        else:
+            self._tensor.copy_(self._wire)
+
+
+def _trip(across: WorkerControl, tensor: torch.Tensor, compressor: Compressor | None) -> _Trip | _CompressedTrip:
+    """Starts adding ``tensor`` (a host's sum, or a slice of it) across hosts, compressed where asked and possible."""
+    if compressor is not None and compressor.compresses(tensor):
+        return _CompressedTrip(across, tensor, compressor)
+    return _Trip(across, tensor)
 
 
 def _announce(engine: SharedMemoryAllReduce, through_group: Callable[[], Any]) -> Any:
@@ -106,11 +150,14 @@ class HostsShare:
     Args:
         control: the whole group's plumbing (the per-call check, the fallback agreement).
         hosts: the host of every rank (``ResolvedCluster.task_hosts``).
+        compressor: where given, floating-point sums cross hosts in its half type (the
+            sums within a host stay exact); None: exact everywhere.
     """
 
-    def __init__(self, control: WorkerControl, hosts: Sequence[str]):
+    def __init__(self, control: WorkerControl, hosts: Sequence[str], compressor: Compressor | None = None):
         self._control = control
         self._hosts = tuple(hosts)
+        self.compressor = compressor
         self._engine: SharedMemoryAllReduce | None = None
         self._local: WorkerControl | None = None
         self._leaders: WorkerControl | None = None  # None on workers that do not lead their host
@@ -176,27 +223,26 @@ class HostsShare:
     def start_across_hosts(self, segment: SharedSegment) -> list[Any]:
         """Starts adding this worker's summed slice of ``segment`` across hosts (columns only).
 
-        Returns the collective's works; ``finish_across_hosts`` waits for them. The
-        gradient buckets call it bucket by bucket while backward goes on, so the trip
-        between hosts overlaps the rest of backward as DDP's all-reduce does.
+        Returns the trips under way; ``finish_across_hosts`` waits for them (and casts
+        compressed ones back). The gradient buckets call it bucket by bucket while
+        backward goes on, so the trip between hosts overlaps the rest of backward as
+        DDP's all-reduce does.
         """
         engine, column = self.shared_memory, self._column
         assert column is not None, "start_across_hosts needs equal hosts (slices_cross_hosts)"
         start, end = engine.my_slice(segment.result.numel())
         if end <= start:
             return []
-        return [column.launch(BATCH_OPERATION, dist.all_reduce, segment.result[start:end])]
+        return [_trip(column, segment.result[start:end], self.compressor)]
 
     def finish_across_hosts(self, works: list[Any]) -> None:
         """Waits for the works of ``start_across_hosts``, then until every slice on this host is final."""
         self._wait_across(works)
         self.shared_memory.sync(f"{BUCKETS_OPERATION} (host)")
 
-    def _wait_across(self, works: list[Any]) -> None:
-        column = self._column
-        assert column is not None, "only equal hosts add slices across hosts (slices_cross_hosts)"
-        for work in works:
-            column.wait(work, f"{BATCH_OPERATION} (between hosts)")
+    def _wait_across(self, trips: list[Any]) -> None:
+        for trip in trips:  # in launch order, on every worker of the group alike
+            trip.finish()
 
     def _add_across_hosts(self, segments: list[SharedSegment]) -> None:
         """Adds the hosts' sums (called by every worker once it summed its slices).
@@ -213,9 +259,7 @@ class HostsShare:
         engine.sync(f"{BATCH_OPERATION} (host)")
         leaders = self._leaders
         if leaders is not None:
-            works = [leaders.launch(BATCH_OPERATION, dist.all_reduce, segment.result) for segment in segments]
-            for work in works:
-                leaders.wait(work, f"{BATCH_OPERATION} (between hosts)")
+            self._wait_across([_trip(leaders, segment.result, self.compressor) for segment in segments])
 
     def announce(self, flag: torch.Tensor) -> Any:
         """A work that completes when every worker of this host wrote its slot of the bucket."""

@@ -48,8 +48,8 @@ class PowerSGDReducer:
         self._all_reduce = all_reduce
         self._world_size = world_size
         self._steps = 0
-        self._errors: dict[int, torch.Tensor] = {}
-        self._qs: dict[int, torch.Tensor] = {}
+        self._errors: dict[tuple[int, ...], torch.Tensor] = {}  # per batch of same-shaped gradients: [k, n, m]
+        self._qs: dict[tuple[int, ...], torch.Tensor] = {}  # per batch: [k, m, rank]
 
     def _compresses(self, grad: torch.Tensor) -> bool:
         if grad.ndim < 2 or not grad.is_floating_point() or grad.layout != torch.strided:
@@ -58,10 +58,20 @@ class PowerSGDReducer:
         rank = min(self.config.rank, n, m)
         return n * m >= self.config.min_compression_rate * rank * (n + m)
 
+    def owed(self, index: int) -> torch.Tensor | None:
+        """What this worker still owes of gradient ``index`` (its error feedback), as a matrix; None if nothing."""
+        for members, error in self._errors.items():
+            if index in members:
+                return error[members.index(index)]
+        return None
+
     def reduce(self, grads: list[torch.Tensor], divisor: int) -> None:
         """Replaces each gradient (in place) by its across-worker mean (``divisor`` = workers) or sum (1).
 
         ``grads`` must be the same parameters' gradients, in the same order, on every worker.
+        Gradients of one matrix shape go through the algorithm together, as one batch
+        (``bmm``, a batched QR: DDP's ``batch_tensors_with_same_shape``): a model of many
+        equal layers costs a few kernels a step, not a few per layer.
         """
         self._steps += 1
         compressed = [] if self._steps <= self.config.start_iter else [
@@ -75,36 +85,49 @@ class PowerSGDReducer:
                 grads[i].copy_(total)
         if not compressed:
             return
-        matrices = {}
+        shapes: dict[tuple[object, ...], list[int]] = {}
         for i in compressed:
             grad = grads[i]
-            m = grad.reshape(grad.shape[0], -1) / divisor
-            error = self._errors.get(i)
+            shapes.setdefault((grad.shape[0], grad.numel() // grad.shape[0], grad.dtype, grad.device), []).append(i)
+        batches = [tuple(members) for members in shapes.values()]
+        matrices = []
+        for members in batches:
+            m = torch.stack([grads[i].reshape(grads[i].shape[0], -1) for i in members])  # a copy: [k, n, m]
+            if divisor != 1:
+                m.div_(divisor)
+            error = self._errors.get(members)
             if error is not None:
-                m += error
-            matrices[i] = m
-        ps = self._all_reduce([matrices[i] @ self._q(i, matrices[i]) for i in compressed])
+                m.add_(error)
+            matrices.append(m)
+        ps = self._all_reduce([torch.bmm(m, self._q(members, m)) for members, m in zip(batches, matrices)])
         ps = [torch.linalg.qr(p.to(torch.float32)).Q.to(p.dtype) for p in ps]
-        qs = self._all_reduce([matrices[i].t() @ p for i, p in zip(compressed, ps)])
+        qs = self._all_reduce([torch.bmm(m.transpose(1, 2), p) for m, p in zip(matrices, ps)])
         # A gradient that overflowed on any worker (under a GradScaler, whose step then
         # skips) makes an all-reduced Q or sum inf or NaN: such a step leaves the errors
         # and the Qs as they were, as if it never came; else error feedback carried the
         # inf into every later step and the scaler skipped all of them. The all-reduced
         # tensors are the same on every worker, and so is the decision.
-        finite = bool(torch.stack([torch.isfinite(t).all() for t in (*qs, *sums)]).all())
-        for i, p, q in zip(compressed, ps, qs):
-            approximation = p @ q.t()
+        # (One largest magnitude over all of them: inf anywhere makes it inf, a nan propagates
+        # through max; a check per tensor cost more than the rest of a step of 200 small layers.)
+        everything = torch.cat([t.reshape(-1) for t in (*qs, *sums)])
+        finite = everything.numel() == 0 or bool(torch.isfinite(everything.abs().max()))
+        for members, m, p, q in zip(batches, matrices, ps, qs):
+            approximation = torch.bmm(p, q.transpose(1, 2))
             if finite:
-                self._errors[i] = matrices[i] - approximation / self._world_size
-                self._qs[i] = q
-            grads[i].copy_(approximation.view_as(grads[i]))
+                self._errors[members] = m.sub_(approximation, alpha=1 / self._world_size)  # m is not needed again
+                self._qs[members] = q
+            for j, i in enumerate(members):
+                grads[i].copy_(approximation[j].view_as(grads[i]))
 
-    def _q(self, index: int, matrix: torch.Tensor) -> torch.Tensor:
-        """The warm-started ``Q`` of a parameter, or a seeded random one (equal on every worker)."""
-        q = self._qs.get(index)
-        columns = matrix.shape[1]
-        rank = min(self.config.rank, matrix.shape[0], columns)
-        if q is None or q.shape != (columns, rank):
-            generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + index)
-            q = torch.randn(columns, rank, generator=generator, dtype=matrix.dtype).to(matrix.device)
+    def _q(self, members: tuple[int, ...], matrices: torch.Tensor) -> torch.Tensor:
+        """The warm-started ``Q`` of a batch, or seeded random ones per parameter (equal on every worker)."""
+        q = self._qs.get(members)
+        columns = matrices.shape[2]
+        rank = min(self.config.rank, matrices.shape[1], columns)
+        if q is None or q.shape != (len(members), columns, rank):
+            fresh = []
+            for index in members:
+                generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + index)
+                fresh.append(torch.randn(columns, rank, generator=generator, dtype=matrices.dtype))
+            q = torch.stack(fresh).to(matrices.device)
         return q

@@ -3,13 +3,16 @@
 :class:`SharedMemoryBuckets`: the workers of one host share one file per bucket; each sums
 a slice of everyone's (or, for a small bucket, all of it) when backward ends.
 :class:`PipelinedHostBuckets`: several hosts, each bucket's slices crossing hosts while
-backward runs. Both fall back to ``AllReduceBuckets`` where the workers cannot share a file.
+backward runs. Both fall back to ``AllReduceBuckets`` where the workers cannot share a file
+(or to the bucket transport their cross-worker transport names: ``CompressedBuckets``
+when the hop between hosts is compressed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -138,10 +141,12 @@ class SharedMemoryBuckets(BucketTransport):
     :class:`AllReduceBuckets` where the workers cannot share a file.
     """
 
-    def __init__(self, control: WorkerControl, share: _HostShare, one_shot_bytes: int = 0):
+    def __init__(self, control: WorkerControl, share: _HostShare, one_shot_bytes: int = 0,
+                 fallback: Callable[[], BucketTransport] | None = None):
         self._control = control
         self._share = share
         self._one_shot_bytes = one_shot_bytes
+        self._fallback = fallback if fallback is not None else (lambda: AllReduceBuckets(control))
         self._placed: dict[int, _InSharedFile] = {}
 
     @property
@@ -159,7 +164,7 @@ class SharedMemoryBuckets(BucketTransport):
     def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
         placed = _into_shared_memory(self._share.shared_memory, buckets, self._one_shot_bytes)
         if placed is None:
-            return AllReduceBuckets(self._control)
+            return self._fallback().plan(buckets)
         self._placed = placed
         return self
 
@@ -231,9 +236,11 @@ class PipelinedHostBuckets(BucketTransport):
     (the hosts' sums added when backward ends).
     """
 
-    def __init__(self, control: WorkerControl, hosts: _AcrossHosts):
+    def __init__(self, control: WorkerControl, hosts: _AcrossHosts,
+                 fallback: Callable[[], BucketTransport] | None = None):
         self._control = control
         self._hosts = hosts
+        self._fallback = fallback if fallback is not None else (lambda: AllReduceBuckets(control))
         self._placed: dict[int, _InSharedFile] = {}
         self._launched: list[GradientBucket] = []  # this backward's, in launch order (the buckets' order)
         self._started = 0
@@ -259,12 +266,12 @@ class PipelinedHostBuckets(BucketTransport):
 
     def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
         if not self._hosts.slices_cross_hosts:
-            return SharedMemoryBuckets(self._control, self._hosts).plan(buckets)
+            return SharedMemoryBuckets(self._control, self._hosts, fallback=self._fallback).plan(buckets)
         placed = _into_shared_memory(self._hosts.shared_memory, buckets)
         if placed is None:
-            return AllReduceBuckets(self._control)
+            return self._fallback().plan(buckets)
         if self._hosts.shared_memory.signals is None:
-            return SharedMemoryBuckets(self._control, self._hosts).adopt(placed)
+            return SharedMemoryBuckets(self._control, self._hosts, fallback=self._fallback).adopt(placed)
         self._placed, self._launched, self._started = placed, [], 0
         return self
 
