@@ -68,13 +68,14 @@ def test_a_lazy_package_exports_exactly_what_its_stub_declares(package):
         getattr(module, name)  # AttributeError if the stub names something its module lacks
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(200)
 def test_import_unison_costs_no_torch_until_a_name_is_used():
     import subprocess
     import sys
 
     def fresh(code: str) -> list[str]:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=25)
+        # the timeout only ends a hang: three fresh interpreters importing torch took over 25 s at load 12
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         return done.stdout.splitlines()
 
