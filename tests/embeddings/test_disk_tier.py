@@ -49,7 +49,7 @@ def _train(emb: DynamicEmbedding, optimizer: type, batches, **opt_args) -> Dynam
     return emb
 
 
-_CHAIN = ("table_id", "sequence", "exact")  # a delta chain's place (none on a disk tier yet), not the rows
+_CHAIN = ("table_id", "sequence", "exact")  # a delta chain's place, not the rows
 
 
 def _assert_same(ours: dict, theirs: dict) -> None:
@@ -133,6 +133,7 @@ def test_eviction_deletes_rows_from_disk(tmp_path):
     assert len(cold._store) == cold.num_rows  # deleted on disk too, not only forgotten
 
 
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")  # 64 ids a step
 def test_a_checkpoint_round_trips_with_spilled_rows_and_loads_beyond_the_budget_to_disk(tmp_path):
     batches, more = _batches(20, seed=2), _batches(10, seed=3)
     budget = _budget_for(IDS // 4, DIM)
@@ -208,12 +209,70 @@ def test_a_step_over_the_budget_stays_in_memory_and_warns_once(tmp_path):
     assert emb.table.hot_rows < 200 and emb.num_rows == 210
 
 
-def test_delta_checkpoints_and_serving_exports_are_refused_on_a_disk_tier_naming_the_way_out(tmp_path):
-    """Not built on the disk tier yet: each refusal says so and what works instead, and the table trains on."""
-    emb = unison.DynamicEmbedding(4, storage=unison.embeddings.DiskStorage(tmp_path / "t", memory_budget_bytes=4096))
-    emb(torch.arange(10)).sum().backward()
-    for attempt in (lambda: emb.delta_state_dict(full=True), lambda: emb.delta_state_dict(),
-                    lambda: unison.embeddings.export_for_serving(emb, tmp_path / "serve")):
-        with pytest.raises(NotImplementedError, match="storage=DiskStorage.*full state_dict"):
-            attempt()
-    assert emb.num_rows == 10 and not (tmp_path / "serve").exists()
+def _policy_table(storage=None) -> DynamicEmbedding:
+    """A table whose rows leave by a time to live and a capacity (so deltas carry removed ids) and are made
+    only when admitted (so they carry the admission sketch)."""
+    return DynamicEmbedding(32, mode="sum", seed=7, eviction=EvictUnseen(10), capacity=330,
+                            admission=AdmitAfter(2, sketch_width=4096, sketch_depth=4), storage=storage)
+
+
+_NOT_ROWS = ("table_id",)  # each table makes its own id; everything else in a delta must be equal
+
+
+def _assert_same_delta(ours: dict, theirs: dict) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[key], value), key
+        else:
+            assert {k: v for k, v in ours[key].items() if k not in _NOT_ROWS} == {
+                k: v for k, v in value.items() if k not in _NOT_ROWS}, key
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # a step over the budget or the capacity, by design
+def test_delta_checkpoints_and_serving_exports_over_both_tiers_equal_the_in_memory_tables(tmp_path):
+    """With a quarter of the rows in memory, each delta (rows changed since the save in either tier, ids
+    removed from either) and each serving export (full, then deltas) is the in-memory table's, byte for
+    byte; the full save and its deltas load onto another disk tier (and onto memory) as the trained table."""
+    budget = 60 * (4 * 2 * 32 + 25 + 32) + 200 * 100  # about a quarter of ~250 rows of 32 (and Adagrad's) in memory
+    ours = _policy_table(DiskStorage(tmp_path / "ours", budget))
+    reference = _policy_table()
+    opts = [torch.optim.Adagrad(e.parameters(), lr=0.2) for e in (ours, reference)]
+    saves: list[dict] = []
+    cold_in_deltas = removed = 0
+    for round_ in range(5):
+        for ids in _batches(3 if round_ else 12, seed=10 + round_):
+            for emb, opt in zip((ours, reference), opts):
+                opt.zero_grad()
+                emb(ids).pow(2).sum().mul(0.01).backward()
+                opt.step()
+        if round_:
+            was_cold = ours.table._cold.find(ours.table.export()["ids"]) >= 0
+        delta = ours.delta_state_dict(full=round_ == 0)
+        _assert_same_delta(delta, reference.delta_state_dict(full=round_ == 0))
+        if round_:
+            changed = torch.isin(ours.table.export()["ids"], delta["ids"])
+            cold_in_deltas += int((was_cold & changed).sum())
+            removed += delta["removed"].numel()
+        saves.append(delta)
+        assert 0 < ours.table.hot_rows < ours.num_rows // 2  # most rows on disk at each save
+        paths = [unison.embeddings.export_for_serving(e, tmp_path / f"{name}-{round_}", delta=round_ > 0)
+                 for e, name in ((ours, "ours"), (reference, "theirs"))]
+        for name in ("ids.bin", "rows.bin", "removed.bin"):
+            assert (paths[0] / name).read_bytes() == (paths[1] / name).read_bytes(), (round_, name)
+    assert cold_in_deltas > 0 and removed > 0  # the deltas hold cold rows and removals
+
+    served = unison.embeddings.ServingEmbedding.load(tmp_path / "ours-0")
+    for round_ in range(1, 5):
+        served.apply_delta(tmp_path / f"ours-{round_}")
+    state = reference.state_dict()
+    assert served.num_rows == reference.num_rows and torch.equal(served._rows_of(state["ids"]), state["rows"])
+
+    for storage in (DiskStorage(tmp_path / "restored", budget), None):
+        restored = _policy_table(storage)
+        restored.load_state_dict(saves[0])
+        for delta in saves[1:]:
+            restored.load_delta_state_dict(delta)
+        _assert_same(restored.state_dict(), state)
+        if storage is not None:
+            _assert_within_budget(restored, budget)

@@ -1,6 +1,6 @@
 """The disk tier on 2 ps tasks (real processes), one function at a time: each ps task keeps its shard's hot
 rows within the budget and the rest under ``path/ps-K/<table>``, and the table trains as one device's in
-memory; its checkpoint loads onto one device."""
+memory, saves the same deltas and serving exports; its checkpoint loads onto one device."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ import unison  # noqa: E402
 from tests.ps import _policy_workers as pw  # noqa: E402
 from tests.ps._cluster import ps_cluster  # noqa: E402
 from unison import DynamicEmbedding  # noqa: E402
-from unison.embeddings import DiskStorage, EvictUnseen  # noqa: E402
+from unison.embeddings import DiskStorage, EvictUnseen, export_for_serving  # noqa: E402
 
 IDS, DIM = 300, 16  # rows of 16 values: a hot row (with its Adagrad sum) takes well more than a cold one's index
 BUDGET = 38 * (4 * 2 * DIM + 25 + 32) + 112 * 80  # per ps task: about a quarter of its ~150 rows hot
@@ -45,15 +45,33 @@ def _batches(count, seed=0):
              torch.randn(32, generator=g)) for _ in range(count)]
 
 
+def _same_save(ours, theirs):
+    """Two delta (or full) saves hold the same rows, state, counters and removals (each table has its own id)."""
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[key], value), key
+
+
+def _same_serving_export(ours, theirs):
+    for name in ("ids.bin", "rows.bin", "removed.bin"):
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
 def test_two_ps_tasks_with_a_quarter_of_their_rows_in_memory_train_as_one_device(tmp_path):
+    """Training, a full save and a delta after it, and serving exports (full, delta) equal one device's."""
     batches = _batches(20)
     torch.manual_seed(0)
     reference = DiskRanker()
     step = pw.train_step(reference, torch.optim.Adagrad(reference.parameters(), lr=0.2))
-    for ids, target in batches:
+    saves = {}
+    for i, (ids, target) in enumerate(batches):
         step(ids, target)
+        if i in (9, 19):
+            saves[i] = reference.table.delta_state_dict(full=i == 9)
+            export_for_serving(reference.table, tmp_path / f"theirs-{i}", delta=i == 19)
     with ps_cluster(1, 2) as cluster:
         strategy = unison.ParameterServerStrategy(cluster.resolver(1, 2))
         coordinator = unison.ClusterCoordinator(strategy)
@@ -62,8 +80,13 @@ def test_two_ps_tasks_with_a_quarter_of_their_rows_in_memory_train_as_one_device
             model = DiskRanker(DiskStorage(tmp_path / "rows", memory_budget_bytes=BUDGET))
             opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
         remote_step = pw.train_step(model, opt)
-        for ids, target in batches:  # one function at a time: the pushes in the one-device order
+        for i, (ids, target) in enumerate(batches):  # one function at a time: the pushes in the one-device order
             coordinator.schedule(remote_step, args=(ids, target)).fetch()
+            if i in (9, 19):  # the delta holds rows changed on disk and in memory, and ids removed from both
+                _same_save(model.table.delta_state_dict(full=i == 9), saves[i])
+                ours = export_for_serving(model.table, tmp_path / f"ours-{i}", delta=i == 19)
+                _same_serving_export(ours, tmp_path / f"theirs-{i}")
+        assert saves[19]["removed"].numel() > 0
         ours, theirs = model.state_dict(), reference.state_dict()
         assert sorted(ours) == sorted(theirs)
         for key in ("table.ids", "table.counts", "table.last_seen", "table.rows", "table.state.sum"):

@@ -4,8 +4,9 @@ Eviction policies and a capacity choose over every row of a table from its count
 (count, last step, idle seconds), every step; reading them from disk each time would
 read the whole table. So a cold row keeps in memory what a policy reads (about 60
 bytes: its id in an index, count, last step, last-touch time by the policy's clock, the
-layout of its state) and on disk only its values and optimizer state, one LMDB value per
-id. Its metadata lives by position, like a ``LocalTable``'s slots: positions of rows read
+layout of its state) and the save epoch it last changed in (delta checkpoints and serving
+exports hold the cold rows changed since a save), and on disk only its values and optimizer
+state, one LMDB value per id. Its metadata lives by position, like a ``LocalTable``'s slots: positions of rows read
 back or deleted go to a free list for the next spill.
 """
 
@@ -42,6 +43,7 @@ class ColdRows:
         self._last_seen = torch.zeros(0, dtype=torch.int64)
         self._seen_at = torch.zeros(0, dtype=torch.float64)
         self._layout = torch.zeros(0, dtype=torch.int8)
+        self._changed_in = torch.zeros(0, dtype=torch.int32)  # the hot table's save epoch (``LocalTable.take``)
         self._live = torch.zeros(0, dtype=torch.bool)
         self._free = torch.zeros(0, dtype=torch.int64)
         self._used = 0
@@ -58,7 +60,8 @@ class ColdRows:
     @property
     def nbytes(self) -> int:
         """Bytes in memory: the index and counters of the cold rows (not the store's page cache)."""
-        per_slot = (self._ids, self._counts, self._last_seen, self._seen_at, self._layout, self._live)
+        per_slot = (self._ids, self._counts, self._last_seen, self._seen_at, self._layout, self._live,
+                    self._changed_in)
         used = sum(t[:self._used].numel() * t.element_size() for t in per_slot)
         return used + self._index.nbytes + self._free.numel() * self._free.element_size()
 
@@ -72,7 +75,8 @@ class ColdRows:
         return self._index.find(ids) if self._num_rows else torch.full_like(ids, -1)
 
     def put(self, export: dict[str, Any]) -> None:
-        """Writes the rows of a ``LocalTable`` export (ids absent here) with their state; keeps their counters."""
+        """Writes the rows of a ``LocalTable.take(..., moving=True)`` (ids absent here) with their state; keeps
+        their counters and the save epoch each changed in."""
         ids = export["ids"]
         if not ids.numel():
             return
@@ -90,12 +94,14 @@ class ColdRows:
         if self._clock is not None:
             self._seen_at[positions] = self._clock() - export["idle_seconds"].to(torch.float64)
         self._layout[positions] = self._layouts.index(layout)
+        self._changed_in[positions] = export["changed_in"].to(torch.int32)
         self._live[positions] = True
         self._index.insert(ids, positions)
         self._num_rows += ids.numel()
 
     def read(self, positions: torch.Tensor, meta: dict[str, Any]) -> list[dict[str, Any]]:
-        """Exports of the rows at live ``positions``, one per state layout, with ``meta`` (rows stay here)."""
+        """Exports of the rows at live ``positions``, one per state layout, with ``meta`` and ``"changed_in"``
+        (rows stay here)."""
         out = []
         layouts = self._layout.index_select(0, positions)
         for code in torch.unique(layouts).tolist():
@@ -109,6 +115,7 @@ class ColdRows:
                 start += width
             part = {"ids": self._ids.index_select(0, at), "rows": values[:, :self._dim], "state": state,
                     "counts": self._counts.index_select(0, at), "last_seen": self._last_seen.index_select(0, at),
+                    "changed_in": self._changed_in.index_select(0, at).to(torch.int64),
                     "meta": {**meta, "state_init": {name: self.state_init[name] for name, _ in layout}}}
             if self._clock is not None:
                 part["idle_seconds"] = self._clock() - self._seen_at.index_select(0, at)
@@ -129,6 +136,11 @@ class ColdRows:
     def live_positions(self) -> torch.Tensor:
         """Positions of every row on disk."""
         return self._live[:self._used].nonzero().squeeze(1)
+
+    def changed_positions(self, after: int) -> torch.Tensor:
+        """Positions of the rows on disk that changed after save epoch ``after``."""
+        used = self._used
+        return ((self._changed_in[:used] > after) & self._live[:used]).nonzero().squeeze(1)
 
     def counters(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """``ids``, ``counts``, ``last_seen`` (and with a clock ``idle_seconds``) of ``positions``."""
@@ -158,6 +170,7 @@ class ColdRows:
 
             self._ids, self._counts, self._last_seen = grown(self._ids), grown(self._counts), grown(self._last_seen)
             self._seen_at, self._layout, self._live = grown(self._seen_at), grown(self._layout), grown(self._live)
+            self._changed_in = grown(self._changed_in)
         positions = torch.cat([taken, torch.arange(self._used, self._used + fresh)])
         self._used += fresh
         return positions

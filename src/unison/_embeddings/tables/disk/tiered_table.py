@@ -13,7 +13,12 @@ it would in memory:
   touched stay in memory (a step that touches more than the budget holds stays over it
   until the next, and warns once);
 - an export (a checkpoint) holds both tiers' rows; an import writes the rows beyond the
-  budget to disk as it goes, so a shard larger than memory loads in budget-sized chunks.
+  budget to disk as it goes, so a shard larger than memory loads in budget-sized chunks;
+- delta checkpoints and serving exports are one chain over both tiers, kept by the hot
+  table (its table id, sequence, save epochs, removal log): a cold row keeps the save epoch
+  it last changed in, so a delta holds the rows changed since the save wherever they sit,
+  and a spill or read-back is a move, never a removal (``lower_tier``). A delta applied here
+  deletes the cold copies of its rows and of its removed ids, then spills as an import does.
 
 Spilling runs in the push that ends a step, after its rows are applied (the request path
 of that push; simple and exact first: a background writer is the next step if the
@@ -45,9 +50,6 @@ from unison._embeddings.tables.local_table import LocalTable
 
 __all__ = ["TieredTable"]
 
-_NOT_YET = ("a DynamicEmbedding with storage=DiskStorage(...) has no {what} yet: save it with a full "
-            "state_dict() / unison.save_checkpoint, or train without storage= to use them")
-
 _INDEX_BYTES_PER_ROW = 32  # a hot row's id index entry, about
 _COLD_BYTES_PER_ROW = 80  # a cold row's counters and index entry, about (``ColdRows``)
 
@@ -67,11 +69,11 @@ class TieredTable:
         storage.check_fits("TieredTable", embedding_dim, dtype)
         # the hot table keeps the policies' counters (and the admission sketch); the policies are applied here,
         # over both tiers, so its own evict() is never called
+        self._cold = ColdRows(storage.open(place), embedding_dim, dtype, None if eviction is None else eviction.clock)
         self._hot = LocalTable(embedding_dim, dtype=dtype, initializer=initializer, seed=seed, eviction=eviction,
-                               admission=admission)
+                               admission=admission, lower_tier=_ColdTier(self._cold, embedding_dim, dtype))
         self._storage, self._place = storage, place
         self._eviction, self._capacity = eviction, capacity
-        self._cold = ColdRows(storage.open(place), embedding_dim, dtype, None if eviction is None else eviction.clock)
         self._warned = {"capacity": False, "budget": False}
 
     # -- what the Table contract and a ps task's shard ask ------------------------------------------
@@ -232,9 +234,7 @@ class TieredTable:
 
     def export(self) -> dict[str, Any]:
         """Every row, in memory and on disk, as ``LocalTable.export`` (sorted by id)."""
-        hot = self._hot.export()
-        cold = self._cold.read(self._cold.live_positions(), hot["meta"])
-        return _joined([hot, *cold], hot["meta"], self._hot)
+        return self._hot.export()  # the hot table joins the cold rows (``_ColdTier``)
 
     def import_(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
         """As ``LocalTable.import_``, in chunks of what the budget holds, the rows beyond it written to disk."""
@@ -260,6 +260,7 @@ class TieredTable:
                             initializer=self.initializer, seed=self.seed, eviction=self._eviction,
                             admission=self.admission, capacity=self._capacity)
         fresh.import_(export)
+        fresh.adopt_save_point(export["meta"])
         self._cold.close()
         self.__dict__.update(fresh.__dict__)
 
@@ -267,28 +268,42 @@ class TieredTable:
         """Closes the disk store and removes its files."""
         self._cold.close()
 
-    # -- not yet on a disk tier: delta checkpoints and serving exports ------------------------------
+    # -- save points: delta checkpoints and serving exports, one chain over both tiers -------------
     @property
     def save_point(self) -> dict[str, Any]:
-        """No chain: a table on a disk tier makes no delta or serving export yet."""
-        return {"table_id": None, "sequence": 0, "exact": False, "export_id": None, "export_number": None}
+        """As ``LocalTable.save_point`` (the hot table keeps the chain)."""
+        return self._hot.save_point
 
     def export_delta(self, full: bool = False, *, expect_sequence: int | None = None) -> dict[str, Any]:
-        """Refused: a table with ``storage=`` has no delta checkpoints yet (a full ``state_dict`` works)."""
-        raise NotImplementedError(_NOT_YET.format(what="delta checkpoints (delta_state_dict)"))
+        """As ``LocalTable.export_delta``: the rows changed since the last save point in either tier (the
+        cold ones read from disk, left there) and the ids removed from both."""
+        return self._hot.export_delta(full, expect_sequence=expect_sequence)
 
     def apply_delta(self, delta: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None,
                     expect: tuple[str, int] | None = None) -> None:
-        """Refused, changing nothing: as :meth:`export_delta`."""
-        raise NotImplementedError(_NOT_YET.format(what="delta checkpoints (load_delta_state_dict)"))
+        """As ``LocalTable.apply_delta``, checked before anything changes: the cold copies of the delta's
+        rows and of its removed ids are deleted from disk, the hot table applies it, then the rows over
+        the budget spill (a delta is the few per cent of rows that changed: it is applied in memory whole)."""
+        _, pick = self._hot.check_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
+        removed = delta["removed"]
+        if shard is not None and num_shards is not None:
+            removed = removed[shard_of(removed, num_shards) == shard]
+        gone = self._cold.find(removed)
+        gone = gone[gone >= 0]
+        self._hot.log_removed(self._cold.counters(gone)["ids"])
+        replaced = self._cold.find(delta["ids"].index_select(0, pick))
+        self._cold.remove(torch.unique(torch.cat([gone, replaced[replaced >= 0]])))
+        self._hot.apply_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
+        self._spill(protect=False)
 
     def serving_export(self, delta: bool, *, export_id: str | None = None,
                        expect_number: int | None = None) -> dict[str, Any]:
-        """Refused: a table with ``storage=`` has no serving export yet."""
-        raise NotImplementedError(_NOT_YET.format(what="serving exports (export_for_serving)"))
+        """As ``LocalTable.serving_export``, over both tiers (cold rows read from disk, left there)."""
+        return self._hot.serving_export(delta, export_id=export_id, expect_number=expect_number)
 
     def adopt_save_point(self, meta: dict[str, Any]) -> None:
-        """Nothing to adopt: a table on a disk tier starts no delta chain (see :meth:`export_delta`)."""
+        """As ``LocalTable.adopt_save_point``."""
+        self._hot.adopt_save_point(meta)
 
     # -- tiers -------------------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
@@ -304,7 +319,7 @@ class TieredTable:
         if not positions.numel():
             return
         for part in self._cold.read(positions, self._meta()):
-            self._hot.import_(part)
+            self._hot.restore(part)
         self._cold.remove(positions)
 
     def _budget_rows(self) -> int:
@@ -337,7 +352,7 @@ class TieredTable:
                                                                              hot["last_seen"], protect_from)
             if not chosen.numel():
                 break
-            self._cold.put(self._hot.take(hot["ids"].index_select(0, chosen)))
+            self._cold.put(self._hot.take(hot["ids"].index_select(0, chosen), moving=True))
         if over and not self._warned["budget"]:
             self._warned["budget"] = True
             warnings.warn(f"DiskStorage: {self._hot.num_rows} rows in memory after spilling, over the "
@@ -357,7 +372,9 @@ class TieredTable:
         """Deletes the rows at ``chosen`` (indices into :meth:`_counters`) from their tier; returns their ids."""
         in_hot = chosen[chosen < num_hot]
         self._hot.take(ids.index_select(0, in_hot))
-        self._cold.remove(positions.index_select(0, chosen[chosen >= num_hot] - num_hot))
+        in_cold = chosen[chosen >= num_hot]
+        self._hot.log_removed(ids.index_select(0, in_cold))  # the chain's removals, wherever the row was
+        self._cold.remove(positions.index_select(0, in_cold - num_hot))
         return ids.index_select(0, chosen)
 
     def _evict_by_policy(self) -> torch.Tensor:
@@ -400,7 +417,36 @@ def _selected(export: dict[str, Any], pick: torch.Tensor, with_sketch: bool) -> 
     return out
 
 
-def _joined(parts: list[dict[str, Any]], meta: dict[str, Any], hot: LocalTable) -> dict[str, Any]:
+@final
+class _ColdTier:
+    """The cold rows as the hot table's ``LowerTier``: what its exports and save points read of them."""
+
+    def __init__(self, cold: ColdRows, embedding_dim: int, dtype: torch.dtype) -> None:
+        self._cold, self._dim, self._dtype = cold, embedding_dim, dtype
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._cold.find(ids)
+
+    def _positions(self, changed_after: int | None) -> torch.Tensor:
+        return self._cold.live_positions() if changed_after is None else self._cold.changed_positions(changed_after)
+
+    def joined(self, export: dict[str, Any], changed_after: int | None) -> dict[str, Any]:
+        positions = self._positions(changed_after)
+        if not positions.numel():
+            return export
+        return _joined([export, *self._cold.read(positions, export["meta"])], export["meta"], self._dtype)
+
+    def changed_since(self, epoch: int) -> bool:
+        return bool(self._cold.changed_positions(epoch).numel())
+
+    def serving_rows(self, changed_after: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self._cold.read(self._positions(changed_after), {})
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, self._dim, dtype=self._dtype)
+        return torch.cat([part["ids"] for part in parts]), torch.cat([part["rows"] for part in parts])
+
+
+def _joined(parts: list[dict[str, Any]], meta: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """One export of disjoint parts (sorted by id); a state a part lacks starts at its initial value."""
     state_init = dict(meta["state_init"])
     for part in parts:
@@ -413,7 +459,7 @@ def _joined(parts: list[dict[str, Any]], meta: dict[str, Any], hot: LocalTable) 
             out[key] = torch.cat([part[key] for part in parts]).index_select(0, order)
     columns = {name: values.shape[1] for part in parts for name, values in part["state"].items()}
     out["state"] = {name: torch.cat([part["state"].get(name, torch.full((part["ids"].numel(), width),
-                                                                         state_init[name], dtype=hot.dtype))
+                                                                         state_init[name], dtype=dtype))
                                      for part in parts]).index_select(0, order)
                     for name, width in columns.items()}
     if parts[0].get("pending_counts") is not None:
