@@ -49,7 +49,7 @@ def _train(emb: DynamicEmbedding, optimizer: type, batches, **opt_args) -> Dynam
     return emb
 
 
-_CHAIN = ("table_id", "sequence", "exact")  # a delta chain's place, not the rows
+_CHAIN = ("table_id", "sequence", "exact", "disk")  # a delta chain's place and the disk store's, not the rows
 
 
 def _assert_same(ours: dict, theirs: dict) -> None:
@@ -163,13 +163,90 @@ def test_a_checkpoint_round_trips_with_spilled_rows_and_loads_beyond_the_budget_
 
 
 @pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
-def test_a_new_table_on_the_same_path_discards_what_an_earlier_run_left(tmp_path):
+def test_a_new_table_on_the_same_path_discards_what_an_earlier_run_left_at_its_first_spill(tmp_path):
     storage = DiskStorage(tmp_path, memory_budget_bytes=_budget_for(20, DIM, total=100))
     first = _train(DynamicEmbedding(DIM, mode="sum", storage=storage), torch.optim.Adagrad, _batches(5), lr=0.1)
     left = first.table._cold._store.directory
-    assert left.exists()
+    _crash(first)
     second = DynamicEmbedding(DIM, mode="sum", storage=storage)  # a restarted process: starts empty
-    assert second.num_rows == 0 and not left.exists()
+    assert second.num_rows == 0 and left.exists()  # kept until it writes: a checkpoint may resume from it
+    _train(second, torch.optim.Adagrad, _batches(5), lr=0.1)
+    assert not left.exists() and len(list((tmp_path / "local").iterdir())) == 1
+
+
+def _crash(emb: DynamicEmbedding) -> None:
+    """What a killed process leaves: its store's files as they are (closed, not removed)."""
+    emb.table._cold.close(remove=False)
+
+
+def _rows_written(monkeypatch) -> list[int]:
+    """Counts the rows every store of this process writes from now on."""
+    from unison._embeddings.tables.disk.storage import KeyValueStore
+
+    written, put = [0], KeyValueStore.put
+
+    def counting(self, keys, values):
+        written[0] += keys.numel()
+        put(self, keys, values)
+
+    monkeypatch.setattr(KeyValueStore, "put", counting)
+    return written
+
+
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+@pytest.mark.parametrize(("optimizer", "args", "state"), OPTIMIZERS[:2], ids=["adagrad", "sparse_adam"])
+def test_a_rebuilt_table_resumes_from_its_files_and_the_checkpoint_rolling_back_later_writes(
+        tmp_path, monkeypatch, optimizer, args, state):
+    """A table rebuilt on the same path (a restarted process) loads its checkpoint keeping the cold rows on
+    disk that did not change since it: rows touched after the checkpoint (on disk or not) read the
+    checkpoint's values, rows made after it are gone, and training goes on as the uninterrupted run."""
+    before, after, more = _batches(15, seed=4), _batches(6, seed=5), _batches(8, seed=6)
+    budget = _budget_for(IDS // 4, state)
+    ours = _train(DynamicEmbedding(DIM, mode="sum", seed=2, storage=DiskStorage(tmp_path, budget)), optimizer,
+                  before, **args)
+    saved = ours.state_dict()
+    cold_at_save = ours.table._cold.num_rows
+    reference = _train(DynamicEmbedding(DIM, mode="sum", seed=2), optimizer, before, **args)
+    touched = torch.unique(torch.cat([b.reshape(-1) for b in after]))
+    _train(ours, optimizer, after + [b + 1 for b in after], **args)  # rows change on disk; new ids (b + 1) come
+    with torch.no_grad():
+        moved = ours.table.lookup(touched, create=False)
+    assert not torch.equal(moved, reference.table.lookup(touched, create=False))
+    store = ours.table._cold._store.directory
+    _crash(ours)
+
+    written = _rows_written(monkeypatch)
+    resumed = DynamicEmbedding(DIM, mode="sum", seed=2, storage=DiskStorage(tmp_path, budget))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # resumed, no fallback
+        resumed.load_state_dict(saved)
+    assert resumed.table._cold._store.directory == store  # the same files, not a new store
+    assert written[0] < cold_at_save // 2  # the save's hot rows and the rolled back ones, not every cold row
+    assert resumed.table._cold.num_rows > 0
+    _assert_same(resumed.state_dict(), saved)  # later writes rolled back, later rows gone
+    with torch.no_grad():
+        assert torch.equal(resumed.table.lookup(touched, create=False), reference.table.lookup(touched, create=False))
+    _assert_same(_train(resumed, optimizer, more, **args).state_dict(),
+                 _train(reference, optimizer, more, **args).state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+def test_a_checkpoint_older_than_the_files_loads_every_row_and_says_why(tmp_path):
+    """The files were sealed again by a later full save: they cannot be proven to hold the older one."""
+    budget = _budget_for(IDS // 4, DIM)
+    ours = _train(DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(tmp_path, budget)), torch.optim.Adagrad,
+                  _batches(10, seed=7), lr=0.2)
+    older = ours.state_dict()
+    _train(ours, torch.optim.Adagrad, _batches(3, seed=8), lr=0.2)
+    ours.state_dict()  # a later full save: a new seal
+    _crash(ours)
+    rebuilt = DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(tmp_path, budget))
+    with pytest.warns(RuntimeWarning, match=r"DiskStorage: not resuming from the files of the checkpoint's store "
+                                            r"under '.*local': store '.*rows-\w+' is at seal 2, the checkpoint at "
+                                            r"seal 1; every row of this place is loaded from the checkpoint"):
+        rebuilt.load_state_dict(older)
+    _assert_same(rebuilt.state_dict(), older)
+    assert len(list((tmp_path / "local").iterdir())) == 1  # the files it could not use are gone
 
 
 def test_bad_storage_settings_name_the_field_the_value_and_the_fix(tmp_path):
@@ -216,7 +293,7 @@ def _policy_table(storage=None) -> DynamicEmbedding:
                             admission=AdmitAfter(2, sketch_width=4096, sketch_depth=4), storage=storage)
 
 
-_NOT_ROWS = ("table_id",)  # each table makes its own id; everything else in a delta must be equal
+_NOT_ROWS = ("table_id", "disk")  # each table's own id and store; everything else in a save must be equal
 
 
 def _assert_same_delta(ours: dict, theirs: dict) -> None:

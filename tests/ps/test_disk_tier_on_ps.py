@@ -34,8 +34,8 @@ def _rows_on_disk(directory):
     import lmdb
 
     (store,) = [p for p in directory.rglob("rows-*") if p.is_dir()]
-    with lmdb.open(str(store), readonly=True, lock=False) as env:
-        return env.stat()["entries"]
+    with lmdb.open(str(store), readonly=True, lock=False, max_dbs=3) as env, env.begin() as txn:
+        return txn.stat(env.open_db(b"rows", txn=txn, create=False))["entries"]
 
 
 def _batches(count, seed=0):
@@ -100,4 +100,55 @@ def test_two_ps_tasks_with_a_quarter_of_their_rows_in_memory_train_as_one_device
         local = DiskRanker()
         local.load_state_dict(ours)
         assert torch.equal(local.state_dict()["table.rows"], theirs["table.rows"])
+        coordinator.shutdown()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+def test_restarted_ps_tasks_resume_from_their_files_and_the_checkpoint(tmp_path):
+    """ps tasks killed after training past a checkpoint, restarted on the same path: the checkpoint loads
+    keeping each task's store (the rows written after it rolled back), and training goes on as one device
+    loaded from the same checkpoint."""
+    batches = _batches(22, seed=1)
+    storage = DiskStorage(tmp_path / "rows", memory_budget_bytes=BUDGET)
+    with ps_cluster(1, 2) as cluster:
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 2))
+        coordinator = unison.ClusterCoordinator(strategy)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = DiskRanker(storage)
+            opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
+        remote_step = pw.train_step(model, opt)
+        for ids, target in batches[:10]:
+            coordinator.schedule(remote_step, args=(ids, target)).fetch()
+        saved = model.state_dict()
+        for ids, target in batches[10:16]:  # trained past the checkpoint, then the ps tasks die
+            coordinator.schedule(remote_step, args=(ids, target)).fetch()
+        cluster.kill("ps:0")
+        cluster.kill("ps:1")
+    stores = saved["table._extra_state"]["disk"]
+    assert sorted(stores) == ["ps-0/0_dynamic_table", "ps-1/0_dynamic_table"]
+
+    with ps_cluster(1, 2) as cluster:  # the restarted job: new processes, the same storage path
+        strategy = unison.ParameterServerStrategy(cluster.resolver(1, 2))
+        coordinator = unison.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = DiskRanker(storage)
+            opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
+        model.load_state_dict(saved)
+        for place, sealed in stores.items():  # each ps task kept its store (a full reload makes a new one)
+            assert [p.name for p in (tmp_path / "rows" / place).iterdir()] == [sealed["store"]], place
+        ours = model.state_dict()
+        for key in ("table.ids", "table.counts", "table.last_seen", "table.rows", "table.state.sum"):
+            assert torch.equal(ours[key], saved[key]), key
+        reference = DiskRanker()
+        reference.load_state_dict(saved)
+        step = pw.train_step(reference, torch.optim.Adagrad(reference.parameters(), lr=0.2))
+        remote_step = pw.train_step(model, opt)
+        for ids, target in batches[10:]:
+            step(ids, target)
+            coordinator.schedule(remote_step, args=(ids, target)).fetch()
+        ours, theirs = model.state_dict(), reference.state_dict()
+        for key in ("table.ids", "table.counts", "table.last_seen", "table.rows", "table.state.sum"):
+            assert torch.equal(ours[key], theirs[key]), key
         coordinator.shutdown()

@@ -352,13 +352,14 @@ class LocalTable:
         """One place: (rows, bytes)."""
         return [(self.num_rows, self.bytes)]
 
-    def load(self, export: dict[str, Any]) -> None:
-        """Replaces every row (and the clock) by an export's: what ``load_state_dict`` does."""
+    def load(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
+        """Replaces every row (and the clock) by an export's (or by shard ``shard`` of ``num_shards`` of it, as
+        :meth:`import_`): what ``load_state_dict`` does."""
         fresh = LocalTable(self._dim, dtype=self._dtype, initializer=self._initializer, seed=self._seed,
                            eviction=self._eviction, admission=self._admission,
                            capacity=None if self._capacity is None else self._capacity.rows,
                            capacity_policy="lru" if self._capacity is None else self._capacity.policy)
-        fresh.import_(export)
+        fresh.import_(export, shard=shard, num_shards=num_shards)
         fresh.adopt_save_point(export["meta"])
         self.__dict__.update(fresh.__dict__)
 
@@ -402,6 +403,17 @@ class LocalTable:
         they were: their values, state, counters and the save epoch they last changed in."""
         self._import_checked(part, torch.arange(part["ids"].numel()))
         self._changed_in.index_copy_(0, self._index.find(part["ids"]), part["changed_in"].to(torch.int64))
+
+    @property
+    def epoch(self) -> int:
+        """The save epoch now: what a row changed now records (``"changed_in"`` of :meth:`take`)."""
+        return self._epoch
+
+    def check_import(self, export: dict[str, Any], shard: int | None = None,
+                     num_shards: int | None = None) -> torch.Tensor:
+        """What :meth:`import_` checks before it changes anything; returns the positions of the export's
+        rows this table takes (a disk tier checks first, then places rows in its tiers)."""
+        return self._check_import(export, shard, num_shards, "LocalTable.import_")
 
     def log_removed(self, ids: torch.Tensor) -> None:
         """Records ids removed from the tier below (evicted there) for the save points, as :meth:`evict`

@@ -66,6 +66,11 @@ class ColdRows:
         return used + self._index.nbytes + self._free.numel() * self._free.element_size()
 
     @property
+    def store(self) -> KeyValueStore:
+        """The shard's key-value store."""
+        return self._store
+
+    @property
     def disk_bytes(self) -> int:
         """Bytes of the store's files on disk."""
         return self._store.disk_bytes
@@ -150,9 +155,61 @@ class ColdRows:
             out["idle_seconds"] = self._clock() - self._seen_at.index_select(0, positions)
         return out
 
-    def close(self) -> None:
-        """Closes the store and removes its files."""
-        self._store.close()
+    def seal(self) -> dict[str, Any] | None:
+        """Seals the store (a full save is being taken) and returns what the save records to resume from
+        it: the store's name and seal, and the ids on disk with their state layouts; None before the
+        first spill (no store yet: nothing to resume)."""
+        if not self._store.opened:
+            return None
+        live = self.live_positions()
+        return {"store": self._store.name, "seal": self._store.seal(), "ids": self._ids.index_select(0, live),
+                "layout": self._layout.index_select(0, live), "layouts": list(self._layouts)}
+
+    def resume(self, sealed: dict[str, Any], export: dict[str, Any], pick: torch.Tensor,
+               epoch: int) -> tuple[torch.Tensor, str | None]:
+        """Keeps on disk the rows of a save that are still as they were (a restarted process resumes).
+
+        ``sealed`` is what :meth:`seal` returned when ``export`` was taken; ``pick`` the positions
+        of the export's rows this shard takes. The store it names is reopened if its seal is the
+        save's (and the machine has not restarted); then its rows that the save had on disk, this
+        shard takes, and that were not written or deleted since (not dirty) stay, their counters
+        taken from ``export`` (changed in save epoch ``epoch``); every other row in the store
+        (written after the save, or another shard's) is deleted. Returns the positions of
+        ``pick`` still to load (the save's hot rows and those rolled back), and None; or ``pick``
+        and why the files were not resumed (nothing changed).
+        """
+        if self._num_rows:
+            return pick, "the table holds rows already"
+        why = self._store.reopen(str(sealed["store"]), int(sealed["seal"]))
+        if why is not None:
+            return pick, why
+        saved, dirty = sealed["ids"], self._store.dirty()
+        wanted = export["ids"].index_select(0, pick)
+        keep = torch.isin(saved, wanted) & ~torch.isin(saved, dirty)
+        self._store.delete(torch.cat([saved[~keep], dirty]))
+        kept = saved[keep]
+        self._layouts = [tuple((str(name), int(columns)) for name, columns in layout) for layout in sealed["layouts"]]
+        self.state_init.update(export["meta"]["state_init"])
+        order = export["ids"].argsort()
+        at = order.index_select(0, torch.searchsorted(export["ids"].index_select(0, order), kept))
+        positions = self._allocate(kept.numel())
+        self._ids[positions] = kept
+        self._counts[positions] = export["counts"].index_select(0, at)
+        self._last_seen[positions] = export["last_seen"].index_select(0, at)
+        if self._clock is not None:
+            idle = export.get("idle_seconds")
+            now = self._clock()
+            self._seen_at[positions] = now if idle is None else now - idle.to(torch.float64).index_select(0, at)
+        self._layout[positions] = sealed["layout"][keep].to(torch.int8)
+        self._changed_in[positions] = epoch
+        self._live[positions] = True
+        self._index.insert(kept, positions)
+        self._num_rows += kept.numel()
+        return pick[~torch.isin(wanted, kept)], None
+
+    def close(self, remove: bool = True) -> None:
+        """Closes the store and (``remove``) removes its files."""
+        self._store.close(remove)
 
     def _allocate(self, count: int) -> torch.Tensor:
         reused = min(count, self._free.numel())

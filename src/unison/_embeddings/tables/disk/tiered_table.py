@@ -18,7 +18,10 @@ it would in memory:
   table (its table id, sequence, save epochs, removal log): a cold row keeps the save epoch
   it last changed in, so a delta holds the rows changed since the save wherever they sit,
   and a spill or read-back is a move, never a removal (``lower_tier``). A delta applied here
-  deletes the cold copies of its rows and of its removed ids, then spills as an import does.
+  deletes the cold copies of its rows and of its removed ids, then spills as an import does;
+- a full save seals the store and records the cold ids; a table rebuilt on the same path
+  resumes from it when it loads that save (``import_``): the checkpoint is the truth, the
+  store only spares rewriting the rows it provably still holds as saved.
 
 Spilling runs in the push that ends a step, after its rows are applied (the request path
 of that push; simple and exact first: a background writer is the next step if the
@@ -40,7 +43,7 @@ from unison._embeddings.optim.row_optimizers import RowOptimizer
 from unison._embeddings.tables.admission_policies import AdmissionPolicy
 from unison._embeddings.tables.bag_layout import BagLayout
 from unison._embeddings.tables.capacity import RowCapacity
-from unison._embeddings.tables.checks import checked_ids, checked_meta
+from unison._embeddings.tables.checks import checked_ids
 from unison._embeddings.tables.disk.cold_rows import ColdRows
 from unison._embeddings.tables.disk.storage import DiskStorage
 from unison._embeddings.tables.eviction import EvictionPolicy
@@ -233,18 +236,25 @@ class TieredTable:
         return removed.sort().values
 
     def export(self) -> dict[str, Any]:
-        """Every row, in memory and on disk, as ``LocalTable.export`` (sorted by id)."""
-        return self._hot.export()  # the hot table joins the cold rows (``_ColdTier``)
+        """Every row, in memory and on disk, as ``LocalTable.export`` (sorted by id): a full save, so the store
+        is sealed and ``meta["disk"]`` records what a restarted process needs to resume from its files
+        (:meth:`import_`)."""
+        return self._sealed(self._hot.export())  # the hot table joins the cold rows (``_ColdTier``)
 
     def import_(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
-        """As ``LocalTable.import_``, in chunks of what the budget holds, the rows beyond it written to disk."""
-        checked_meta(export)
-        pick = torch.arange(export["ids"].numel())
-        if shard is not None and num_shards is not None:
-            pick = (shard_of(export["ids"], num_shards) == shard).nonzero().squeeze(1)
-        elif (shard is None) != (num_shards is None):
-            raise ValueError(f"TieredTable.import_: pass both `shard` and `num_shards` or neither, "
-                             f"got shard={shard!r}, num_shards={num_shards!r}")
+        """As ``LocalTable.import_``, in chunks of what the budget holds, the rows beyond it written to disk.
+
+        Resuming: when ``export`` is a full save of this place's rows (``meta["disk"]``) and this
+        table is empty, the store the save sealed is reopened if it still holds the save: its seal
+        is the save's and the machine has not restarted since it was written. Then the save's cold
+        rows that were not written or deleted since stay on disk as they are (no row is rewritten),
+        the rows written after the save are deleted, and only the rest (the save's hot rows and the
+        ones rolled back) are loaded from ``export``: the checkpoint is the truth. When the store is
+        there but cannot be proven to match, every row is loaded from ``export`` and a
+        ``RuntimeWarning`` says why.
+        """
+        pick = self._hot.check_import(export, shard, num_shards)
+        pick = self._resumed(export, pick)
         chunk = max(1, self._budget_rows())
         starts = range(0, pick.numel(), chunk) if pick.numel() else range(1)
         for number, start in enumerate(starts):
@@ -253,15 +263,21 @@ class TieredTable:
             self._hot.import_(part)
             self._spill(protect=False)
 
-    def load(self, export: dict[str, Any]) -> None:
-        """Replaces every row (and the clock) by an export's: what ``load_state_dict`` does (the disk
-        files of the rows before are removed: the checkpoint is the truth)."""
+    def load(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
+        """Replaces every row (and the clock) by an export's, or by shard ``shard`` of ``num_shards`` of it:
+        what ``load_state_dict`` does (the disk files of the rows before are removed, or resumed from when
+        the export is this table's own full save: :meth:`import_`)."""
+        self._hot.check_import(export, shard, num_shards)
+        sealed = export["meta"].get("disk", {}).get(self._place)
+        own = sealed is not None and sealed["store"] == self._cold.store.name and self._cold.store.opened
+        if own:
+            self._cold.close(remove=False)  # the new table reopens this table's files (one handle per process)
         fresh = TieredTable(self.embedding_dim, storage=self._storage, place=self._place, dtype=self.dtype,
                             initializer=self.initializer, seed=self.seed, eviction=self._eviction,
                             admission=self.admission, capacity=self._capacity)
-        fresh.import_(export)
+        fresh.import_(export, shard=shard, num_shards=num_shards)
         fresh.adopt_save_point(export["meta"])
-        self._cold.close()
+        self._cold.close(remove=fresh._cold.store.directory != self._cold.store.directory)
         self.__dict__.update(fresh.__dict__)
 
     def close(self) -> None:
@@ -276,7 +292,10 @@ class TieredTable:
 
     def export_delta(self, full: bool = False, *, expect_sequence: int | None = None) -> dict[str, Any]:
         """As ``LocalTable.export_delta``: the rows changed since the last save point in either tier (the
-        cold ones read from disk, left there) and the ids removed from both."""
+        cold ones read from disk, left there) and the ids removed from both; a full one seals the store
+        as :meth:`export` does."""
+        if full:
+            return self._sealed(self._hot.export_delta(full, expect_sequence=expect_sequence))
         return self._hot.export_delta(full, expect_sequence=expect_sequence)
 
     def apply_delta(self, delta: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None,
@@ -309,6 +328,26 @@ class TieredTable:
     def _meta(self) -> dict[str, Any]:
         return {"embedding_dim": self.embedding_dim, "dtype": str(self.dtype), "seed": self.seed,
                 "step": self.current_step, "initializer": self.initializer.config(), "state_init": {}}
+
+    def _sealed(self, export: dict[str, Any]) -> dict[str, Any]:
+        """``export`` (a full save) with ``meta["disk"]``: this place's sealed store, its ids on disk."""
+        sealed = self._cold.seal()
+        if sealed is not None:
+            export["meta"]["disk"] = {self._place: sealed}
+        return export
+
+    def _resumed(self, export: dict[str, Any], pick: torch.Tensor) -> torch.Tensor:
+        """The positions of ``pick`` still to load after keeping what the store of this place's save holds."""
+        sealed = export["meta"].get("disk", {}).get(self._place)
+        if sealed is None:
+            return pick
+        rest, why = self._cold.resume(sealed, export, pick, self._hot.epoch)
+        if why is not None and (self._storage.path / self._place / str(sealed["store"])).exists():
+            warnings.warn(f"DiskStorage: not resuming from the files of the checkpoint's store under "
+                          f"{str(self._storage.path / self._place)!r}: {why}; every row of this place is loaded "
+                          f"from the checkpoint instead (the same rows, written to disk again)",
+                          RuntimeWarning, stacklevel=3)
+        return rest
 
     def _read_back(self, ids: torch.Tensor) -> None:
         """Moves the cold rows among distinct ``ids`` into memory, with their state and counters."""
