@@ -122,15 +122,15 @@ def test_eviction_deletes_rows_from_disk(tmp_path):
     cold = emb.table._cold
     for step, ids in enumerate([early, *late]):
         if step == 2:
-            assert cold.num_rows >= 50 and len(cold._store) == cold.num_rows  # spilled once no more the step's
+            assert cold.num_rows >= 50 and len(cold._store) == cold.num_rows + cold.shadow_rows  # spilled
         for e, opt in zip((emb, reference), opts):
             opt.zero_grad()
             e(ids).sum().backward()
             opt.step()
     assert emb.num_rows == reference.num_rows < 100  # the early rows went, unseen for 3 steps
     _assert_same(emb.state_dict(), reference.state_dict())
-    assert bool((cold.find(early.reshape(-1)) < 0).all())
-    assert len(cold._store) == cold.num_rows  # deleted on disk too, not only forgotten
+    assert bool((cold._index.find(early.reshape(-1)) < 0).all())  # neither cold nor a shadow copy
+    assert len(cold._store) == cold.num_rows + cold.shadow_rows  # deleted on disk too, not only forgotten
 
 
 @pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")  # 64 ids a step
@@ -185,9 +185,9 @@ def _rows_written(monkeypatch) -> list[int]:
 
     written, put = [0], KeyValueStore.put
 
-    def counting(self, keys, values):
+    def counting(self, keys, values, mark):
         written[0] += keys.numel()
-        put(self, keys, values)
+        put(self, keys, values, mark)
 
     monkeypatch.setattr(KeyValueStore, "put", counting)
     return written
@@ -223,6 +223,7 @@ def test_a_rebuilt_table_resumes_from_its_files_and_the_checkpoint_rolling_back_
     assert resumed.table._cold._store.directory == store  # the same files, not a new store
     assert written[0] < cold_at_save // 2  # the save's hot rows and the rolled back ones, not every cold row
     assert resumed.table._cold.num_rows > 0
+    assert len(resumed.table._cold._store) == resumed.table._cold.num_rows  # no shadow or later row left behind
     _assert_same(resumed.state_dict(), saved)  # later writes rolled back, later rows gone
     with torch.no_grad():
         assert torch.equal(resumed.table.lookup(touched, create=False), reference.table.lookup(touched, create=False))
@@ -353,3 +354,51 @@ def test_delta_checkpoints_and_serving_exports_over_both_tiers_equal_the_in_memo
         _assert_same(restored.state_dict(), state)
         if storage is not None:
             _assert_within_budget(restored, budget)
+
+
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+def test_rows_still_in_flight_to_a_slow_disk_are_read_from_the_writer_and_train_exactly(tmp_path, monkeypatch):
+    """Spills are written by a background thread; a row read back before its batch reached the disk comes
+    from the batch in flight (never an older copy), so a slow disk changes no value."""
+    import time
+
+    from unison._embeddings.tables.disk.row_writer import RowWriter
+    from unison._embeddings.tables.disk.storage import KeyValueStore
+
+    write, overlay, served = KeyValueStore._write, RowWriter.overlay, [0]
+
+    def slow_write(self, keys, values, mark):
+        time.sleep(0.02)
+        write(self, keys, values, mark)
+
+    def counting_overlay(self, keys, out):
+        found = overlay(self, keys, out)
+        served[0] += int(found.sum())
+        return found
+
+    monkeypatch.setattr(KeyValueStore, "_write", slow_write)
+    monkeypatch.setattr(RowWriter, "overlay", counting_overlay)
+    batches = _batches(25, seed=9)
+    reference = _train(DynamicEmbedding(DIM, mode="sum", seed=3), torch.optim.Adagrad, batches, lr=0.2)
+    ours = _train(DynamicEmbedding(DIM, mode="sum", seed=3,
+                                   storage=DiskStorage(tmp_path, _budget_for(IDS // 4, DIM))),
+                  torch.optim.Adagrad, batches, lr=0.2)
+    assert served[0] > 0  # some rows were read back while their batch was in flight
+    _assert_same(ours.state_dict(), reference.state_dict())
+
+
+def test_a_failed_disk_write_is_raised_by_the_next_step_naming_the_store(tmp_path, monkeypatch):
+    from unison._embeddings.tables.disk.storage import KeyValueStore
+
+    def failing(self, keys, values, mark):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(KeyValueStore, "_write", failing)
+    emb = DynamicEmbedding(DIM, storage=DiskStorage(tmp_path, _budget_for(20, DIM, total=100)))
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"DiskStorage: writing rows to '.*local' failed: .*No space left on "
+                                           r"device; the store is unusable now, fix: free disk space"):
+        for start in range(0, 400, 40):
+            emb(torch.arange(start, start + 40)).sum().backward()
+            opt.step()
+            emb.table._cold.store.flush()

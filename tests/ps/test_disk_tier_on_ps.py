@@ -95,7 +95,8 @@ def test_two_ps_tasks_with_a_quarter_of_their_rows_in_memory_train_as_one_device
         # each ps task spilled to its own directory, and keeps what its budget holds in memory
         for k, stats in enumerate(model.table.table_stats()):
             on_disk = _rows_on_disk(tmp_path / "rows" / f"ps-{k}")
-            assert stats["rows"] / 2 < on_disk < stats["rows"], (k, stats, on_disk)
+            # the store holds the cold rows and the (shadow) copies of rows read back since
+            assert stats["rows"] / 2 < on_disk <= stats["rows"], (k, stats, on_disk)
         # the checkpoint, with every ps task's disk rows, loads onto one device
         local = DiskRanker()
         local.load_state_dict(ours)

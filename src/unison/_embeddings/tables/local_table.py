@@ -393,16 +393,16 @@ class LocalTable:
         slots = slots[slots >= 0]
         out = self._export_slots(slots)
         out.pop("pending_counts", None)
-        if moving:
-            out["changed_in"] = self._changed_in.index_select(0, self._index.find(out["ids"]))
+        if moving:  # in the export's order (by id), as _export_slots sorts
+            out["changed_in"] = self._changed_in.index_select(0, slots.index_select(0, self._slot_ids[slots].argsort()))
         self._remove(slots, log=not moving)
         return out
 
     def restore(self, part: dict[str, Any]) -> None:
         """Takes back rows :meth:`take` moved below (``part``: their export with ``"changed_in"``), as
         they were: their values, state, counters and the save epoch they last changed in."""
-        self._import_checked(part, torch.arange(part["ids"].numel()))
-        self._changed_in.index_copy_(0, self._index.find(part["ids"]), part["changed_in"].to(torch.int64))
+        slots = self._import_checked(part, torch.arange(part["ids"].numel()))
+        self._changed_in.index_copy_(0, slots, part["changed_in"].to(torch.int64))
 
     @property
     def epoch(self) -> int:
@@ -571,7 +571,8 @@ class LocalTable:
             return (shard_of(ids, num_shards) == shard).nonzero().squeeze(1)
         return torch.arange(ids.numel())
 
-    def _import_checked(self, export: dict[str, Any], pick: torch.Tensor) -> None:
+    def _import_checked(self, export: dict[str, Any], pick: torch.Tensor) -> torch.Tensor:
+        """Stores the rows of ``export`` at ``pick`` (checked by :meth:`_check_import`); returns their slots."""
         meta = export["meta"]
         ids = export["ids"].index_select(0, pick)
         rows = export["rows"].index_select(0, pick)
@@ -597,6 +598,7 @@ class LocalTable:
         if self._pending is not None and export.get("pending_counts") is not None:
             self._pending.merge(export["pending_counts"], "LocalTable.import_: the export")
         self._step = max(self._step, meta["step"])
+        return slots
 
     # -- save points: delta checkpoints and serving exports (``deltas``) --------------------------------
     @property

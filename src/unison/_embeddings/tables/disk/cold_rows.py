@@ -6,8 +6,14 @@ read the whole table. So a cold row keeps in memory what a policy reads (about 6
 bytes: its id in an index, count, last step, last-touch time by the policy's clock, the
 layout of its state) and the save epoch it last changed in (delta checkpoints and serving
 exports hold the cold rows changed since a save), and on disk only its values and optimizer
-state, one LMDB value per id. Its metadata lives by position, like a ``LocalTable``'s slots: positions of rows read
-back or deleted go to a free list for the next spill.
+state, one LMDB value per id. Its metadata lives by position, like a ``LocalTable``'s slots: positions of rows
+deleted go to a free list for the next spill.
+
+A row read back into memory is not deleted from disk (a delete is a B-tree write as costly
+as a put): its copy stays as a **shadow**, stale once the row changes in memory, which the
+row's next spill overwrites in place; a shadow is deleted only when its row leaves memory
+for good (evicted, removed by a delta). Each id is recorded dirty once per seal (a position
+remembers it was marked), not at every write.
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ class ColdRows:
         self._seen_at = torch.zeros(0, dtype=torch.float64)
         self._layout = torch.zeros(0, dtype=torch.int8)
         self._changed_in = torch.zeros(0, dtype=torch.int32)  # the hot table's save epoch (``LocalTable.take``)
-        self._live = torch.zeros(0, dtype=torch.bool)
+        self._live = torch.zeros(0, dtype=torch.bool)  # the row is cold: its disk copy is the truth
+        self._shadow = torch.zeros(0, dtype=torch.bool)  # the row is in memory; its disk copy is kept (stale)
+        self._marked = torch.zeros(0, dtype=torch.bool)  # the id is recorded dirty since the last seal
+        self._shadows = 0
         self._free = torch.zeros(0, dtype=torch.int64)
         self._used = 0
         self._num_rows = 0
@@ -61,7 +70,7 @@ class ColdRows:
     def nbytes(self) -> int:
         """Bytes in memory: the index and counters of the cold rows (not the store's page cache)."""
         per_slot = (self._ids, self._counts, self._last_seen, self._seen_at, self._layout, self._live,
-                    self._changed_in)
+                    self._changed_in, self._shadow, self._marked)
         used = sum(t[:self._used].numel() * t.element_size() for t in per_slot)
         return used + self._index.nbytes + self._free.numel() * self._free.element_size()
 
@@ -75,9 +84,19 @@ class ColdRows:
         """Bytes of the store's files on disk."""
         return self._store.disk_bytes
 
+    @property
+    def shadow_rows(self) -> int:
+        """Rows in memory whose (stale) copy is kept on disk."""
+        return self._shadows
+
     def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """Positions of ``ids``, -1 for those not on disk."""
-        return self._index.find(ids) if self._num_rows else torch.full_like(ids, -1)
+        """Positions of the cold rows of ``ids``, -1 for the others."""
+        if not self._num_rows:
+            return torch.full_like(ids, -1)
+        positions = self._index.find(ids)
+        if self._shadows:
+            positions[(positions >= 0) & ~self._live.index_select(0, positions.clamp(min=0))] = -1
+        return positions
 
     def put(self, export: dict[str, Any]) -> None:
         """Writes the rows of a ``LocalTable.take(..., moving=True)`` (ids absent here) with their state; keeps
@@ -91,8 +110,15 @@ class ColdRows:
             self._layouts.append(layout)
         self.state_init.update(export["meta"]["state_init"])
         values = torch.cat([export["rows"], *(export["state"][name] for name in names)], dim=1)
-        self._store.put(ids, values.contiguous().view(torch.uint8))
-        positions = self._allocate(ids.numel())
+        positions = self._index.find(ids) if self._shadows else torch.full_like(ids, -1)
+        shadows = positions >= 0  # written over in place
+        self._shadow[positions[shadows]] = False
+        self._shadows -= int(shadows.sum())
+        fresh = (~shadows).nonzero().squeeze(1)
+        positions[fresh] = self._allocate(fresh.numel())
+        self._index.insert(ids.index_select(0, fresh), positions.index_select(0, fresh))
+        self._store.put(ids, values.contiguous().view(torch.uint8), ids[~self._marked.index_select(0, positions)])
+        self._marked[positions] = True
         self._ids[positions] = ids
         self._counts[positions] = export["counts"]
         self._last_seen[positions] = export["last_seen"]
@@ -101,7 +127,6 @@ class ColdRows:
         self._layout[positions] = self._layouts.index(layout)
         self._changed_in[positions] = export["changed_in"].to(torch.int32)
         self._live[positions] = True
-        self._index.insert(ids, positions)
         self._num_rows += ids.numel()
 
     def read(self, positions: torch.Tensor, meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -127,16 +152,38 @@ class ColdRows:
             out.append(part)
         return out
 
+    def lift(self, positions: torch.Tensor) -> None:
+        """The rows at live ``positions`` were read back into memory: they are no longer cold; their copies
+        stay on disk as shadows (nothing is written)."""
+        self._live[positions] = False
+        self._shadow[positions] = True
+        self._num_rows -= positions.numel()
+        self._shadows += positions.numel()
+
     def remove(self, positions: torch.Tensor) -> None:
         """Deletes the rows at live ``positions`` from disk and memory."""
-        if not positions.numel():
+        if positions.numel():
+            self._live[positions] = False
+            self._num_rows -= positions.numel()
+            self._delete(positions)
+
+    def forget(self, ids: torch.Tensor) -> None:
+        """Rows of ``ids`` left memory for good (evicted, removed): their shadow copies are deleted."""
+        if not self._shadows or not ids.numel():
             return
+        positions = self._index.find(ids)
+        positions = positions[positions >= 0]
+        positions = positions[self._shadow.index_select(0, positions)]
+        if positions.numel():
+            self._shadow[positions] = False
+            self._shadows -= positions.numel()
+            self._delete(positions)
+
+    def _delete(self, positions: torch.Tensor) -> None:
         ids = self._ids.index_select(0, positions)
-        self._store.delete(ids)
+        self._store.delete(ids, ids[~self._marked.index_select(0, positions)])
         self._index.remove(ids)
-        self._live[positions] = False
         self._free = torch.cat([self._free, positions])
-        self._num_rows -= positions.numel()
 
     def live_positions(self) -> torch.Tensor:
         """Positions of every row on disk."""
@@ -162,7 +209,11 @@ class ColdRows:
         if not self._store.opened:
             return None
         live = self.live_positions()
-        return {"store": self._store.name, "seal": self._store.seal(), "ids": self._ids.index_select(0, live),
+        shadows = self._shadow[:self._used].nonzero().squeeze(1)
+        seal = self._store.seal(self._ids.index_select(0, shadows))  # a resume deletes the shadows
+        self._marked[:self._used] = False
+        self._marked[shadows] = True
+        return {"store": self._store.name, "seal": seal, "ids": self._ids.index_select(0, live),
                 "layout": self._layout.index_select(0, live), "layouts": list(self._layouts)}
 
     def resume(self, sealed: dict[str, Any], export: dict[str, Any], pick: torch.Tensor,
@@ -178,7 +229,7 @@ class ColdRows:
         ``pick`` still to load (the save's hot rows and those rolled back), and None; or ``pick``
         and why the files were not resumed (nothing changed).
         """
-        if self._num_rows:
+        if self._num_rows or self._shadows:
             return pick, "the table holds rows already"
         why = self._store.reopen(str(sealed["store"]), int(sealed["seal"]))
         if why is not None:
@@ -186,7 +237,8 @@ class ColdRows:
         saved, dirty = sealed["ids"], self._store.dirty()
         wanted = export["ids"].index_select(0, pick)
         keep = torch.isin(saved, wanted) & ~torch.isin(saved, dirty)
-        self._store.delete(torch.cat([saved[~keep], dirty]))
+        gone = torch.cat([saved[~keep], dirty])
+        self._store.delete(gone, gone)
         kept = saved[keep]
         self._layouts = [tuple((str(name), int(columns)) for name, columns in layout) for layout in sealed["layouts"]]
         self.state_init.update(export["meta"]["state_init"])
@@ -203,6 +255,7 @@ class ColdRows:
         self._layout[positions] = sealed["layout"][keep].to(torch.int8)
         self._changed_in[positions] = epoch
         self._live[positions] = True
+        self._marked[positions] = False
         self._index.insert(kept, positions)
         self._num_rows += kept.numel()
         return pick[~torch.isin(wanted, kept)], None
@@ -227,7 +280,11 @@ class ColdRows:
 
             self._ids, self._counts, self._last_seen = grown(self._ids), grown(self._counts), grown(self._last_seen)
             self._seen_at, self._layout, self._live = grown(self._seen_at), grown(self._layout), grown(self._live)
-            self._changed_in = grown(self._changed_in)
+            self._changed_in, self._shadow = grown(self._changed_in), grown(self._shadow)
+            self._marked = grown(self._marked)
         positions = torch.cat([taken, torch.arange(self._used, self._used + fresh)])
         self._used += fresh
+        self._live[positions] = False
+        self._shadow[positions] = False
+        self._marked[positions] = False
         return positions

@@ -26,6 +26,8 @@ from typing import Any, final
 
 import torch
 
+from unison._embeddings.tables.disk.row_writer import RowWriter
+
 __all__ = ["DiskStorage", "KeyValueStore", "INSTALL_HINT", "CACHE_POLICIES"]
 
 CACHE_POLICIES = ("lru", "lfu")
@@ -143,6 +145,10 @@ class KeyValueStore:
     flushed to disk) and the **dirty** ids, every id written or deleted since the last seal;
     and the id of the boot that wrote last (writes after a seal are not flushed, so after
     the machine restarted they cannot be trusted).
+
+    Writes are applied by a background thread (``row_writer``), in order; a read sees the
+    rows still in flight. ``mark`` names the ids to record as dirty with a write: the caller
+    marks each id once per seal (``ColdRows``), not at every write.
     """
 
     def __init__(self, directory: Path) -> None:
@@ -156,6 +162,7 @@ class KeyValueStore:
                              f"directory on local disk that this process may write") from exc
         self._parent = directory
         self.directory = directory / f"rows-{uuid.uuid4().hex}"
+        self._writer = RowWriter(self._write, str(directory))
 
     @property
     def opened(self) -> bool:
@@ -193,41 +200,64 @@ class KeyValueStore:
                 txn.put(b"boot", _boot_id(), db=self._meta)
         return self._env
 
-    def put(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Stores ``values[i]`` (a row of bytes, ``[n, width]`` uint8) under ``keys[i]``, replacing any."""
-        env, raw = self._writable(), _keys(keys)
-        with env.begin(write=True) as txn:
-            txn.cursor(db=self._rows).putmulti(zip(raw, _rows(values)))
-            txn.cursor(db=self._dirty).putmulti((key, b"") for key in raw)
+    def put(self, keys: torch.Tensor, values: torch.Tensor, mark: torch.Tensor) -> None:
+        """Stores ``values[i]`` (a row of bytes, ``[n, width]`` uint8, not changed afterwards) under ``keys[i]``,
+        replacing any, and records the ids ``mark`` as dirty; returns before the disk is written."""
+        self._writable()
+        self._writer.submit(keys, values, mark)
+
+    def delete(self, keys: torch.Tensor, mark: torch.Tensor) -> None:
+        """Removes ``keys`` (those absent are skipped) and records the ids ``mark`` as dirty."""
+        if keys.numel():
+            self._writable()
+            self._writer.submit(keys, None, mark)
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor | None, mark: torch.Tensor) -> None:
+        """One batch, one transaction (on the writer thread): each key and value a slice of one buffer."""
+        raw = keys.numpy().astype(">i8").data.cast("B")
+        with self._env.begin(write=True) as txn:
+            if values is None:
+                for i in range(keys.numel()):
+                    txn.delete(raw[8 * i:8 * i + 8], db=self._rows)
+            else:
+                width = values.shape[1]
+                data = values.numpy().data.cast("B")
+                txn.cursor(db=self._rows).putmulti(
+                    (raw[8 * i:8 * i + 8], data[width * i:width * i + width]) for i in range(keys.numel()))
+            if mark.numel():
+                dirty = mark.numpy().astype(">i8").data.cast("B")
+                txn.cursor(db=self._dirty).putmulti((dirty[8 * i:8 * i + 8], b"") for i in range(mark.numel()))
 
     def get(self, keys: torch.Tensor, width: int) -> torch.Tensor:
-        """``[n, width]`` uint8: the values of ``keys``, each present."""
+        """``[n, width]`` uint8: the values of ``keys``, each present (on disk or in flight)."""
+        out = torch.empty(keys.numel(), width, dtype=torch.uint8)
+        rest = (~self._writer.overlay(keys, out)).nonzero().squeeze(1)
+        if not rest.numel():
+            return out
         found = []
         if self._env is not None:
             with self._env.begin() as txn:
-                found = [value for _, value in txn.cursor(db=self._rows).getmulti(_keys(keys))]
-        if len(found) != keys.numel():
-            raise KeyError(f"DiskStorage: {keys.numel() - len(found)} of {keys.numel()} rows missing from "
+                found = [value for _, value in txn.cursor(db=self._rows).getmulti(_keys(keys.index_select(0, rest)))]
+        if len(found) != rest.numel():
+            raise KeyError(f"DiskStorage: {rest.numel() - len(found)} of {keys.numel()} rows missing from "
                            f"{str(self.directory)!r} (were its files changed by another process?)")
-        return torch.frombuffer(bytearray(b"".join(found)), dtype=torch.uint8).reshape(keys.numel(), width)
+        out.index_copy_(0, rest, torch.frombuffer(bytearray(b"".join(found)), dtype=torch.uint8).reshape(-1, width))
+        return out
 
-    def delete(self, keys: torch.Tensor) -> None:
-        """Removes ``keys`` (those absent are skipped)."""
-        if not keys.numel():
-            return
-        env, raw = self._writable(), _keys(keys)
-        with env.begin(write=True) as txn:
-            for key in raw:
-                txn.delete(key, db=self._rows)
-            txn.cursor(db=self._dirty).putmulti((key, b"") for key in raw)
+    def flush(self) -> None:
+        """Waits until every write submitted is on disk (in the page cache: flushed only by :meth:`seal`)."""
+        self._writer.drain()
 
-    def seal(self) -> int:
-        """A new seal: no id is dirty from now on, and the store is flushed to disk; returns its number
-        (a checkpoint taken now records it with the ids on disk)."""
+    def seal(self, dirty: torch.Tensor) -> int:
+        """A new seal once every write is done: only the ids ``dirty`` are dirty from now on (copies on disk
+        that a checkpoint taken now does not hold), and the store is flushed to disk; returns its number (a
+        checkpoint taken now records it with the ids on disk)."""
         env = self._writable()
+        self._writer.drain()
         with env.begin(write=True) as txn:
             number = int(txn.get(b"seal", db=self._meta)) + 1
             txn.drop(self._dirty, delete=False)
+            txn.cursor(db=self._dirty).putmulti((key, b"") for key in _keys(dirty))
             txn.put(b"seal", str(number).encode(), db=self._meta)
             txn.put(b"boot", _boot_id(), db=self._meta)
         env.sync(True)
@@ -266,6 +296,7 @@ class KeyValueStore:
         """The ids written or deleted since the last seal, ascending."""
         if self._env is None:
             return torch.zeros(0, dtype=torch.int64)
+        self._writer.drain()
         with self._env.begin() as txn:
             raw = b"".join(txn.cursor(db=self._dirty).iternext(keys=True, values=False))
         return _ids(raw)
@@ -274,6 +305,7 @@ class KeyValueStore:
         """Values stored."""
         if self._env is None:
             return 0
+        self._writer.drain()
         with self._env.begin() as txn:
             return int(txn.stat(self._rows)["entries"])
 
@@ -282,10 +314,12 @@ class KeyValueStore:
         """Bytes the store's files take on disk (allocated blocks)."""
         if self._env is None:
             return 0
+        self._writer.drain()
         return sum(f.stat().st_blocks * 512 for f in self.directory.iterdir() if f.is_file())
 
     def close(self, remove: bool = True) -> None:
         """Closes the store and (``remove``) removes its files (they hold nothing a checkpoint does not)."""
+        self._writer.close()
         if self._env is not None:
             self._env.close()
             self._env = None
@@ -312,6 +346,3 @@ def _ids(raw: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype=">i8").astype(np.int64)).sort().values
 
 
-def _rows(values: torch.Tensor) -> list[bytes]:
-    raw, width = values.contiguous().numpy().tobytes(), values.shape[1]
-    return [raw[i:i + width] for i in range(0, len(raw), width)]

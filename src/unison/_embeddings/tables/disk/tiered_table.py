@@ -23,10 +23,10 @@ it would in memory:
   resumes from it when it loads that save (``import_``): the checkpoint is the truth, the
   store only spares rewriting the rows it provably still holds as saved.
 
-Spilling runs in the push that ends a step, after its rows are applied (the request path
-of that push; simple and exact first: a background writer is the next step if the
-measured cost asks for one). The disk copy is the table's own: a cold row read back is
-deleted from disk, so each row is in exactly one tier.
+Spilling is chosen in the push that ends a step, after its rows are applied; the disk
+writes are applied by a background thread (``row_writer``), in order, the rows in flight
+readable. A cold row read back leaves its disk copy as a shadow (``cold_rows``): the row
+is in exactly one tier, memory, and the copy is written over at its next spill.
 
 tf.distribute equivalent: none; DeepRec's multi-tier hash storage (DRAM + SSD, LRU/LFU
 caches) and TorchRec's SSD virtual tables do the same for their tables.
@@ -310,6 +310,7 @@ class TieredTable:
         gone = self._cold.find(removed)
         gone = gone[gone >= 0]
         self._hot.log_removed(self._cold.counters(gone)["ids"])
+        self._cold.forget(removed)  # shadow copies of removed rows now in memory
         replaced = self._cold.find(delta["ids"].index_select(0, pick))
         self._cold.remove(torch.unique(torch.cat([gone, replaced[replaced >= 0]])))
         self._hot.apply_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
@@ -359,7 +360,7 @@ class TieredTable:
             return
         for part in self._cold.read(positions, self._meta()):
             self._hot.restore(part)
-        self._cold.remove(positions)
+        self._cold.lift(positions)  # its disk copy stays, a shadow (no write on the read path)
 
     def _budget_rows(self) -> int:
         """How many rows the budget holds in memory now, beside the cold rows' index, counting the index
@@ -411,6 +412,7 @@ class TieredTable:
         """Deletes the rows at ``chosen`` (indices into :meth:`_counters`) from their tier; returns their ids."""
         in_hot = chosen[chosen < num_hot]
         self._hot.take(ids.index_select(0, in_hot))
+        self._cold.forget(ids.index_select(0, in_hot))  # their shadow copies on disk
         in_cold = chosen[chosen >= num_hot]
         self._hot.log_removed(ids.index_select(0, in_cold))  # the chain's removals, wherever the row was
         self._cold.remove(positions.index_select(0, in_cold - num_hot))
