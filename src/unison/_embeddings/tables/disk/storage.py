@@ -10,8 +10,9 @@ The store is LMDB (the ``lmdb`` package, the ``disk`` extra), chosen by measurem
 RocksDB (``rocksdict``) and LevelDB (``plyvel``) on the tier's own access pattern, batched
 reads and writes of rows keyed by int64 id (``benchmarks/kv_stores.py``; numbers in
 ``benchmarks/RESULTS.md``): it read rows fastest, wrote them as fast as RocksDB, is one
-small C library with no background threads (a ps task forks nothing), and maps its file so
-the operating system caches recently read pages. Little durability is asked of it: the
+small C library with no background threads of its own (a ps task forks nothing; the one
+thread that applies a store's writes is ours, ``row_writer``), and maps its file so the
+operating system caches recently read pages. Little durability is asked of it: the
 checkpoint is the truth, so it is opened without ``fsync`` and flushed only when a full save
 seals it (``KeyValueStore.seal``), which is what a restarted process resumes from.
 """
