@@ -49,7 +49,7 @@ def _train(emb: DynamicEmbedding, optimizer: type, batches, **opt_args) -> Dynam
     return emb
 
 
-_CHAIN = ("table_id", "sequence", "exact")  # a delta chain's place (none on a disk tier yet), not the rows
+_CHAIN = ("table_id", "sequence", "exact", "disk")  # a delta chain's place and the disk store's, not the rows
 
 
 def _assert_same(ours: dict, theirs: dict) -> None:
@@ -122,17 +122,18 @@ def test_eviction_deletes_rows_from_disk(tmp_path):
     cold = emb.table._cold
     for step, ids in enumerate([early, *late]):
         if step == 2:
-            assert cold.num_rows >= 50 and len(cold._store) == cold.num_rows  # spilled once no more the step's
+            assert cold.num_rows >= 50 and len(cold._store) == cold.num_rows + cold.shadow_rows  # spilled
         for e, opt in zip((emb, reference), opts):
             opt.zero_grad()
             e(ids).sum().backward()
             opt.step()
     assert emb.num_rows == reference.num_rows < 100  # the early rows went, unseen for 3 steps
     _assert_same(emb.state_dict(), reference.state_dict())
-    assert bool((cold.find(early.reshape(-1)) < 0).all())
-    assert len(cold._store) == cold.num_rows  # deleted on disk too, not only forgotten
+    assert bool((cold._index.find(early.reshape(-1)) < 0).all())  # neither cold nor a shadow copy
+    assert len(cold._store) == cold.num_rows + cold.shadow_rows  # deleted on disk too, not only forgotten
 
 
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")  # 64 ids a step
 def test_a_checkpoint_round_trips_with_spilled_rows_and_loads_beyond_the_budget_to_disk(tmp_path):
     batches, more = _batches(20, seed=2), _batches(10, seed=3)
     budget = _budget_for(IDS // 4, DIM)
@@ -162,13 +163,91 @@ def test_a_checkpoint_round_trips_with_spilled_rows_and_loads_beyond_the_budget_
 
 
 @pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
-def test_a_new_table_on_the_same_path_discards_what_an_earlier_run_left(tmp_path):
+def test_a_new_table_on_the_same_path_discards_what_an_earlier_run_left_at_its_first_spill(tmp_path):
     storage = DiskStorage(tmp_path, memory_budget_bytes=_budget_for(20, DIM, total=100))
     first = _train(DynamicEmbedding(DIM, mode="sum", storage=storage), torch.optim.Adagrad, _batches(5), lr=0.1)
     left = first.table._cold._store.directory
-    assert left.exists()
+    _crash(first)
     second = DynamicEmbedding(DIM, mode="sum", storage=storage)  # a restarted process: starts empty
-    assert second.num_rows == 0 and not left.exists()
+    assert second.num_rows == 0 and left.exists()  # kept until it writes: a checkpoint may resume from it
+    _train(second, torch.optim.Adagrad, _batches(5), lr=0.1)
+    assert not left.exists() and len(list((tmp_path / "local").iterdir())) == 1
+
+
+def _crash(emb: DynamicEmbedding) -> None:
+    """What a killed process leaves: its store's files as they are (closed, not removed)."""
+    emb.table._cold.close(remove=False)
+
+
+def _rows_written(monkeypatch) -> list[int]:
+    """Counts the rows every store of this process writes from now on."""
+    from unison._embeddings.tables.disk.storage import KeyValueStore
+
+    written, put = [0], KeyValueStore.put
+
+    def counting(self, keys, values, mark):
+        written[0] += keys.numel()
+        put(self, keys, values, mark)
+
+    monkeypatch.setattr(KeyValueStore, "put", counting)
+    return written
+
+
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+@pytest.mark.parametrize(("optimizer", "args", "state"), OPTIMIZERS[:2], ids=["adagrad", "sparse_adam"])
+def test_a_rebuilt_table_resumes_from_its_files_and_the_checkpoint_rolling_back_later_writes(
+        tmp_path, monkeypatch, optimizer, args, state):
+    """A table rebuilt on the same path (a restarted process) loads its checkpoint keeping the cold rows on
+    disk that did not change since it: rows touched after the checkpoint (on disk or not) read the
+    checkpoint's values, rows made after it are gone, and training goes on as the uninterrupted run."""
+    before, after, more = _batches(15, seed=4), _batches(6, seed=5), _batches(8, seed=6)
+    budget = _budget_for(IDS // 4, state)
+    ours = _train(DynamicEmbedding(DIM, mode="sum", seed=2, storage=DiskStorage(tmp_path, budget)), optimizer,
+                  before, **args)
+    saved = ours.state_dict()
+    cold_at_save = ours.table._cold.num_rows
+    reference = _train(DynamicEmbedding(DIM, mode="sum", seed=2), optimizer, before, **args)
+    touched = torch.unique(torch.cat([b.reshape(-1) for b in after]))
+    _train(ours, optimizer, after + [b + 1 for b in after], **args)  # rows change on disk; new ids (b + 1) come
+    with torch.no_grad():
+        moved = ours.table.lookup(touched, create=False)
+    assert not torch.equal(moved, reference.table.lookup(touched, create=False))
+    store = ours.table._cold._store.directory
+    _crash(ours)
+
+    written = _rows_written(monkeypatch)
+    resumed = DynamicEmbedding(DIM, mode="sum", seed=2, storage=DiskStorage(tmp_path, budget))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # resumed, no fallback
+        resumed.load_state_dict(saved)
+    assert resumed.table._cold._store.directory == store  # the same files, not a new store
+    assert written[0] < cold_at_save // 2  # the save's hot rows and the rolled back ones, not every cold row
+    assert resumed.table._cold.num_rows > 0
+    assert len(resumed.table._cold._store) == resumed.table._cold.num_rows  # no shadow or later row left behind
+    _assert_same(resumed.state_dict(), saved)  # later writes rolled back, later rows gone
+    with torch.no_grad():
+        assert torch.equal(resumed.table.lookup(touched, create=False), reference.table.lookup(touched, create=False))
+    _assert_same(_train(resumed, optimizer, more, **args).state_dict(),
+                 _train(reference, optimizer, more, **args).state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+def test_a_checkpoint_older_than_the_files_loads_every_row_and_says_why(tmp_path):
+    """The files were sealed again by a later full save: they cannot be proven to hold the older one."""
+    budget = _budget_for(IDS // 4, DIM)
+    ours = _train(DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(tmp_path, budget)), torch.optim.Adagrad,
+                  _batches(10, seed=7), lr=0.2)
+    older = ours.state_dict()
+    _train(ours, torch.optim.Adagrad, _batches(3, seed=8), lr=0.2)
+    ours.state_dict()  # a later full save: a new seal
+    _crash(ours)
+    rebuilt = DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(tmp_path, budget))
+    with pytest.warns(RuntimeWarning, match=r"DiskStorage: not resuming from the files of the checkpoint's store "
+                                            r"under '.*local': store '.*rows-\w+' is at seal 2, the checkpoint at "
+                                            r"seal 1; every row of this place is loaded from the checkpoint"):
+        rebuilt.load_state_dict(older)
+    _assert_same(rebuilt.state_dict(), older)
+    assert len(list((tmp_path / "local").iterdir())) == 1  # the files it could not use are gone
 
 
 def test_bad_storage_settings_name_the_field_the_value_and_the_fix(tmp_path):
@@ -208,12 +287,118 @@ def test_a_step_over_the_budget_stays_in_memory_and_warns_once(tmp_path):
     assert emb.table.hot_rows < 200 and emb.num_rows == 210
 
 
-def test_delta_checkpoints_and_serving_exports_are_refused_on_a_disk_tier_naming_the_way_out(tmp_path):
-    """Not built on the disk tier yet: each refusal says so and what works instead, and the table trains on."""
-    emb = unison.DynamicEmbedding(4, storage=unison.embeddings.DiskStorage(tmp_path / "t", memory_budget_bytes=4096))
-    emb(torch.arange(10)).sum().backward()
-    for attempt in (lambda: emb.delta_state_dict(full=True), lambda: emb.delta_state_dict(),
-                    lambda: unison.embeddings.export_for_serving(emb, tmp_path / "serve")):
-        with pytest.raises(NotImplementedError, match="storage=DiskStorage.*full state_dict"):
-            attempt()
-    assert emb.num_rows == 10 and not (tmp_path / "serve").exists()
+def _policy_table(storage=None) -> DynamicEmbedding:
+    """A table whose rows leave by a time to live and a capacity (so deltas carry removed ids) and are made
+    only when admitted (so they carry the admission sketch)."""
+    return DynamicEmbedding(32, mode="sum", seed=7, eviction=EvictUnseen(10), capacity=330,
+                            admission=AdmitAfter(2, sketch_width=4096, sketch_depth=4), storage=storage)
+
+
+_NOT_ROWS = ("table_id", "disk")  # each table's own id and store; everything else in a save must be equal
+
+
+def _assert_same_delta(ours: dict, theirs: dict) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[key], value), key
+        else:
+            assert {k: v for k, v in ours[key].items() if k not in _NOT_ROWS} == {
+                k: v for k, v in value.items() if k not in _NOT_ROWS}, key
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # a step over the budget or the capacity, by design
+def test_delta_checkpoints_and_serving_exports_over_both_tiers_equal_the_in_memory_tables(tmp_path):
+    """With a quarter of the rows in memory, each delta (rows changed since the save in either tier, ids
+    removed from either) and each serving export (full, then deltas) is the in-memory table's, byte for
+    byte; the full save and its deltas load onto another disk tier (and onto memory) as the trained table."""
+    budget = 60 * (4 * 2 * 32 + 25 + 32) + 200 * 100  # about a quarter of ~250 rows of 32 (and Adagrad's) in memory
+    ours = _policy_table(DiskStorage(tmp_path / "ours", budget))
+    reference = _policy_table()
+    opts = [torch.optim.Adagrad(e.parameters(), lr=0.2) for e in (ours, reference)]
+    saves: list[dict] = []
+    cold_in_deltas = removed = 0
+    for round_ in range(5):
+        for ids in _batches(3 if round_ else 12, seed=10 + round_):
+            for emb, opt in zip((ours, reference), opts):
+                opt.zero_grad()
+                emb(ids).pow(2).sum().mul(0.01).backward()
+                opt.step()
+        if round_:
+            was_cold = ours.table._cold.find(ours.table.export()["ids"]) >= 0
+        delta = ours.delta_state_dict(full=round_ == 0)
+        _assert_same_delta(delta, reference.delta_state_dict(full=round_ == 0))
+        if round_:
+            changed = torch.isin(ours.table.export()["ids"], delta["ids"])
+            cold_in_deltas += int((was_cold & changed).sum())
+            removed += delta["removed"].numel()
+        saves.append(delta)
+        assert 0 < ours.table.hot_rows < ours.num_rows // 2  # most rows on disk at each save
+        paths = [unison.embeddings.export_for_serving(e, tmp_path / f"{name}-{round_}", delta=round_ > 0)
+                 for e, name in ((ours, "ours"), (reference, "theirs"))]
+        for name in ("ids.bin", "rows.bin", "removed.bin"):
+            assert (paths[0] / name).read_bytes() == (paths[1] / name).read_bytes(), (round_, name)
+    assert cold_in_deltas > 0 and removed > 0  # the deltas hold cold rows and removals
+
+    served = unison.embeddings.ServingEmbedding.load(tmp_path / "ours-0")
+    for round_ in range(1, 5):
+        served.apply_delta(tmp_path / f"ours-{round_}")
+    state = reference.state_dict()
+    assert served.num_rows == reference.num_rows and torch.equal(served._rows_of(state["ids"]), state["rows"])
+
+    for storage in (DiskStorage(tmp_path / "restored", budget), None):
+        restored = _policy_table(storage)
+        restored.load_state_dict(saves[0])
+        for delta in saves[1:]:
+            restored.load_delta_state_dict(delta)
+        _assert_same(restored.state_dict(), state)
+        if storage is not None:
+            _assert_within_budget(restored, budget)
+
+
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+def test_rows_still_in_flight_to_a_slow_disk_are_read_from_the_writer_and_train_exactly(tmp_path, monkeypatch):
+    """Spills are written by a background thread; a row read back before its batch reached the disk comes
+    from the batch in flight (never an older copy), so a slow disk changes no value."""
+    import time
+
+    from unison._embeddings.tables.disk.row_writer import RowWriter
+    from unison._embeddings.tables.disk.storage import KeyValueStore
+
+    write, overlay, served = KeyValueStore._write, RowWriter.overlay, [0]
+
+    def slow_write(self, keys, values, mark):
+        time.sleep(0.02)
+        write(self, keys, values, mark)
+
+    def counting_overlay(self, keys, out):
+        found = overlay(self, keys, out)
+        served[0] += int(found.sum())
+        return found
+
+    monkeypatch.setattr(KeyValueStore, "_write", slow_write)
+    monkeypatch.setattr(RowWriter, "overlay", counting_overlay)
+    batches = _batches(25, seed=9)
+    reference = _train(DynamicEmbedding(DIM, mode="sum", seed=3), torch.optim.Adagrad, batches, lr=0.2)
+    ours = _train(DynamicEmbedding(DIM, mode="sum", seed=3,
+                                   storage=DiskStorage(tmp_path, _budget_for(IDS // 4, DIM))),
+                  torch.optim.Adagrad, batches, lr=0.2)
+    assert served[0] > 0  # some rows were read back while their batch was in flight
+    _assert_same(ours.state_dict(), reference.state_dict())
+
+
+def test_a_failed_disk_write_is_raised_by_the_next_step_naming_the_store(tmp_path, monkeypatch):
+    from unison._embeddings.tables.disk.storage import KeyValueStore
+
+    def failing(self, keys, values, mark):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(KeyValueStore, "_write", failing)
+    emb = DynamicEmbedding(DIM, storage=DiskStorage(tmp_path, _budget_for(20, DIM, total=100)))
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"DiskStorage: writing rows to '.*local' failed: .*No space left on "
+                                           r"device; the store is unusable now, fix: free disk space"):
+        for start in range(0, 400, 40):
+            emb(torch.arange(start, start + 40)).sum().backward()
+            opt.step()
+            emb.table._cold.store.flush()

@@ -121,7 +121,8 @@ class DynamicEmbedding(nn.Module):
         storage: None (every row in memory), or ``unison.embeddings.DiskStorage(path,
             memory_budget_bytes=...)``: each place that owns rows (this process, or each ps
             task for its shard) keeps that many bytes of hot rows in memory and the rest on
-            local disk; the rows train, evict and checkpoint as they would in memory.
+            local disk; the rows train, evict, checkpoint (full and delta) and export for
+            serving as they would in memory.
 
     Example:
         >>> emb = DynamicEmbedding(4, mode="sum")

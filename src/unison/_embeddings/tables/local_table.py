@@ -42,6 +42,7 @@ from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.id_hashing import shard_of
 from unison._embeddings.tables.id_index import IdIndex
 from unison._embeddings.tables.initializers import Initializer, initializer_from_config, normal
+from unison._embeddings.tables.lower_tier import LowerTier
 
 __all__ = ["LocalTable", "shard_of"]
 
@@ -64,6 +65,9 @@ class LocalTable:
         capacity: at most this many rows after :meth:`evict` (rows touched since the last
             step excepted); None: no limit.
         capacity_policy: which rows go first over capacity, ``"lru"`` or ``"lfu"`` (``capacity``).
+        lower_tier: the rows of the same table kept below this one (a disk tier's cold rows), or
+            None: :meth:`export`, delta checkpoints and serving exports then hold them too, and a
+            row moved there (:meth:`take` with ``moving=True``) is not a removal.
 
     Example:
         >>> from unison._embeddings.optim.row_optimizers import RowSGD
@@ -77,7 +81,8 @@ class LocalTable:
     def __init__(self, embedding_dim: int, *, dtype: torch.dtype = torch.float32,
                  initializer: Initializer | None = None, seed: int = 0,
                  eviction: EvictionPolicy | None = None, admission: AdmissionPolicy | None = None,
-                 capacity: int | None = None, capacity_policy: str = "lru") -> None:
+                 capacity: int | None = None, capacity_policy: str = "lru",
+                 lower_tier: LowerTier | None = None) -> None:
         check_table_arguments("LocalTable", embedding_dim, dtype, initializer, seed, eviction, admission)
         self._capacity: RowCapacity | None = row_capacity("LocalTable", capacity, capacity_policy)
         self._dim, self._dtype, self._seed = embedding_dim, dtype, seed
@@ -112,6 +117,7 @@ class LocalTable:
         self._saved_epoch = 0  # the epoch the last save point ended
         self._exact = True  # False: loaded from a full export taken between save points (no delta of its own yet)
         self._export_chain: tuple[str, int, int] | None = None  # serving exports: (export id, number, epoch)
+        self._lower = lower_tier
 
     @property
     def embedding_dim(self) -> int:
@@ -346,13 +352,14 @@ class LocalTable:
         """One place: (rows, bytes)."""
         return [(self.num_rows, self.bytes)]
 
-    def load(self, export: dict[str, Any]) -> None:
-        """Replaces every row (and the clock) by an export's: what ``load_state_dict`` does."""
+    def load(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
+        """Replaces every row (and the clock) by an export's (or by shard ``shard`` of ``num_shards`` of it, as
+        :meth:`import_`): what ``load_state_dict`` does."""
         fresh = LocalTable(self._dim, dtype=self._dtype, initializer=self._initializer, seed=self._seed,
                            eviction=self._eviction, admission=self._admission,
                            capacity=None if self._capacity is None else self._capacity.rows,
                            capacity_policy="lru" if self._capacity is None else self._capacity.policy)
-        fresh.import_(export)
+        fresh.import_(export, shard=shard, num_shards=num_shards)
         fresh.adopt_save_point(export["meta"])
         self.__dict__.update(fresh.__dict__)
 
@@ -377,15 +384,42 @@ class LocalTable:
             out["idle_seconds"] = self._clock() - self._seen_at[live]
         return out
 
-    def take(self, ids: torch.Tensor) -> dict[str, Any]:
+    def take(self, ids: torch.Tensor, *, moving: bool = False) -> dict[str, Any]:
         """The :meth:`export` of the stored rows among distinct ``ids`` (no admission counts), removed
-        from the table: a disk tier moves them to disk, or evicts them."""
+        from the table: a disk tier evicts them, or (``moving``) moves them to the tier below, and then
+        they are no removal for the save points, and ``"changed_in"`` says the save epoch each last
+        changed in (give it back with :meth:`restore`)."""
         slots = self._index.find(ids)
         slots = slots[slots >= 0]
         out = self._export_slots(slots)
         out.pop("pending_counts", None)
-        self._remove(slots)
+        if moving:  # in the export's order (by id), as _export_slots sorts
+            out["changed_in"] = self._changed_in.index_select(0, slots.index_select(0, self._slot_ids[slots].argsort()))
+        self._remove(slots, log=not moving)
         return out
+
+    def restore(self, part: dict[str, Any]) -> None:
+        """Takes back rows :meth:`take` moved below (``part``: their export with ``"changed_in"``), as
+        they were: their values, state, counters and the save epoch they last changed in."""
+        slots = self._import_checked(part, torch.arange(part["ids"].numel()))
+        self._changed_in.index_copy_(0, slots, part["changed_in"].to(torch.int64))
+
+    @property
+    def epoch(self) -> int:
+        """The save epoch now: what a row changed now records (``"changed_in"`` of :meth:`take`)."""
+        return self._epoch
+
+    def check_import(self, export: dict[str, Any], shard: int | None = None,
+                     num_shards: int | None = None) -> torch.Tensor:
+        """What :meth:`import_` checks before it changes anything; returns the positions of the export's
+        rows this table takes (a disk tier checks first, then places rows in its tiers)."""
+        return self._check_import(export, shard, num_shards, "LocalTable.import_")
+
+    def log_removed(self, ids: torch.Tensor) -> None:
+        """Records ids removed from the tier below (evicted there) for the save points, as :meth:`evict`
+        records its own."""
+        if ids.numel() and self._keeps_removed():
+            self._removed_log.append((self._epoch, ids.clone()))
 
     def evict(self) -> torch.Tensor:
         """Remove the rows the eviction policy names, then those over capacity; returns their ids, ascending.
@@ -426,12 +460,13 @@ class LocalTable:
                             f"got {chosen!r:.80}")
         return chosen
 
-    def _remove(self, slots: torch.Tensor) -> torch.Tensor:
-        """Drops the rows of live ``slots``; returns their ids."""
+    def _remove(self, slots: torch.Tensor, log: bool = True) -> torch.Tensor:
+        """Drops the rows of live ``slots`` (recorded as removed for the save points when ``log``); returns
+        their ids."""
         if slots.numel():
             self._generation = next(_GENERATIONS)
         ids = self._slot_ids[slots]
-        if ids.numel() and self._keeps_removed():
+        if log and ids.numel() and self._keeps_removed():
             self._removed_log.append((self._epoch, ids.clone()))
         self._index.remove(ids)
         self._live[slots] = False
@@ -448,9 +483,10 @@ class LocalTable:
             seed, step, the initializer's config and each state's initial value. A table
             with a time to live in seconds adds ``"idle_seconds": [n]`` (float64, by its
             clock, now); one with an admission policy ``"pending_counts"``, its sketch's
-            ``[depth, width]`` counters of ids without a row.
+            ``[depth, width]`` counters of ids without a row. With a ``lower_tier``, its rows too.
         """
-        return self._export_slots(self._live_slots())
+        out = self._export_slots(self._live_slots())
+        return out if self._lower is None else self._lower.joined(out, None)
 
     def _export_slots(self, live: torch.Tensor) -> dict[str, Any]:
         """:meth:`export` of the rows in live ``slots`` (any order; sorted by id here)."""
@@ -535,7 +571,8 @@ class LocalTable:
             return (shard_of(ids, num_shards) == shard).nonzero().squeeze(1)
         return torch.arange(ids.numel())
 
-    def _import_checked(self, export: dict[str, Any], pick: torch.Tensor) -> None:
+    def _import_checked(self, export: dict[str, Any], pick: torch.Tensor) -> torch.Tensor:
+        """Stores the rows of ``export`` at ``pick`` (checked by :meth:`_check_import`); returns their slots."""
         meta = export["meta"]
         ids = export["ids"].index_select(0, pick)
         rows = export["rows"].index_select(0, pick)
@@ -561,6 +598,7 @@ class LocalTable:
         if self._pending is not None and export.get("pending_counts") is not None:
             self._pending.merge(export["pending_counts"], "LocalTable.import_: the export")
         self._step = max(self._step, meta["step"])
+        return slots
 
     # -- save points: delta checkpoints and serving exports (``deltas``) --------------------------------
     @property
@@ -588,8 +626,9 @@ class LocalTable:
 
     def _changed_since(self, epoch: int) -> bool:
         live = self._live_slots()
-        return bool((self._changed_in.index_select(0, live) > epoch).any()) or any(
-            e > epoch for e, _ in self._removed_log)
+        return (bool((self._changed_in.index_select(0, live) > epoch).any())
+                or any(e > epoch for e, _ in self._removed_log)
+                or (self._lower is not None and self._lower.changed_since(epoch)))
 
     def _changed_slots(self, epoch: int) -> torch.Tensor:
         """Live slots changed after save epoch ``epoch``."""
@@ -602,7 +641,10 @@ class LocalTable:
         if not parts:
             return torch.zeros(0, dtype=torch.int64)
         ids = torch.unique(torch.cat(parts))
-        return ids[self._index.find(ids) < 0]
+        gone = self._index.find(ids) < 0
+        if self._lower is not None:
+            gone &= self._lower.find(ids) < 0
+        return ids[gone]
 
     def _keeps_removed(self) -> bool:
         """Whether removals are logged: only while a chain needs them (a table never saved by delta
@@ -657,6 +699,8 @@ class LocalTable:
             out = self.export()
         else:
             out = self._export_slots(self._changed_slots(self._saved_epoch))
+            if self._lower is not None:
+                out = self._lower.joined(out, self._saved_epoch)
             out["removed"] = self._removed_since(self._saved_epoch)
         self._sequence, self._exact = base + 1, True
         self._end_epoch(checkpoint=True)
@@ -679,15 +723,7 @@ class LocalTable:
             ValueError: a delta of another table, out of order or already applied (naming
                 both), or one that does not fit this table; nothing is changed.
         """
-        meta = checked_delta(delta, "LocalTable.apply_delta")
-        if expect is None:
-            check_next("LocalTable.apply_delta", self._table_id, self._sequence, meta["table_id"], meta["base"],
-                       meta["sequence"])
-        elif expect != (self._table_id, self._sequence) or meta["base"] != self._sequence:
-            raise ValueError(f"LocalTable.apply_delta: this shard is table {self._table_id!r} at save "
-                             f"{self._sequence}, its owner expected {expect} and the delta starts at save "
-                             f"{meta['base']}; nothing was changed. fix: load the full checkpoint, then the deltas")
-        pick = self._check_import(delta, shard, num_shards, "LocalTable.apply_delta")
+        meta, pick = self.check_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
         removed = delta["removed"]
         if shard is not None and num_shards is not None:
             removed = removed[shard_of(removed, num_shards) == shard]
@@ -701,6 +737,24 @@ class LocalTable:
         self._step = int(meta["step"])
         self._table_id, self._sequence, self._exact = str(meta["table_id"]), int(meta["sequence"]), True
         self._end_epoch(checkpoint=True)
+
+    def check_delta(self, delta: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None,
+                    expect: tuple[str, int] | None = None) -> tuple[dict[str, Any], torch.Tensor]:
+        """What :meth:`apply_delta` checks before it changes anything; returns the delta's meta and the
+        positions of its rows this table takes (a disk tier checks first, then moves rows between tiers).
+
+        Raises:
+            ValueError: as :meth:`apply_delta`.
+        """
+        meta = checked_delta(delta, "LocalTable.apply_delta")
+        if expect is None:
+            check_next("LocalTable.apply_delta", self._table_id, self._sequence, meta["table_id"], meta["base"],
+                       meta["sequence"])
+        elif expect != (self._table_id, self._sequence) or meta["base"] != self._sequence:
+            raise ValueError(f"LocalTable.apply_delta: this shard is table {self._table_id!r} at save "
+                             f"{self._sequence}, its owner expected {expect} and the delta starts at save "
+                             f"{meta['base']}; nothing was changed. fix: load the full checkpoint, then the deltas")
+        return meta, self._check_import(delta, shard, num_shards, "LocalTable.apply_delta")
 
     def serving_export(self, delta: bool, *, export_id: str | None = None,
                        expect_number: int | None = None) -> dict[str, Any]:
@@ -726,12 +780,16 @@ class LocalTable:
                 raise ValueError(f"LocalTable.serving_export: this shard is at export {chain[1]}, its owner "
                                  f"expected {expect_number}; fix: make a full export")
             slots, removed = self._changed_slots(chain[2]), self._removed_since(chain[2])
-            export_id, number, base = chain[0], chain[1] + 1, chain[1]
+            export_id, number, base, after = chain[0], chain[1] + 1, chain[1], chain[2]
         else:
             slots, removed = self._live_slots(), torch.zeros(0, dtype=torch.int64)
-            export_id, number, base = export_id or uuid.uuid4().hex, 0, None
-        ids, order = self._slot_ids[slots].sort()
-        rows = self._rows.index_select(0, slots[order])
+            export_id, number, base, after = export_id or uuid.uuid4().hex, 0, None, None
+        ids, rows = self._slot_ids[slots], self._rows.index_select(0, slots)
+        if self._lower is not None:
+            lower_ids, lower_rows = self._lower.serving_rows(after)
+            ids, rows = torch.cat([ids, lower_ids]), torch.cat([rows, lower_rows])
+        ids, order = ids.sort()
+        rows = rows.index_select(0, order)
         self._export_chain = (export_id, number, self._epoch)
         self._end_epoch(export=True)
         return {"ids": ids, "rows": rows, "removed": removed,

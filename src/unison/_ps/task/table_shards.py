@@ -123,14 +123,11 @@ class TableShards:
             return entry.table.export()
 
     def load(self, key: str, export: dict[str, Any], shard: int, num_shards: int) -> None:
-        """Replaces the shard by the rows of ``export`` that belong to shard ``shard`` of ``num_shards``."""
+        """Replaces the shard by the rows of ``export`` that belong to shard ``shard`` of ``num_shards`` (a disk
+        tier removes its files of the rows before, or resumes from them: ``TieredTable.import_``)."""
         entry = self._entry(key)
-        table = entry.config.new_table(entry.place)
-        table.import_(export, shard=shard, num_shards=num_shards)
-        table.adopt_save_point(export["meta"])
         with entry.lock:
-            entry.table, old = table, entry.table
-        old.close()  # a disk tier's files of the rows before (the new table's are its own)
+            entry.table.load(export, shard=shard, num_shards=num_shards)
 
     def save_point(self, key: str) -> dict[str, Any]:
         """Where the shard's delta and serving chains stand."""

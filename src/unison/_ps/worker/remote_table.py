@@ -207,6 +207,9 @@ class RemoteTable:
         merged["meta"]["table_id"] = _whole_id([str(p["meta"].get("table_id")) for p in parts])
         merged["meta"]["exact"] = len(sequences) == 1 and all(p["meta"].get("exact", False) for p in parts)
         merged["meta"]["sequence"] = max(p["meta"].get("sequence", 0) for p in parts)
+        disks = {place: sealed for p in parts for place, sealed in p["meta"].get("disk", {}).items()}
+        if disks:  # each ps task's sealed disk store (a disk tier's full save), by place
+            merged["meta"]["disk"] = disks
         return merged
 
     def _save_points(self) -> tuple[str, int, list[dict[str, Any]]]:

@@ -10,9 +10,11 @@ The store is LMDB (the ``lmdb`` package, the ``disk`` extra), chosen by measurem
 RocksDB (``rocksdict``) and LevelDB (``plyvel``) on the tier's own access pattern, batched
 reads and writes of rows keyed by int64 id (``benchmarks/kv_stores.py``; numbers in
 ``benchmarks/RESULTS.md``): it read rows fastest, wrote them as fast as RocksDB, is one
-small C library with no background threads (a ps task forks nothing), and maps its file so
-the operating system caches recently read pages. No durability is asked of it: the
-checkpoint is the truth, so it is opened without ``fsync``.
+small C library with no background threads of its own (a ps task forks nothing; the one
+thread that applies a store's writes is ours, ``row_writer``), and maps its file so the
+operating system caches recently read pages. Little durability is asked of it: the
+checkpoint is the truth, so it is opened without ``fsync`` and flushed only when a full save
+seals it (``KeyValueStore.seal``), which is what a restarted process resumes from.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Any, final
 
 import torch
+
+from unison._embeddings.tables.disk.row_writer import RowWriter
 
 __all__ = ["DiskStorage", "KeyValueStore", "INSTALL_HINT", "CACHE_POLICIES"]
 
@@ -47,10 +51,18 @@ class DiskStorage:
     of a cold row reads it back with its state and counters. Spilling changes no value: a
     table trains, evicts, admits and checkpoints as it would in memory.
 
-    The files belong to the table: a table made (or loaded from a checkpoint) starts from an
-    empty directory and removes what an earlier run left there (the checkpoint is the
-    truth: rows on disk that it does not hold are discarded). Give each ``DynamicEmbedding``
-    its own ``path``.
+    The files belong to the table, and **the checkpoint is the truth**. A full save
+    (``state_dict``, ``delta_state_dict(full=True)``) seals the files: it flushes them and
+    records in the checkpoint which rows were on disk. A table rebuilt on the same path (a
+    restarted process or ps task) that loads that checkpoint resumes from the files: the rows
+    on disk that were not written or deleted since the save stay there unread, the rows
+    written after it are rolled back to the checkpoint's values, rows made after it are
+    discarded, and only the save's hot rows and the rolled back ones are loaded. When the
+    files cannot be proven to match (a later full save sealed them again, the machine
+    restarted since they were written, they do not open) every row is loaded from the
+    checkpoint, with a ``RuntimeWarning`` saying why. A new table leaves what an earlier run
+    left on its path until it loads a checkpoint or first writes to disk, then removes it.
+    Give each ``DynamicEmbedding`` its own ``path``.
 
     Args:
         path: a directory on local disk (made if missing), writable by the owners of the rows.
@@ -107,8 +119,8 @@ class DiskStorage:
                              f"the bytes of the hot rows with their state")
 
     def open(self, place: str) -> KeyValueStore:
-        """A new, empty store for the rows of ``place`` (``"local"``, ``"ps-0/<table>"``), its directory's
-        earlier contents removed."""
+        """A new, empty store for the rows of ``place`` (``"local"``, ``"ps-0/<table>"``); what an earlier run
+        left in its directory is removed at its first write, or resumed from (``KeyValueStore.reopen``)."""
         return KeyValueStore(self.path / place)
 
 
@@ -125,58 +137,203 @@ def _lmdb() -> Any:
 class KeyValueStore:
     """Values by int64 key in LMDB, read and written in batches; one per table shard.
 
-    Opened in a fresh subdirectory of ``directory``, whose other contents (an earlier run's,
-    or a table this one replaces, still readable by its open handle until closed) are removed.
+    The store lives in a subdirectory ``rows-<uuid>`` of ``directory``, made at the first
+    write (or adopted from an earlier run by :meth:`reopen`); what else an earlier run left in
+    ``directory`` is removed then, not before, so a restarted process can still resume from it.
+
+    Beside the rows it keeps, in the same transactions, what a resume needs to prove the
+    files match a checkpoint: a **seal** number (moved by :meth:`seal`, at each full save,
+    flushed to disk) and the **dirty** ids, every id written or deleted since the last seal;
+    and the id of the boot that wrote last (writes after a seal are not flushed, so after
+    the machine restarted they cannot be trusted).
+
+    Writes are applied by a background thread (``row_writer``), in order; a read sees the
+    rows still in flight. ``mark`` names the ids to record as dirty with a write: the caller
+    marks each id once per seal (``ColdRows``), not at every write.
     """
 
     def __init__(self, directory: Path) -> None:
         lmdb = _lmdb()
-        self._error = lmdb.Error
+        self._lmdb = lmdb
+        self._env: Any = None
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            for stale in directory.iterdir():
-                if stale.is_dir() and stale.name.startswith("rows-"):
-                    shutil.rmtree(stale, ignore_errors=True)
-            self.directory = directory / f"rows-{uuid.uuid4().hex}"
-            self._env = lmdb.open(str(self.directory), map_size=_MAP_SIZE, sync=False, metasync=False,
-                                  readahead=False, max_dbs=0)
-        except (OSError, lmdb.Error) as exc:
+        except OSError as exc:
             raise ValueError(f"DiskStorage: cannot keep rows under `path` {str(directory)!r}: {exc}; fix: a "
                              f"directory on local disk that this process may write") from exc
+        self._parent = directory
+        self.directory = directory / f"rows-{uuid.uuid4().hex}"
+        self._writer = RowWriter(self._write, str(directory))
 
-    def put(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Stores ``values[i]`` (a row of bytes, ``[n, width]`` uint8) under ``keys[i]``, replacing any."""
+    @property
+    def opened(self) -> bool:
+        """Whether the store exists on disk (it is made at the first write, or reopened)."""
+        return self._env is not None
+
+    @property
+    def name(self) -> str:
+        """The store's directory name under its place (what a checkpoint records)."""
+        return self.directory.name
+
+    def _open(self, path: Path, create: bool) -> None:
+        lmdb = self._lmdb
+        try:
+            env = lmdb.open(str(path), map_size=_MAP_SIZE, sync=False, metasync=False, readahead=False,
+                            max_dbs=3, create=create)
+            self._rows = env.open_db(b"rows")
+            self._dirty = env.open_db(b"dirty")
+            self._meta = env.open_db(b"meta")
+        except (OSError, lmdb.Error) as exc:
+            raise ValueError(f"DiskStorage: cannot keep rows under `path` {str(self._parent)!r}: {exc}; fix: a "
+                             f"directory on local disk that this process may write") from exc
+        self._env, self.directory = env, path
+        for stale in self._parent.iterdir():  # an earlier run's (or a replaced table's, still open until closed)
+            if stale.is_dir() and stale.name.startswith("rows-") and stale != path:
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _writable(self) -> Any:
+        """The open environment, made with seal 0 at the first write."""
+        if self._env is None:
+            self._open(self.directory, create=True)
+            env: Any = self._env
+            with env.begin(write=True) as txn:
+                txn.put(b"seal", b"0", db=self._meta)
+                txn.put(b"boot", _boot_id(), db=self._meta)
+        return self._env
+
+    def put(self, keys: torch.Tensor, values: torch.Tensor, mark: torch.Tensor) -> None:
+        """Stores ``values[i]`` (a row of bytes, ``[n, width]`` uint8, not changed afterwards) under ``keys[i]``,
+        replacing any, and records the ids ``mark`` as dirty; returns before the disk is written."""
+        self._writable()
+        self._writer.submit(keys, values, mark)
+
+    def delete(self, keys: torch.Tensor, mark: torch.Tensor) -> None:
+        """Removes ``keys`` (those absent are skipped) and records the ids ``mark`` as dirty."""
+        if keys.numel():
+            self._writable()
+            self._writer.submit(keys, None, mark)
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor | None, mark: torch.Tensor) -> None:
+        """One batch, one transaction (on the writer thread): each key and value a slice of one buffer."""
+        raw = keys.numpy().astype(">i8").data.cast("B")
         with self._env.begin(write=True) as txn:
-            txn.cursor().putmulti(zip(_keys(keys), _rows(values)))
+            if values is None:
+                for i in range(keys.numel()):
+                    txn.delete(raw[8 * i:8 * i + 8], db=self._rows)
+            else:
+                width = values.shape[1]
+                data = values.numpy().data.cast("B")
+                txn.cursor(db=self._rows).putmulti(
+                    (raw[8 * i:8 * i + 8], data[width * i:width * i + width]) for i in range(keys.numel()))
+            if mark.numel():
+                dirty = mark.numpy().astype(">i8").data.cast("B")
+                txn.cursor(db=self._dirty).putmulti((dirty[8 * i:8 * i + 8], b"") for i in range(mark.numel()))
 
     def get(self, keys: torch.Tensor, width: int) -> torch.Tensor:
-        """``[n, width]`` uint8: the values of ``keys``, each present."""
-        with self._env.begin() as txn:
-            found = [value for _, value in txn.cursor().getmulti(_keys(keys))]
-        if len(found) != keys.numel():
-            raise KeyError(f"DiskStorage: {keys.numel() - len(found)} of {keys.numel()} rows missing from "
+        """``[n, width]`` uint8: the values of ``keys``, each present (on disk or in flight)."""
+        out = torch.empty(keys.numel(), width, dtype=torch.uint8)
+        rest = (~self._writer.overlay(keys, out)).nonzero().squeeze(1)
+        if not rest.numel():
+            return out
+        found = []
+        if self._env is not None:
+            with self._env.begin() as txn:
+                found = [value for _, value in txn.cursor(db=self._rows).getmulti(_keys(keys.index_select(0, rest)))]
+        if len(found) != rest.numel():
+            raise KeyError(f"DiskStorage: {rest.numel() - len(found)} of {keys.numel()} rows missing from "
                            f"{str(self.directory)!r} (were its files changed by another process?)")
-        return torch.frombuffer(bytearray(b"".join(found)), dtype=torch.uint8).reshape(keys.numel(), width)
+        out.index_copy_(0, rest, torch.frombuffer(bytearray(b"".join(found)), dtype=torch.uint8).reshape(-1, width))
+        return out
 
-    def delete(self, keys: torch.Tensor) -> None:
-        """Removes ``keys`` (each present)."""
-        with self._env.begin(write=True) as txn:
-            for key in _keys(keys):
-                txn.delete(key)
+    def flush(self) -> None:
+        """Waits until every write submitted is on disk (in the page cache: flushed only by :meth:`seal`)."""
+        self._writer.drain()
+
+    def seal(self, dirty: torch.Tensor) -> int:
+        """A new seal once every write is done: only the ids ``dirty`` are dirty from now on (copies on disk
+        that a checkpoint taken now does not hold), and the store is flushed to disk; returns its number (a
+        checkpoint taken now records it with the ids on disk)."""
+        env = self._writable()
+        self._writer.drain()
+        with env.begin(write=True) as txn:
+            number = int(txn.get(b"seal", db=self._meta)) + 1
+            txn.drop(self._dirty, delete=False)
+            txn.cursor(db=self._dirty).putmulti((key, b"") for key in _keys(dirty))
+            txn.put(b"seal", str(number).encode(), db=self._meta)
+            txn.put(b"boot", _boot_id(), db=self._meta)
+        env.sync(True)
+        return number
+
+    def reopen(self, name: str, seal: int) -> str | None:
+        """Adopts the store ``name`` an earlier run left under this place, if its seal is ``seal`` and this
+        machine has not restarted since it was written; returns None, or why not (then nothing changed)."""
+        path = self._parent / name
+        if self._env is not None:
+            return f"this table has written its own store {self.name!r} already"
+        if not name.startswith("rows-") or not (path / "data.mdb").is_file():
+            return f"no store {name!r} under {str(self._parent)!r}"
+        try:
+            env = self._lmdb.open(str(path), map_size=_MAP_SIZE, sync=False, metasync=False, readahead=False,
+                                  max_dbs=3, create=False)
+        except self._lmdb.Error as exc:
+            return f"store {str(path)!r} does not open ({exc})"
+        try:
+            with env.begin() as txn:
+                meta = env.open_db(b"meta", txn=txn, create=False)
+                found = (txn.get(b"seal", db=meta), txn.get(b"boot", db=meta))
+        except self._lmdb.Error as exc:
+            env.close()
+            return f"store {str(path)!r} has no seal ({exc})"
+        env.close()
+        if found[0] is None or int(found[0]) != seal:
+            return f"store {str(path)!r} is at seal {found[0] and int(found[0])}, the checkpoint at seal {seal}"
+        if found[1] != _boot_id() or not found[1]:
+            return (f"store {str(path)!r} was written before this machine restarted (its writes after the seal "
+                    f"were not flushed)")
+        self._open(path, create=False)
+        return None
+
+    def dirty(self) -> torch.Tensor:
+        """The ids written or deleted since the last seal, ascending."""
+        if self._env is None:
+            return torch.zeros(0, dtype=torch.int64)
+        self._writer.drain()
+        with self._env.begin() as txn:
+            raw = b"".join(txn.cursor(db=self._dirty).iternext(keys=True, values=False))
+        return _ids(raw)
 
     def __len__(self) -> int:
         """Values stored."""
-        return int(self._env.stat()["entries"])
+        if self._env is None:
+            return 0
+        self._writer.drain()
+        with self._env.begin() as txn:
+            return int(txn.stat(self._rows)["entries"])
 
     @property
     def disk_bytes(self) -> int:
         """Bytes the store's files take on disk (allocated blocks)."""
+        if self._env is None:
+            return 0
+        self._writer.drain()
         return sum(f.stat().st_blocks * 512 for f in self.directory.iterdir() if f.is_file())
 
-    def close(self) -> None:
-        """Closes the store and removes its files (they hold nothing a checkpoint does not)."""
-        self._env.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+    def close(self, remove: bool = True) -> None:
+        """Closes the store and (``remove``) removes its files (they hold nothing a checkpoint does not)."""
+        self._writer.close()
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+        if remove:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _boot_id() -> bytes:
+    """This boot of the machine (Linux), or b"" where it cannot be told."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_bytes().strip()
+    except OSError:
+        return b""
 
 
 def _keys(ids: torch.Tensor) -> list[bytes]:
@@ -184,6 +341,9 @@ def _keys(ids: torch.Tensor) -> list[bytes]:
     return [raw[i:i + 8] for i in range(0, len(raw), 8)]
 
 
-def _rows(values: torch.Tensor) -> list[bytes]:
-    raw, width = values.contiguous().numpy().tobytes(), values.shape[1]
-    return [raw[i:i + width] for i in range(0, len(raw), width)]
+def _ids(raw: bytes) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(raw, dtype=">i8").astype(np.int64)).sort().values
+
+

@@ -13,12 +13,20 @@ it would in memory:
   touched stay in memory (a step that touches more than the budget holds stays over it
   until the next, and warns once);
 - an export (a checkpoint) holds both tiers' rows; an import writes the rows beyond the
-  budget to disk as it goes, so a shard larger than memory loads in budget-sized chunks.
+  budget to disk as it goes, so a shard larger than memory loads in budget-sized chunks;
+- delta checkpoints and serving exports are one chain over both tiers, kept by the hot
+  table (its table id, sequence, save epochs, removal log): a cold row keeps the save epoch
+  it last changed in, so a delta holds the rows changed since the save wherever they sit,
+  and a spill or read-back is a move, never a removal (``lower_tier``). A delta applied here
+  deletes the cold copies of its rows and of its removed ids, then spills as an import does;
+- a full save seals the store and records the cold ids; a table rebuilt on the same path
+  resumes from it when it loads that save (``import_``): the checkpoint is the truth, the
+  store only spares rewriting the rows it provably still holds as saved.
 
-Spilling runs in the push that ends a step, after its rows are applied (the request path
-of that push; simple and exact first: a background writer is the next step if the
-measured cost asks for one). The disk copy is the table's own: a cold row read back is
-deleted from disk, so each row is in exactly one tier.
+Spilling is chosen in the push that ends a step, after its rows are applied; the disk
+writes are applied by a background thread (``row_writer``), in order, the rows in flight
+readable. A cold row read back leaves its disk copy as a shadow (``cold_rows``): the row
+is in exactly one tier, memory, and the copy is written over at its next spill.
 
 tf.distribute equivalent: none; DeepRec's multi-tier hash storage (DRAM + SSD, LRU/LFU
 caches) and TorchRec's SSD virtual tables do the same for their tables.
@@ -35,7 +43,7 @@ from unison._embeddings.optim.row_optimizers import RowOptimizer
 from unison._embeddings.tables.admission_policies import AdmissionPolicy
 from unison._embeddings.tables.bag_layout import BagLayout
 from unison._embeddings.tables.capacity import RowCapacity
-from unison._embeddings.tables.checks import checked_ids, checked_meta
+from unison._embeddings.tables.checks import checked_ids
 from unison._embeddings.tables.disk.cold_rows import ColdRows
 from unison._embeddings.tables.disk.storage import DiskStorage
 from unison._embeddings.tables.eviction import EvictionPolicy
@@ -44,9 +52,6 @@ from unison._embeddings.tables.initializers import Initializer
 from unison._embeddings.tables.local_table import LocalTable
 
 __all__ = ["TieredTable"]
-
-_NOT_YET = ("a DynamicEmbedding with storage=DiskStorage(...) has no {what} yet: save it with a full "
-            "state_dict() / unison.save_checkpoint, or train without storage= to use them")
 
 _INDEX_BYTES_PER_ROW = 32  # a hot row's id index entry, about
 _COLD_BYTES_PER_ROW = 80  # a cold row's counters and index entry, about (``ColdRows``)
@@ -67,11 +72,11 @@ class TieredTable:
         storage.check_fits("TieredTable", embedding_dim, dtype)
         # the hot table keeps the policies' counters (and the admission sketch); the policies are applied here,
         # over both tiers, so its own evict() is never called
+        self._cold = ColdRows(storage.open(place), embedding_dim, dtype, None if eviction is None else eviction.clock)
         self._hot = LocalTable(embedding_dim, dtype=dtype, initializer=initializer, seed=seed, eviction=eviction,
-                               admission=admission)
+                               admission=admission, lower_tier=_ColdTier(self._cold, embedding_dim, dtype))
         self._storage, self._place = storage, place
         self._eviction, self._capacity = eviction, capacity
-        self._cold = ColdRows(storage.open(place), embedding_dim, dtype, None if eviction is None else eviction.clock)
         self._warned = {"capacity": False, "budget": False}
 
     # -- what the Table contract and a ps task's shard ask ------------------------------------------
@@ -231,20 +236,25 @@ class TieredTable:
         return removed.sort().values
 
     def export(self) -> dict[str, Any]:
-        """Every row, in memory and on disk, as ``LocalTable.export`` (sorted by id)."""
-        hot = self._hot.export()
-        cold = self._cold.read(self._cold.live_positions(), hot["meta"])
-        return _joined([hot, *cold], hot["meta"], self._hot)
+        """Every row, in memory and on disk, as ``LocalTable.export`` (sorted by id): a full save, so the store
+        is sealed and ``meta["disk"]`` records what a restarted process needs to resume from its files
+        (:meth:`import_`)."""
+        return self._sealed(self._hot.export())  # the hot table joins the cold rows (``_ColdTier``)
 
     def import_(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
-        """As ``LocalTable.import_``, in chunks of what the budget holds, the rows beyond it written to disk."""
-        checked_meta(export)
-        pick = torch.arange(export["ids"].numel())
-        if shard is not None and num_shards is not None:
-            pick = (shard_of(export["ids"], num_shards) == shard).nonzero().squeeze(1)
-        elif (shard is None) != (num_shards is None):
-            raise ValueError(f"TieredTable.import_: pass both `shard` and `num_shards` or neither, "
-                             f"got shard={shard!r}, num_shards={num_shards!r}")
+        """As ``LocalTable.import_``, in chunks of what the budget holds, the rows beyond it written to disk.
+
+        Resuming: when ``export`` is a full save of this place's rows (``meta["disk"]``) and this
+        table is empty, the store the save sealed is reopened if it still holds the save: its seal
+        is the save's and the machine has not restarted since it was written. Then the save's cold
+        rows that were not written or deleted since stay on disk as they are (no row is rewritten),
+        the rows written after the save are deleted, and only the rest (the save's hot rows and the
+        ones rolled back) are loaded from ``export``: the checkpoint is the truth. When the store is
+        there but cannot be proven to match, every row is loaded from ``export`` and a
+        ``RuntimeWarning`` says why.
+        """
+        pick = self._hot.check_import(export, shard, num_shards)
+        pick = self._resumed(export, pick)
         chunk = max(1, self._budget_rows())
         starts = range(0, pick.numel(), chunk) if pick.numel() else range(1)
         for number, start in enumerate(starts):
@@ -253,47 +263,92 @@ class TieredTable:
             self._hot.import_(part)
             self._spill(protect=False)
 
-    def load(self, export: dict[str, Any]) -> None:
-        """Replaces every row (and the clock) by an export's: what ``load_state_dict`` does (the disk
-        files of the rows before are removed: the checkpoint is the truth)."""
+    def load(self, export: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None) -> None:
+        """Replaces every row (and the clock) by an export's, or by shard ``shard`` of ``num_shards`` of it:
+        what ``load_state_dict`` does (the disk files of the rows before are removed, or resumed from when
+        the export is this table's own full save: :meth:`import_`)."""
+        self._hot.check_import(export, shard, num_shards)
+        sealed = export["meta"].get("disk", {}).get(self._place)
+        own = sealed is not None and sealed["store"] == self._cold.store.name and self._cold.store.opened
+        if own:
+            self._cold.close(remove=False)  # the new table reopens this table's files (one handle per process)
         fresh = TieredTable(self.embedding_dim, storage=self._storage, place=self._place, dtype=self.dtype,
                             initializer=self.initializer, seed=self.seed, eviction=self._eviction,
                             admission=self.admission, capacity=self._capacity)
-        fresh.import_(export)
-        self._cold.close()
+        fresh.import_(export, shard=shard, num_shards=num_shards)
+        fresh.adopt_save_point(export["meta"])
+        self._cold.close(remove=fresh._cold.store.directory != self._cold.store.directory)
         self.__dict__.update(fresh.__dict__)
 
     def close(self) -> None:
         """Closes the disk store and removes its files."""
         self._cold.close()
 
-    # -- not yet on a disk tier: delta checkpoints and serving exports ------------------------------
+    # -- save points: delta checkpoints and serving exports, one chain over both tiers -------------
     @property
     def save_point(self) -> dict[str, Any]:
-        """No chain: a table on a disk tier makes no delta or serving export yet."""
-        return {"table_id": None, "sequence": 0, "exact": False, "export_id": None, "export_number": None}
+        """As ``LocalTable.save_point`` (the hot table keeps the chain)."""
+        return self._hot.save_point
 
     def export_delta(self, full: bool = False, *, expect_sequence: int | None = None) -> dict[str, Any]:
-        """Refused: a table with ``storage=`` has no delta checkpoints yet (a full ``state_dict`` works)."""
-        raise NotImplementedError(_NOT_YET.format(what="delta checkpoints (delta_state_dict)"))
+        """As ``LocalTable.export_delta``: the rows changed since the last save point in either tier (the
+        cold ones read from disk, left there) and the ids removed from both; a full one seals the store
+        as :meth:`export` does."""
+        if full:
+            return self._sealed(self._hot.export_delta(full, expect_sequence=expect_sequence))
+        return self._hot.export_delta(full, expect_sequence=expect_sequence)
 
     def apply_delta(self, delta: dict[str, Any], *, shard: int | None = None, num_shards: int | None = None,
                     expect: tuple[str, int] | None = None) -> None:
-        """Refused, changing nothing: as :meth:`export_delta`."""
-        raise NotImplementedError(_NOT_YET.format(what="delta checkpoints (load_delta_state_dict)"))
+        """As ``LocalTable.apply_delta``, checked before anything changes: the cold copies of the delta's
+        rows and of its removed ids are deleted from disk, the hot table applies it, then the rows over
+        the budget spill (a delta is the few per cent of rows that changed: it is applied in memory whole)."""
+        _, pick = self._hot.check_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
+        removed = delta["removed"]
+        if shard is not None and num_shards is not None:
+            removed = removed[shard_of(removed, num_shards) == shard]
+        gone = self._cold.find(removed)
+        gone = gone[gone >= 0]
+        self._hot.log_removed(self._cold.counters(gone)["ids"])
+        self._cold.forget(removed)  # shadow copies of removed rows now in memory
+        replaced = self._cold.find(delta["ids"].index_select(0, pick))
+        self._cold.remove(torch.unique(torch.cat([gone, replaced[replaced >= 0]])))
+        self._hot.apply_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
+        self._spill(protect=False)
 
     def serving_export(self, delta: bool, *, export_id: str | None = None,
                        expect_number: int | None = None) -> dict[str, Any]:
-        """Refused: a table with ``storage=`` has no serving export yet."""
-        raise NotImplementedError(_NOT_YET.format(what="serving exports (export_for_serving)"))
+        """As ``LocalTable.serving_export``, over both tiers (cold rows read from disk, left there)."""
+        return self._hot.serving_export(delta, export_id=export_id, expect_number=expect_number)
 
     def adopt_save_point(self, meta: dict[str, Any]) -> None:
-        """Nothing to adopt: a table on a disk tier starts no delta chain (see :meth:`export_delta`)."""
+        """As ``LocalTable.adopt_save_point``."""
+        self._hot.adopt_save_point(meta)
 
     # -- tiers -------------------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
         return {"embedding_dim": self.embedding_dim, "dtype": str(self.dtype), "seed": self.seed,
                 "step": self.current_step, "initializer": self.initializer.config(), "state_init": {}}
+
+    def _sealed(self, export: dict[str, Any]) -> dict[str, Any]:
+        """``export`` (a full save) with ``meta["disk"]``: this place's sealed store, its ids on disk."""
+        sealed = self._cold.seal()
+        if sealed is not None:
+            export["meta"]["disk"] = {self._place: sealed}
+        return export
+
+    def _resumed(self, export: dict[str, Any], pick: torch.Tensor) -> torch.Tensor:
+        """The positions of ``pick`` still to load after keeping what the store of this place's save holds."""
+        sealed = export["meta"].get("disk", {}).get(self._place)
+        if sealed is None:
+            return pick
+        rest, why = self._cold.resume(sealed, export, pick, self._hot.epoch)
+        if why is not None and (self._storage.path / self._place / str(sealed["store"])).exists():
+            warnings.warn(f"DiskStorage: not resuming from the files of the checkpoint's store under "
+                          f"{str(self._storage.path / self._place)!r}: {why}; every row of this place is loaded "
+                          f"from the checkpoint instead (the same rows, written to disk again)",
+                          RuntimeWarning, stacklevel=3)
+        return rest
 
     def _read_back(self, ids: torch.Tensor) -> None:
         """Moves the cold rows among distinct ``ids`` into memory, with their state and counters."""
@@ -304,8 +359,8 @@ class TieredTable:
         if not positions.numel():
             return
         for part in self._cold.read(positions, self._meta()):
-            self._hot.import_(part)
-        self._cold.remove(positions)
+            self._hot.restore(part)
+        self._cold.lift(positions)  # its disk copy stays, a shadow (no write on the read path)
 
     def _budget_rows(self) -> int:
         """How many rows the budget holds in memory now, beside the cold rows' index, counting the index
@@ -337,7 +392,7 @@ class TieredTable:
                                                                              hot["last_seen"], protect_from)
             if not chosen.numel():
                 break
-            self._cold.put(self._hot.take(hot["ids"].index_select(0, chosen)))
+            self._cold.put(self._hot.take(hot["ids"].index_select(0, chosen), moving=True))
         if over and not self._warned["budget"]:
             self._warned["budget"] = True
             warnings.warn(f"DiskStorage: {self._hot.num_rows} rows in memory after spilling, over the "
@@ -357,7 +412,10 @@ class TieredTable:
         """Deletes the rows at ``chosen`` (indices into :meth:`_counters`) from their tier; returns their ids."""
         in_hot = chosen[chosen < num_hot]
         self._hot.take(ids.index_select(0, in_hot))
-        self._cold.remove(positions.index_select(0, chosen[chosen >= num_hot] - num_hot))
+        self._cold.forget(ids.index_select(0, in_hot))  # their shadow copies on disk
+        in_cold = chosen[chosen >= num_hot]
+        self._hot.log_removed(ids.index_select(0, in_cold))  # the chain's removals, wherever the row was
+        self._cold.remove(positions.index_select(0, in_cold - num_hot))
         return ids.index_select(0, chosen)
 
     def _evict_by_policy(self) -> torch.Tensor:
@@ -400,7 +458,36 @@ def _selected(export: dict[str, Any], pick: torch.Tensor, with_sketch: bool) -> 
     return out
 
 
-def _joined(parts: list[dict[str, Any]], meta: dict[str, Any], hot: LocalTable) -> dict[str, Any]:
+@final
+class _ColdTier:
+    """The cold rows as the hot table's ``LowerTier``: what its exports and save points read of them."""
+
+    def __init__(self, cold: ColdRows, embedding_dim: int, dtype: torch.dtype) -> None:
+        self._cold, self._dim, self._dtype = cold, embedding_dim, dtype
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._cold.find(ids)
+
+    def _positions(self, changed_after: int | None) -> torch.Tensor:
+        return self._cold.live_positions() if changed_after is None else self._cold.changed_positions(changed_after)
+
+    def joined(self, export: dict[str, Any], changed_after: int | None) -> dict[str, Any]:
+        positions = self._positions(changed_after)
+        if not positions.numel():
+            return export
+        return _joined([export, *self._cold.read(positions, export["meta"])], export["meta"], self._dtype)
+
+    def changed_since(self, epoch: int) -> bool:
+        return bool(self._cold.changed_positions(epoch).numel())
+
+    def serving_rows(self, changed_after: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self._cold.read(self._positions(changed_after), {})
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, self._dim, dtype=self._dtype)
+        return torch.cat([part["ids"] for part in parts]), torch.cat([part["rows"] for part in parts])
+
+
+def _joined(parts: list[dict[str, Any]], meta: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """One export of disjoint parts (sorted by id); a state a part lacks starts at its initial value."""
     state_init = dict(meta["state_init"])
     for part in parts:
@@ -413,7 +500,7 @@ def _joined(parts: list[dict[str, Any]], meta: dict[str, Any], hot: LocalTable) 
             out[key] = torch.cat([part[key] for part in parts]).index_select(0, order)
     columns = {name: values.shape[1] for part in parts for name, values in part["state"].items()}
     out["state"] = {name: torch.cat([part["state"].get(name, torch.full((part["ids"].numel(), width),
-                                                                         state_init[name], dtype=hot.dtype))
+                                                                         state_init[name], dtype=dtype))
                                      for part in parts]).index_select(0, order)
                     for name, width in columns.items()}
     if parts[0].get("pending_counts") is not None:
