@@ -3,7 +3,10 @@ samples/s at a ~90% and ~50% hot-set hit rate against the same table all in memo
 
     python benchmarks/disk_tier.py --rows 200000 --dim 32 --budget-fraction 0.25 --steps 60 --batch 2048
 
-One process, one device (the ps task's path is the same table code). Each run is paired: the
+One process, one device (the ps task's path is the same table code), with a ps task's memory
+setting (``release_large_buffers``: glibc's mmap threshold fixed at 1 MB, so freed batch buffers
+go back to the system as they do on a ps task; ``--plain-malloc`` leaves glibc's default, as a
+one-device trainer has it). Each run is paired: the
 in-memory table and the tiered one train on the same batches in the same run. The hit rate is
 the share of a batch's ids drawn from a hot set of ``budget rows / 2`` ids; the rest are drawn
 uniformly from every row. Writes ``benchmarks/out/disk_tier.json``; results in
@@ -81,13 +84,19 @@ def main() -> None:
     parser.add_argument("--budget-fraction", type=float, default=0.25, help="budget / bytes of every row in memory")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--plain-malloc", action="store_true",
+                        help="glibc's default malloc (a one-device trainer) instead of a ps task's setting")
     args = parser.parse_args()
+    if not args.plain_malloc:
+        from unison._ps.task.malloc_settings import release_large_buffers
+
+        release_large_buffers()
     torch.set_num_threads(1)
     row_bytes = 4 * 2 * args.dim + 25 + 32  # a row, its Adagrad sum, counters and index entry
     budget = int(args.rows * row_bytes * args.budget_fraction)
     budget_rows = int(budget / row_bytes)
     results: dict = {"rows": args.rows, "dim": args.dim, "budget_bytes": budget, "steps": args.steps,
-                     "batch": args.batch}
+                     "batch": args.batch, "malloc": "glibc default" if args.plain_malloc else "ps task's"}
     warnings.simplefilter("ignore", RuntimeWarning)
 
     # torch's and autograd's first training step costs ~85 MB (measured with an in-memory table of 2,000 rows):
