@@ -12,7 +12,9 @@ abort dumps every thread's Python stack; a failed run's stdout and stderr are wr
 ``<out>/failure-<n>.txt``.
 
 ``--hogs K`` starts K busy-looping processes for the duration, so the workers' exit
-paths are scheduled late and in odd orders (the machine has 2 cores).
+paths are scheduled late and in odd orders (the machine has 2 cores); ``--skew S`` has
+each worker sleep up to S seconds before it exits, so they leave in either order and at
+any distance.
 
 Usage:
     PYTHONPATH=src python benchmarks/stress_gloo_fallback_exit.py [--runs 200] [--hogs 1] [--out DIR]
@@ -58,6 +60,11 @@ JOB = textwrap.dedent("""
     same = abs(float(sums[0][0]) - sums[0][1] * checksum) < 1e-9 * max(1.0, abs(checksum))
     sum_ok = bool(torch.equal(total[0], torch.full((8,), 2.0)))
     print(f"fallback={not transport.available} same_weights={same} sum_ok={sum_ok}", flush=True)
+    if USER_DESTROY:  # as many scripts end: the default group destroyed by the user
+        torch.distributed.destroy_process_group()
+    if SKEW:
+        import random, time
+        time.sleep(random.uniform(0, SKEW))  # the workers reach their exits in any order, at any distance
 """)
 
 
@@ -71,11 +78,20 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5, help="training steps per job")
     parser.add_argument("--hogs", type=int, default=0, help="busy-looping processes beside the jobs")
+    parser.add_argument("--skew", type=float, default=0.0,
+                        help="each worker sleeps up to this many seconds (uniform) after training, before it exits")
+    parser.add_argument("--user-destroy", action="store_true",
+                        help="the job calls torch.distributed.destroy_process_group() itself after training")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="run the jobs at this niceness, so the hogs (at the caller's) take the cores first")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one job may take")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "stress_gloo_fallback_exit")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1")
+    # Buffered stdout and stderr, as a job started from a plain shell or a scheduler has them
+    # (PYTHONUNBUFFERED makes them raw, and a daemon thread's late write then cannot abort).
+    env.pop("PYTHONUNBUFFERED", None)
     # The launched workers import unison from wherever this script found it.
     import unison
     src = str(Path(unison.__file__).resolve().parents[1])
@@ -90,10 +106,14 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "job.py"
-            script.write_text(JOB.replace("STEPS", str(args.steps)))
+            script.write_text(JOB.replace("STEPS", str(args.steps)).replace("SKEW", repr(args.skew))
+                              .replace("USER_DESTROY", repr(args.user_destroy)))
             for run in range(1, args.runs + 1):
                 try:
-                    done = subprocess.run([sys.executable, "-m", "unison.launch", "--workers", "2", str(script)],
+                    command = [sys.executable, "-m", "unison.launch", "--workers", "2", str(script)]
+                    if args.nice:
+                        command = ["nice", "-n", str(args.nice), *command]
+                    done = subprocess.run(command,
                                           cwd=tmp, env=env, capture_output=True, text=True, timeout=args.timeout)
                     code, stdout, stderr = done.returncode, done.stdout, done.stderr
                 except subprocess.TimeoutExpired as exc:
