@@ -124,19 +124,19 @@ def test_a_wait_polls_long_where_every_worker_has_a_core_and_nothing_else_runs()
     assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_CAP_S
 
 
-def test_more_workers_than_cpus_poll_only_the_floor():
+def test_more_workers_than_cpus_poll_briefly():
     load = _Load(1)
-    assert _policy(load, workers=3, cpus=2).budget(WRITTEN, now=100.0) == shm_signals.SPIN_FLOOR_S
+    assert _policy(load, workers=3, cpus=2).budget(WRITTEN, now=100.0) == shm_signals.SPIN_SHARED_S
 
 
 def test_more_runnable_tasks_than_cpus_stop_the_long_polls_for_the_hold():
     # Two hosts' workers on the same two cores: the affinity says 'a core each', the load does not.
     load = _Load(4)
     policy = _policy(load)
-    assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_FLOOR_S
+    assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_SHARED_S
     load.runnable = 2  # a quiet moment does not end the hold at once ...
     later = 100.0 + 1.5 * shm_signals.LOAD_PERIOD_S
-    assert policy.budget(WRITTEN, now=later) == shm_signals.SPIN_FLOOR_S
+    assert policy.budget(WRITTEN, now=later) == shm_signals.SPIN_SHARED_S
     # ... a hold without another crowded sighting does
     assert policy.budget(WRITTEN, now=100.0 + shm_signals.BUSY_HOLD_S + 1.5 * shm_signals.LOAD_PERIOD_S) == \
         shm_signals.SPIN_CAP_S
@@ -154,7 +154,7 @@ def test_the_load_is_read_at_most_once_per_period():
 
 def test_no_load_reading_falls_back_to_the_affinity():
     assert _policy(_Load(None)).budget(WRITTEN, now=100.0) == shm_signals.SPIN_CAP_S
-    assert _policy(_Load(None), workers=4).budget(WRITTEN, now=100.0) == shm_signals.SPIN_FLOOR_S
+    assert _policy(_Load(None), workers=4).budget(WRITTEN, now=100.0) == shm_signals.SPIN_SHARED_S
 
 
 def test_a_peer_usually_further_away_than_the_poll_reaches_is_slept_for_per_kind():
@@ -170,6 +170,22 @@ def test_a_peer_usually_further_away_than_the_poll_reaches_is_slept_for_per_kind
     assert policy.budget(ARRIVED, now=100.0) == shm_signals.SPIN_CAP_S
 
 
+def test_on_a_crowded_machine_a_peer_further_than_the_short_poll_reaches_is_slept_for():
+    # 1.5 ms is close for a free core's 10 ms poll, far for the 2 ms poll of a crowded machine.
+    between = 1.5e-3
+    assert shm_signals.SPIN_SHARED_S / 2 < between < shm_signals.SPIN_CAP_S / 2
+    load = _Load(2)
+    policy = _policy(load)
+    for _ in range(5):
+        policy.record(WRITTEN, between)
+    assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_CAP_S
+    load.runnable = 5
+    assert policy.budget(WRITTEN, now=101.0) == shm_signals.SPIN_FLOOR_S
+    for _ in range(5):  # waits of a few microseconds again: the short poll comes back
+        policy.record(WRITTEN, 20e-6)
+    assert policy.budget(WRITTEN, now=101.0 + 1.5 * shm_signals.LOAD_PERIOD_S) == shm_signals.SPIN_SHARED_S
+
+
 def test_loadavg_text_gives_the_runnable_count():
     assert shm_signals.parse_runnable(b"3.96 2.52 2.27 8/174 310\n") == 8
     with pytest.raises(ValueError, match="loadavg"):
@@ -179,10 +195,12 @@ def test_loadavg_text_gives_the_runnable_count():
 
 def test_waits_ask_the_policy_after_the_floor_and_report_how_long_they_took():
     asked, recorded = [], []
+    waiting = threading.Event()
 
     class Policy:
         def budget(self, kind, now):
             asked.append(kind)
+            waiting.set()  # the wait is past its floor: now the peer may arrive
             return 0.0  # sleep at once
 
         def record(self, kind, waited):
@@ -194,9 +212,9 @@ def test_waits_ask_the_policy_after_the_floor_and_report_how_long_they_took():
     second.post(WRITTEN)
     first.wait(WRITTEN, first.post(WRITTEN))  # the peer is there: no polling, nothing to learn
     assert asked == [] and recorded == []
-    thread = threading.Thread(target=lambda: (time.sleep(0.05), second.post(ARRIVED)))
+    thread = threading.Thread(target=lambda: (waiting.wait(5), second.post(ARRIVED)))
     thread.start()
     first.wait(ARRIVED, first.post(ARRIVED))
     thread.join()
     assert asked == [ARRIVED]  # once per wait, not once per poll
-    assert [kind for kind, _ in recorded] == [ARRIVED] and recorded[0][1] > 0
+    assert [kind for kind, _ in recorded] == [ARRIVED] and recorded[0][1] >= shm_signals.SPIN_FLOOR_S

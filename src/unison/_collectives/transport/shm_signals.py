@@ -52,6 +52,10 @@ SPIN_CAP_S = 0.01
 """The longest a wait polls, where it takes no core anyone needs: a sleep overshoots the peer's arrival
 by up to the sleep (plus the kernel's timer slack), which a step that waits for a slower peer pays
 every time. Bounded, since other processes (data loaders) may want the core after all."""
+SPIN_SHARED_S = 0.002
+"""The longest a wait polls where its core may be wanted (more workers than CPUs, or more runnable
+tasks than CPUs): long enough for a peer a few hundred microseconds behind, short enough to hand the
+core back soon to a peer that was descheduled."""
 LOAD_PERIOD_S = 0.02
 """How often, at most, a wait reads how many tasks the machine has runnable (``/proc/loadavg``: 10-25 us)."""
 BUSY_HOLD_S = 0.5
@@ -110,17 +114,17 @@ class SpinPolicy:
     where a sleep overshoots it. Elsewhere it takes the core the peer (or its gloo
     threads, a data loader, another job) needs to arrive at all (two simulated hosts of
     two workers on two cores: ``benchmarks/RESULTS.md``, 'Waits that poll only where a
-    core is free'). So a wait polls
-    up to ``SPIN_CAP_S`` only when
+    core is free'). So a wait polls up to ``SPIN_CAP_S`` only where
 
     - the host's workers have a CPU each in this process's affinity, and
     - the machine has had no more runnable tasks than CPUs for ``BUSY_HOLD_S`` (read from
       ``/proc/loadavg`` at most every ``LOAD_PERIOD_S``; polling workers count as runnable,
-      so workers that crowd their cores see each other), and
-    - the recent waits of the same kind mostly ended within half of ``SPIN_CAP_S`` (a peer
-      that is usually further away than the poll reaches is slept for, not polled for);
+      so workers that crowd their cores see each other);
 
-    otherwise it polls ``SPIN_FLOOR_S`` and then sleeps, doubling the sleep up to 0.2 ms.
+    elsewhere up to ``SPIN_SHARED_S``. Either limit holds only while the peer is expected
+    soon: when the recent waits of the same kind mostly lasted longer than half the limit,
+    a wait polls ``SPIN_FLOOR_S`` (a peer that far away is slept for, not polled for).
+    Past its poll, a wait sleeps, doubling the sleep up to 0.2 ms.
 
     Args:
         workers: the workers of the host that wait on each other.
@@ -145,12 +149,11 @@ class SpinPolicy:
             kind: the kind of event waited for (``WRITTEN``, ``ARRIVED``).
             now: ``time.monotonic()``.
         """
-        if not self._core_each or self._crowded(now):
-            return SPIN_FLOOR_S
+        limit = SPIN_CAP_S if self._core_each and not self._crowded(now) else SPIN_SHARED_S
         recent = self._recent.get(kind)
-        if recent and sorted(recent)[len(recent) // 2] > SPIN_CAP_S / 2:
+        if recent and sorted(recent)[len(recent) // 2] > limit / 2:
             return SPIN_FLOOR_S
-        return SPIN_CAP_S
+        return limit
 
     def record(self, kind: int, waited: float) -> None:
         """Notes how long a wait of ``kind`` that did not end at once took, in seconds."""
