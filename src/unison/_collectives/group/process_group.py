@@ -178,8 +178,8 @@ def release_worker_group(group: WorkerGroup, timeout: float = 10.0) -> None:
     ProcessGroup object any more -- ``destroy_process_group`` alone leaves them running
     while a handle to it is held -- so the handles unison holds, ``group.group`` and its
     subgroups', are dropped here too, whoever destroyed the group: a script that ends
-    with its own ``dist.destroy_process_group()`` used to leave them held, and about one
-    such exit in 20 aborted (``benchmarks/stress_gloo_fallback_exit.py --user-destroy``).
+    with its own ``dist.destroy_process_group()`` used to leave them held, and such exits
+    sometimes aborted (``benchmarks/RESULTS.md``, 'an exit abort on the gloo fallback').
     (A DDP module of the user's still holding the group keeps the threads alive.)
     The release runs in a helper thread joined for at most ``timeout`` seconds, so an
     exit after an error, with a collective still waiting for a peer that is gone, is not
