@@ -68,8 +68,8 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _hog(stop: typing.Any) -> None:
-    while not stop.is_set():
+def _hog(stop: typing.Any, parent: int) -> None:
+    while not stop.is_set() and os.getppid() == parent:  # ends with this script, however it ends
         sum(range(10_000))
 
 
@@ -97,7 +97,7 @@ def main() -> int:
     src = str(Path(unison.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
     stop = multiprocessing.Event()
-    hogs = [multiprocessing.Process(target=_hog, args=(stop,), daemon=True) for _ in range(args.hogs)]
+    hogs = [multiprocessing.Process(target=_hog, args=(stop, os.getpid()), daemon=True) for _ in range(args.hogs)]
     for hog in hogs:
         hog.start()
     codes: collections.Counter[int] = collections.Counter()
