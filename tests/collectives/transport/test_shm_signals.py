@@ -101,3 +101,120 @@ def test_start_time_of_a_gone_process_is_none():
 def test_too_few_words_are_refused():
     with pytest.raises(ValueError, match="signal words"):
         SharedSignals(torch.zeros(3, dtype=torch.int64), 0, 2, 1.0, NAMES)
+
+
+# -- how long a wait polls: the policy's decisions, on a fake clock and a fake load ------
+class _Load:
+    """A settable runnable-task count that counts how often it was read."""
+
+    def __init__(self, runnable: int | None):
+        self.runnable, self.reads = runnable, 0
+
+    def __call__(self) -> int | None:
+        self.reads += 1
+        return self.runnable
+
+
+def _policy(load: _Load, workers: int = 2, cpus: int = 2) -> shm_signals.SpinPolicy:
+    return shm_signals.SpinPolicy(workers, cpus=cpus, machine_cpus=cpus, runnable=load)
+
+
+def test_a_wait_polls_long_where_every_worker_has_a_core_and_nothing_else_runs():
+    policy = _policy(_Load(2))
+    assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_CAP_S
+
+
+def test_more_workers_than_cpus_poll_briefly():
+    load = _Load(1)
+    assert _policy(load, workers=3, cpus=2).budget(WRITTEN, now=100.0) == shm_signals.SPIN_SHARED_S
+
+
+def test_more_runnable_tasks_than_cpus_stop_the_long_polls_for_the_hold():
+    # Two hosts' workers on the same two cores: the affinity says 'a core each', the load does not.
+    load = _Load(4)
+    policy = _policy(load)
+    assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_SHARED_S
+    load.runnable = 2  # a quiet moment does not end the hold at once ...
+    later = 100.0 + 1.5 * shm_signals.LOAD_PERIOD_S
+    assert policy.budget(WRITTEN, now=later) == shm_signals.SPIN_SHARED_S
+    # ... a hold without another crowded sighting does
+    assert policy.budget(WRITTEN, now=100.0 + shm_signals.BUSY_HOLD_S + 1.5 * shm_signals.LOAD_PERIOD_S) == \
+        shm_signals.SPIN_CAP_S
+
+
+def test_the_load_is_read_at_most_once_per_period():
+    load = _Load(2)
+    policy = _policy(load)
+    for step in range(10):
+        policy.budget(WRITTEN, now=100.0 + step * shm_signals.LOAD_PERIOD_S / 10)
+    assert load.reads == 1
+    policy.budget(ARRIVED, now=100.0 + 1.5 * shm_signals.LOAD_PERIOD_S)
+    assert load.reads == 2
+
+
+def test_no_load_reading_falls_back_to_the_affinity():
+    assert _policy(_Load(None)).budget(WRITTEN, now=100.0) == shm_signals.SPIN_CAP_S
+    assert _policy(_Load(None), workers=4).budget(WRITTEN, now=100.0) == shm_signals.SPIN_SHARED_S
+
+
+def test_a_peer_usually_further_away_than_the_poll_reaches_is_slept_for_per_kind():
+    policy = _policy(_Load(2))
+    for _ in range(5):
+        policy.record(ARRIVED, shm_signals.SPIN_CAP_S)  # longer than half the cap
+    for _ in range(5):
+        policy.record(WRITTEN, 0.0001)
+    assert policy.budget(ARRIVED, now=100.0) == shm_signals.SPIN_FLOOR_S
+    assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_CAP_S  # the other kind is close
+    for _ in range(5):  # the peer comes close again: the recent waits win back the long poll
+        policy.record(ARRIVED, 0.0001)
+    assert policy.budget(ARRIVED, now=100.0) == shm_signals.SPIN_CAP_S
+
+
+def test_on_a_crowded_machine_a_peer_further_than_the_short_poll_reaches_is_slept_for():
+    # 1.5 ms is close for a free core's 10 ms poll, far for the 2 ms poll of a crowded machine.
+    between = 1.5e-3
+    assert shm_signals.SPIN_SHARED_S / 2 < between < shm_signals.SPIN_CAP_S / 2
+    load = _Load(2)
+    policy = _policy(load)
+    for _ in range(5):
+        policy.record(WRITTEN, between)
+    assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_CAP_S
+    load.runnable = 5
+    assert policy.budget(WRITTEN, now=101.0) == shm_signals.SPIN_FLOOR_S
+    for _ in range(5):  # waits of a few microseconds again: the short poll comes back
+        policy.record(WRITTEN, 20e-6)
+    assert policy.budget(WRITTEN, now=101.0 + 1.5 * shm_signals.LOAD_PERIOD_S) == shm_signals.SPIN_SHARED_S
+
+
+def test_loadavg_text_gives_the_runnable_count():
+    assert shm_signals.parse_runnable(b"3.96 2.52 2.27 8/174 310\n") == 8
+    with pytest.raises(ValueError, match="loadavg"):
+        shm_signals.parse_runnable(b"3.96 2.52")
+    assert shm_signals.runnable_tasks() >= 1  # this test runs
+
+
+def test_waits_ask_the_policy_after_the_floor_and_report_how_long_they_took():
+    asked, recorded = [], []
+    waiting = threading.Event()
+
+    class Policy:
+        def budget(self, kind, now):
+            asked.append(kind)
+            waiting.set()  # the wait is past its floor: now the peer may arrive
+            return 0.0  # sleep at once
+
+        def record(self, kind, waited):
+            recorded.append((kind, waited))
+
+    words = torch.zeros(2 * SLOTS_PER_WORKER, dtype=torch.int64)
+    first = SharedSignals(words, 0, 2, 5.0, NAMES, policy=Policy())
+    second = SharedSignals(words, 1, 2, 5.0, NAMES)
+    second.post(WRITTEN)
+    first.wait(WRITTEN, first.post(WRITTEN))  # the peer is there: no polling, nothing to learn
+    assert asked == [] and recorded == []
+    thread = threading.Thread(target=lambda: (waiting.wait(5), second.post(ARRIVED)))
+    thread.start()
+    first.wait(ARRIVED, first.post(ARRIVED))
+    thread.join()
+    assert asked == [ARRIVED]  # once per wait, not once per poll
+    assert [kind for kind, _ in recorded] == [ARRIVED] and recorded[0][1] >= shm_signals.SPIN_FLOOR_S

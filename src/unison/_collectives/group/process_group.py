@@ -74,6 +74,9 @@ class WorkerGroup:
     liveness: Liveness | None
     #: How the scheduler in use restarts a cluster that lost a task (``ResolvedCluster.scheduler``).
     restart_advice: str = LAUNCH.restart_advice()
+    #: Groups of some of these workers made from this one (a host's workers, a column across
+    #: hosts), released with it at exit (:func:`release_worker_group`).
+    subgroups: list[WorkerGroup] = dataclasses.field(default_factory=list)
 
     def lost_peer_error(self, operation: str, cause: BaseException) -> PeerLostError:
         """A PeerLostError for a failed collective, naming the tasks that stopped and how
@@ -165,33 +168,40 @@ def form_worker_group(cluster: ResolvedCluster, devices: Sequence[str], options:
 
 
 def release_worker_group(group: WorkerGroup, timeout: float = 10.0) -> None:
-    """Stops the heartbeat and destroys the process group unison formed.
+    """Stops the heartbeat, destroys the process group unison formed and drops unison's handles to it.
 
     Registered with ``atexit`` so it runs before the interpreter finalises. gloo's
     worker threads drop their last reference to a finished collective (and so to its
     tensors) after the caller's ``wait()`` returned; one that does so while Python is
     finalising cannot take the GIL and aborts the process ("terminate called without an
-    active exception"). Destroying the group joins those threads first -- but only once
-    nothing references the ProcessGroup object any more: ``destroy_process_group`` alone
-    leaves gloo's threads running while ``group.group`` holds it, so that reference is
-    dropped too. (A DDP module of the user's still holding it keeps the threads alive.)
-    The destroy runs in a helper thread joined for at most ``timeout`` seconds, so an
+    active exception"). Those threads end only when nothing references the
+    ProcessGroup object any more -- ``destroy_process_group`` alone leaves them running
+    while a handle to it is held -- so the handles unison holds, ``group.group`` and its
+    subgroups', are dropped here too, whoever destroyed the group: a script that ends
+    with its own ``dist.destroy_process_group()`` used to leave them held, and such exits
+    sometimes aborted (``benchmarks/RESULTS.md``, 'an exit abort on the gloo fallback').
+    (A DDP module of the user's still holding the group keeps the threads alive.)
+    The release runs in a helper thread joined for at most ``timeout`` seconds, so an
     exit after an error, with a collective still waiting for a peer that is gone, is not
     held up.
     """
     if group.liveness is not None:
         group.liveness.stop()
-    if not dist.is_initialized() or dist.group.WORLD is not group.group:
-        return  # destroyed already (by the user, or by an earlier call)
+    held = [handle for handle in (group, *group.subgroups) if handle.group is not None]
+    if not held:
+        return  # released already (an earlier call)
+    ours = dist.is_initialized() and dist.group.WORLD is group.group  # not destroyed (or replaced) by the user
 
-    def destroy() -> None:
-        dist.destroy_process_group()
-        group.group = None  # the last reference: its destructor joins gloo's threads, here
+    def release() -> None:
+        if ours:
+            dist.destroy_process_group()
+        for handle in held:
+            handle.group = None  # the last references: their destructors join gloo's threads, here
 
-    destroyer = threading.Thread(target=destroy, name="unison-destroy-group", daemon=True)
-    destroyer.start()
-    destroyer.join(timeout)
-    if destroyer.is_alive():
+    releaser = threading.Thread(target=release, name="unison-destroy-group", daemon=True)
+    releaser.start()
+    releaser.join(timeout)
+    if releaser.is_alive():
         print(f"unison: {group.names[group.rank]} exits without destroying its process group: a collective "
               f"still waits for a peer after {timeout:g} s", file=sys.stderr, flush=True)
 

@@ -272,6 +272,9 @@ class HostsShare:
 
 
 def _subgroup(group: WorkerGroup, handle: Any, ranks: list[int]) -> WorkerGroup:
-    """A WorkerGroup for a subgroup of ``group``: its own rank, names and process group handle."""
-    return WorkerGroup(handle, None, ranks.index(group.rank), len(ranks), [group.names[r] for r in ranks],
-                       group.backend, group.timeout, group.liveness, group.restart_advice)
+    """A WorkerGroup for a subgroup of ``group``: its own rank, names and process group handle
+    (dropped with ``group``'s at exit)."""
+    sub = WorkerGroup(handle, None, ranks.index(group.rank), len(ranks), [group.names[r] for r in ranks],
+                      group.backend, group.timeout, group.liveness, group.restart_advice)
+    group.subgroups.append(sub)
+    return sub

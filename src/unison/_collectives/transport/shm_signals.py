@@ -23,7 +23,9 @@ without dying is bounded by the group's timeout, as a gloo collective would be.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import math
 import os
 import platform
 import time
@@ -34,7 +36,8 @@ import torch
 
 from unison._cluster.threads import usable_cpus
 
-__all__ = ["SharedSignals", "make_signals", "supported", "WRITTEN", "ARRIVED", "SLOTS_PER_WORKER"]
+__all__ = ["SharedSignals", "SpinPolicy", "make_signals", "supported", "runnable_tasks", "parse_runnable", "WRITTEN",
+           "ARRIVED", "SLOTS_PER_WORKER"]
 
 SLOTS_PER_WORKER = 8
 """int64 words per worker: one 64-byte cache line, so workers never write each other's line."""
@@ -43,12 +46,21 @@ WRITTEN = 2
 """Counts 'my input slot of the next gradient bucket is written'."""
 ARRIVED = 3
 """Counts barriers: 'I am here' (e.g. my slice of every result is summed)."""
-_SPIN_S = 0.002  # poll without sleeping this long (the peers are usually a few microseconds away)
-_SPIN_S_CORE_EACH = 0.01
-"""How long to poll when the host's workers have a core each: a waiting worker then takes no
-core a peer needs, and a sleep overshoots the peer's arrival by up to the sleep (plus the
-kernel's timer slack), which a step that waits for a slower peer pays every time. Bounded,
-since other processes (data loaders) may want the core after all."""
+SPIN_FLOOR_S = 50e-6
+"""Every wait polls this long before anything else: a peer close behind arrives within microseconds."""
+SPIN_CAP_S = 0.01
+"""The longest a wait polls, where it takes no core anyone needs: a sleep overshoots the peer's arrival
+by up to the sleep (plus the kernel's timer slack), which a step that waits for a slower peer pays
+every time. Bounded, since other processes (data loaders) may want the core after all."""
+SPIN_SHARED_S = 0.002
+"""The longest a wait polls where its core may be wanted (more workers than CPUs, or more runnable
+tasks than CPUs): long enough for a peer a few hundred microseconds behind, short enough to hand the
+core back soon to a peer that was descheduled."""
+LOAD_PERIOD_S = 0.02
+"""How often, at most, a wait reads how many tasks the machine has runnable (``/proc/loadavg``: 10-25 us)."""
+BUSY_HOLD_S = 0.5
+"""How long one sight of more runnable tasks than CPUs keeps the waits from polling past the floor."""
+_RECENT_WAITS = 8
 _MAX_SLEEP_S = 0.0002
 _LIVENESS_PERIOD_S = 0.05
 
@@ -71,6 +83,95 @@ def _start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def runnable_tasks() -> int | None:
+    """Tasks the kernel has runnable right now, on the whole machine (``/proc/loadavg``), or None off Linux."""
+    try:
+        with open("/proc/loadavg", "rb") as loadavg:
+            return parse_runnable(loadavg.read())
+    except (OSError, ValueError):
+        return None
+
+
+def parse_runnable(text: bytes) -> int:
+    """The runnable tasks in ``/proc/loadavg``'s text: its fourth field is ``runnable/all``.
+
+    Raises:
+        ValueError: if the text does not have that form.
+    """
+    fields = text.split()
+    if len(fields) < 4 or b"/" not in fields[3]:
+        raise ValueError(f"not /proc/loadavg's form: {text!r}")
+    return int(fields[3].split(b"/")[0])
+
+
+@typing.final
+class SpinPolicy:
+    """How long a shared-memory wait polls before it sleeps: only while polling costs no one a core
+    and the peer is expected soon.
+
+    A polling worker holds a core. That is free where every worker of the host has a core
+    and nothing else wants one, and it answers a peer's arrival within microseconds,
+    where a sleep overshoots it. Elsewhere it takes the core the peer (or its gloo
+    threads, a data loader, another job) needs to arrive at all (two simulated hosts of
+    two workers on two cores: ``benchmarks/RESULTS.md``, 'Waits that poll only where a
+    core is free'). So a wait polls up to ``SPIN_CAP_S`` only where
+
+    - the host's workers have a CPU each in this process's affinity, and
+    - the machine has had no more runnable tasks than CPUs for ``BUSY_HOLD_S`` (read from
+      ``/proc/loadavg`` at most every ``LOAD_PERIOD_S``; polling workers count as runnable,
+      so workers that crowd their cores see each other);
+
+    elsewhere up to ``SPIN_SHARED_S``. Either limit holds only while the peer is expected
+    soon: when the recent waits of the same kind mostly lasted longer than half the limit,
+    a wait polls ``SPIN_FLOOR_S`` (a peer that far away is slept for, not polled for).
+    Past its poll, a wait sleeps, doubling the sleep up to 0.2 ms.
+
+    Args:
+        workers: the workers of the host that wait on each other.
+        cpus: CPUs this process may run on (default: its affinity).
+        machine_cpus: CPUs of the machine, to which the runnable count is compared (default: ``os.cpu_count()``).
+        runnable: reads the machine's runnable tasks now, or None when it cannot.
+    """
+
+    def __init__(self, workers: int, cpus: int | None = None, machine_cpus: int | None = None,
+                 runnable: Callable[[], int | None] = runnable_tasks):
+        self._core_each = workers <= (usable_cpus() if cpus is None else cpus)
+        self._machine_cpus = machine_cpus if machine_cpus is not None else (os.cpu_count() or 1)
+        self._runnable = runnable
+        self._sampled_at = -math.inf
+        self._busy_until = -math.inf
+        self._recent: dict[int, collections.deque[float]] = {}
+
+    def budget(self, kind: int, now: float) -> float:
+        """Seconds a wait of ``kind`` polls before it sleeps, asked once it has polled ``SPIN_FLOOR_S``.
+
+        Args:
+            kind: the kind of event waited for (``WRITTEN``, ``ARRIVED``).
+            now: ``time.monotonic()``.
+        """
+        limit = SPIN_CAP_S if self._core_each and not self._crowded(now) else SPIN_SHARED_S
+        recent = self._recent.get(kind)
+        if recent and sorted(recent)[len(recent) // 2] > limit / 2:
+            return SPIN_FLOOR_S
+        return limit
+
+    def record(self, kind: int, waited: float) -> None:
+        """Notes how long a wait of ``kind`` that did not end at once took, in seconds."""
+        recent = self._recent.get(kind)
+        if recent is None:
+            recent = self._recent[kind] = collections.deque(maxlen=_RECENT_WAITS)
+        recent.append(waited)
+
+    def _crowded(self, now: float) -> bool:
+        """Whether the machine had more runnable tasks than CPUs within the last ``BUSY_HOLD_S``."""
+        if now - self._sampled_at >= LOAD_PERIOD_S:
+            self._sampled_at = now
+            runnable = self._runnable()
+            if runnable is not None and runnable > self._machine_cpus:
+                self._busy_until = now + BUSY_HOLD_S
+        return now < self._busy_until
+
+
 @typing.final
 class SharedSignals:
     """One host's workers' event counters in a shared int64 tensor.
@@ -83,11 +184,13 @@ class SharedSignals:
         rank, world_size: this worker's place among them.
         timeout: seconds a wait may last before it fails.
         names: the workers' task names by rank, for error messages.
+        policy: how long a wait polls before it sleeps (default: a :class:`SpinPolicy` for ``world_size`` workers).
 
     Call :meth:`introduce` on every worker, then a barrier, then :meth:`watch_peers`.
     """
 
-    def __init__(self, words: torch.Tensor, rank: int, world_size: int, timeout: float, names: list[str]):
+    def __init__(self, words: torch.Tensor, rank: int, world_size: int, timeout: float, names: list[str],
+                 policy: SpinPolicy | None = None):
         if words.dtype != torch.int64 or words.numel() < world_size * SLOTS_PER_WORKER:
             raise ValueError(f"signal words must be >= {world_size * SLOTS_PER_WORKER} int64, got {words.dtype} "
                              f"x {words.numel()}")
@@ -97,7 +200,7 @@ class SharedSignals:
         self._timeout = timeout
         self._names = names
         self._counts = [0] * SLOTS_PER_WORKER
-        self._spin_s = _SPIN_S_CORE_EACH if world_size <= usable_cpus() else _SPIN_S
+        self._policy = policy if policy is not None else SpinPolicy(world_size)
         self._watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, start time) of peers /proc can see
 
     def introduce(self) -> None:
@@ -145,6 +248,7 @@ class SharedSignals:
         start = time.monotonic()
         deadline = start + (self._timeout if timeout is None else timeout)
         next_check = start + _LIVENESS_PERIOD_S
+        budget: float | None = None  # asked of the policy once the floor has passed
         sleep = 0.0
         while not self.reached(kind, count):
             now = time.monotonic()
@@ -155,11 +259,15 @@ class SharedSignals:
                     raise RuntimeError(f"shared-memory wait timed out after {now - start:.1f} s: "
                                        f"{', '.join(late)} did not arrive")
                 next_check = now + _LIVENESS_PERIOD_S
-            if now - start < self._spin_s:
+            waited = now - start
+            if budget is None and waited >= SPIN_FLOOR_S:
+                budget = self._policy.budget(kind, now)
+            if budget is None or waited < budget:
                 os.sched_yield()
             else:
                 sleep = min(_MAX_SLEEP_S, sleep * 2 or 1e-5)
                 time.sleep(sleep)
+        self._policy.record(kind, time.monotonic() - start)
 
     def barrier(self, timeout: float | None = None) -> None:
         """Every worker of the host arrives (one post and one wait of ``ARRIVED``)."""
