@@ -43,6 +43,7 @@ SERIAL_FILES = frozenset({
     "tests/coordinator/test_independent_worker.py",
     "tests/docs/test_from_tensorflow.py",
     "tests/examples/test_ctr_example.py",
+    "tests/examples/test_online_ctr_example.py",
     "tests/launch/test_launch.py",
     "tests/launch/test_kept_ps.py",
     "tests/launch/test_launch_integration.py",
