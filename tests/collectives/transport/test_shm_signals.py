@@ -129,17 +129,39 @@ def test_more_workers_than_cpus_poll_briefly():
     assert _policy(load, workers=3, cpus=2).budget(WRITTEN, now=100.0) == shm_signals.SPIN_SHARED_S
 
 
+def _crowd(policy: shm_signals.SpinPolicy, load: _Load, now: float, runnable: int = 4) -> float:
+    """Two crowded readings in a row, ending at ``now``; returns ``now``."""
+    load.runnable = runnable
+    policy.budget(WRITTEN, now=now - 1.5 * shm_signals.LOAD_PERIOD_S)
+    policy.budget(WRITTEN, now=now)
+    return now
+
+
 def test_more_runnable_tasks_than_cpus_stop_the_long_polls_for_the_hold():
     # Two hosts' workers on the same two cores: the affinity says 'a core each', the load does not.
     load = _Load(4)
     policy = _policy(load)
-    assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_SHARED_S
+    start = _crowd(policy, load, 100.0)
+    assert policy.budget(WRITTEN, now=start) == shm_signals.SPIN_SHARED_S
     load.runnable = 2  # a quiet moment does not end the hold at once ...
-    later = 100.0 + 1.5 * shm_signals.LOAD_PERIOD_S
+    later = start + 1.5 * shm_signals.LOAD_PERIOD_S
     assert policy.budget(WRITTEN, now=later) == shm_signals.SPIN_SHARED_S
     # ... a hold without another crowded sighting does
-    assert policy.budget(WRITTEN, now=100.0 + shm_signals.BUSY_HOLD_S + 1.5 * shm_signals.LOAD_PERIOD_S) == \
+    assert policy.budget(WRITTEN, now=start + shm_signals.BUSY_HOLD_S + 1.5 * shm_signals.LOAD_PERIOD_S) == \
         shm_signals.SPIN_CAP_S
+
+
+def test_one_crowded_reading_alone_keeps_the_long_poll():
+    # A task woken for a moment beside a host's polling workers: one reading over the CPUs, the next not.
+    load = _Load(3)
+    policy = _policy(load)
+    assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_CAP_S
+    load.runnable = 2
+    assert policy.budget(WRITTEN, now=100.0 + 1.5 * shm_signals.LOAD_PERIOD_S) == shm_signals.SPIN_CAP_S
+    load.runnable = 3  # crowded again, but not twice in a row
+    assert policy.budget(WRITTEN, now=100.0 + 3 * shm_signals.LOAD_PERIOD_S) == shm_signals.SPIN_CAP_S
+    # a second crowded reading in a row is crowding
+    assert policy.budget(WRITTEN, now=100.0 + 4.5 * shm_signals.LOAD_PERIOD_S) == shm_signals.SPIN_SHARED_S
 
 
 def test_the_load_is_read_at_most_once_per_period():
@@ -179,7 +201,7 @@ def test_on_a_crowded_machine_a_peer_further_than_the_short_poll_reaches_is_slep
     for _ in range(5):
         policy.record(WRITTEN, between)
     assert policy.budget(WRITTEN, now=100.0) == shm_signals.SPIN_CAP_S
-    load.runnable = 5
+    _crowd(policy, load, 101.0, runnable=5)
     assert policy.budget(WRITTEN, now=101.0) == shm_signals.SPIN_FLOOR_S
     for _ in range(5):  # waits of a few microseconds again: the short poll comes back
         policy.record(WRITTEN, 20e-6)
