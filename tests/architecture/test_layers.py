@@ -74,7 +74,7 @@ LAYERS = (
     ("_context",),
     ("_values", "_cluster"),
     ("_reduce", "_devices", "errors", "_state"),
-    ("_enums", "_deprecation", "_facades"),
+    ("_enums", "_deprecation", "_facades", "_durable"),
 )
 
 #: The layers inside ``unison._collectives``, top to bottom, named relative to it.

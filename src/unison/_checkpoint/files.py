@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from unison._durable import fsync_directory
 from unison._strategies.current import get_strategy
 from unison.errors import CheckpointError
 
@@ -67,7 +68,7 @@ def atomic_save(state: Any, path: str | os.PathLike[str]) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, target)
-        _fsync_directory(target.parent)
+        fsync_directory(target.parent)
     except BaseException as exc:
         temporary.unlink(missing_ok=True)
         if _is_disk_full(exc, target.parent):
@@ -117,19 +118,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - not every platform opens directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some file systems refuse
-        pass
-    finally:
-        os.close(fd)
 
 
 def _is_disk_full(exc: BaseException, directory: Path) -> bool:

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "VERSION", "write_export", "read_export", "fsync_directory"]
+from unison._durable import fsync_directory
+
+__all__ = ["FORMAT", "VERSION", "write_export", "read_export"]
 
 FORMAT = "unison.serving_embedding"
 VERSION = 1
@@ -127,17 +129,3 @@ def read_export(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str,
         flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype) if data else torch.zeros(0, dtype=dtype)
         tensors[name] = flat.reshape(spec["shape"])
     return manifest, tensors
-
-
-def fsync_directory(directory: Path) -> None:
-    """Flushes ``directory``'s entries (a rename into it) to disk, where the platform can."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - not every platform opens directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)

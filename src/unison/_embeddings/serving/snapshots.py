@@ -33,7 +33,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from unison._embeddings.serving.files import fsync_directory
+from unison._durable import fsync_directory
 
 __all__ = ["FORMAT", "VERSION", "SnapshotMeta", "snapshot_path", "list_snapshots", "read_meta", "temporary_path",
            "write_meta", "publish", "remove", "check_table_name"]
