@@ -287,6 +287,23 @@ def test_a_step_over_the_budget_stays_in_memory_and_warns_once(tmp_path):
     assert emb.table.hot_rows < 200 and emb.num_rows == 210
 
 
+def test_a_step_over_the_budget_gives_its_slots_back_once_they_spill_and_reads_are_counted(tmp_path):
+    storage = DiskStorage(tmp_path, memory_budget_bytes=_budget_for(40, DIM, total=1010))
+    ours, reference = DynamicEmbedding(DIM, storage=storage), DynamicEmbedding(DIM)
+    batches = [torch.arange(1000), torch.arange(1000, 1010), torch.arange(0, 40, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the first step is over the budget, by design
+        _train(ours, torch.optim.Adagrad, batches[:2], lr=0.1)
+        hot = ours.table._hot
+        assert hot.num_rows <= 40 and hot._used <= hot.num_rows + 16  # the first step's slots were handed back
+        cold = int((ours.table._cold.find(batches[2]) >= 0).sum())
+        read = ours.table.rows_read_back
+        _train(ours, torch.optim.Adagrad, batches[2:], lr=0.1)
+    assert cold > 0 and ours.table.rows_read_back - read == cold
+    _train(reference, torch.optim.Adagrad, batches, lr=0.1)
+    _assert_same(ours.state_dict(), reference.state_dict())
+
+
 def _policy_table(storage=None) -> DynamicEmbedding:
     """A table whose rows leave by a time to live and a capacity (so deltas carry removed ids) and are made
     only when admitted (so they carry the admission sketch)."""

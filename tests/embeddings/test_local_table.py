@@ -116,6 +116,22 @@ def test_id_index_behaves_as_a_dict(ops):
     assert dict(zip(ids.tolist(), slots.tolist())) == model
 
 
+@settings(max_examples=30)
+@given(st.lists(st.one_of(st.sampled_from(EXTREMES), int64s), min_size=1, max_size=50))
+def test_id_index_probes_start_at_the_documented_hash(values):
+    # the index's numpy probe start is id_hashing.splitmix64 masked to the table, bit for bit
+    from unison._embeddings.tables.id_index import _home
+
+    ids = _ids(values)
+    for mask in (15, 2**20 - 1, 2**62 - 1):
+        assert torch.from_numpy(_home(ids.numpy(), mask)).tolist() == (splitmix64(ids) & mask).tolist()
+
+
+def test_id_index_refuses_ids_that_are_not_int64():
+    with pytest.raises(TypeError, match="ids.long"):
+        IdIndex().find(torch.tensor([1, 2], dtype=torch.int32))
+
+
 def test_id_index_keeps_probe_chains_through_removals_and_reuse():
     ids = _random_ids(6000, seed=12)
     index, model = IdIndex(), {}
@@ -498,3 +514,23 @@ def test_import_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="not a built-in"):
         LocalTable.from_export(custom)
     assert LocalTable.from_export(custom, initializer=Constant()).lookup(_ids([5])).eq(2.0).all()
+
+
+def test_compacting_moves_live_rows_down_and_keeps_every_row_and_counter():
+    table = LocalTable(4, seed=1)
+    ids = torch.arange(100) * 13 - 500
+    table.lookup(ids)
+    table.apply_gradients(ids, torch.ones(100, 4), RowAdagrad(0.1))
+    assert not table.compact()  # nothing free: nothing to do
+    table.take(ids[:70])  # most rows leave (a disk tier's spill)
+    before, generation = table.export(), table.generation
+    assert table.compact()
+    assert table.generation != generation  # slots read before are stale
+    after = table.export()
+    for key in ("ids", "rows", "counts", "last_seen"):
+        assert torch.equal(after[key], before[key]), key
+    assert torch.equal(after["state"]["sum"], before["state"]["sum"])
+    assert table._used == 30 and table._rows.shape[0] < 100  # the slots above went back
+    assert torch.equal(table.lookup(ids[70:]), before["rows"])  # found at their new slots
+    table.lookup(ids[:70])  # and new rows are made after them
+    assert table.num_rows == 100 and not table.compact()

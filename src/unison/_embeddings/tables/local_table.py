@@ -250,7 +250,11 @@ class LocalTable:
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros(unique.numel(), self._dim, dtype=self._dtype)
         summed.index_add_(0, inverse, grads.to(self._dtype))
-        slots = self._index.find(unique) if self._admission is not None else self._found_or_created(unique)
+        if self._admission is not None:
+            self._fetch_below(unique)
+            slots = self._index.find(unique)
+        else:
+            slots = self._found_or_created(unique)
         self.apply_to_slots(slots, summed, optimizer)
 
     def lookup_distinct(self, ids: torch.Tensor, occurrences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -576,13 +580,23 @@ class LocalTable:
         meta = export["meta"]
         ids = export["ids"].index_select(0, pick)
         rows = export["rows"].index_select(0, pick)
-        self._ensure_state({name: RowState(values.shape[1], meta["state_init"][name])
-                            for name, values in export["state"].items()}, "the export")
         slots = self._index.find(ids)
         missing = slots < 0
         if bool(missing.any()):
             slots[missing] = self._create(ids[missing], rows[missing])
-        self._rows.index_copy_(0, slots, rows)
+        self._write_rows(slots, export, pick)
+        self._changed_in[slots] = self._epoch
+        if self._pending is not None and export.get("pending_counts") is not None:
+            self._pending.merge(export["pending_counts"], "LocalTable.import_: the export")
+        self._step = max(self._step, meta["step"])
+        return slots
+
+    def _write_rows(self, slots: torch.Tensor, export: dict[str, Any], pick: torch.Tensor) -> None:
+        """Writes the rows of ``export`` at ``pick`` into live ``slots``: values, optimizer state (a state the
+        export lacks starts at its initial value), counts, last-seen steps and idle times."""
+        self._ensure_state({name: RowState(values.shape[1], export["meta"]["state_init"][name])
+                            for name, values in export["state"].items()}, "the export")
+        self._rows.index_copy_(0, slots, export["rows"].index_select(0, pick))
         for name, values in self._state.items():
             if name in export["state"]:
                 values.index_copy_(0, slots, export["state"][name].index_select(0, pick))
@@ -590,15 +604,10 @@ class LocalTable:
                 values[slots] = self._state_init[name]
         self._counts.index_copy_(0, slots, export["counts"].index_select(0, pick))
         self._last_seen.index_copy_(0, slots, export["last_seen"].index_select(0, pick))
-        self._changed_in[slots] = self._epoch
         if self._clock is not None and self._seen_at is not None:
             idle = export.get("idle_seconds")
             now = self._clock()  # a row of an export without idle times counts as touched now
             self._seen_at[slots] = now if idle is None else now - idle.to(torch.float64).index_select(0, pick)
-        if self._pending is not None and export.get("pending_counts") is not None:
-            self._pending.merge(export["pending_counts"], "LocalTable.import_: the export")
-        self._step = max(self._step, meta["step"])
-        return slots
 
     # -- save points: delta checkpoints and serving exports (``deltas``) --------------------------------
     @property
@@ -821,6 +830,7 @@ class LocalTable:
         estimate, then taken out of the sketch); the others add their occurrences to it.
         """
         assert self._admission is not None and self._pending is not None
+        self._fetch_below(unique)
         slots, ends = self._index.find_with_ends(unique)
         missing = (slots < 0).nonzero().squeeze(1)
         if not missing.numel():
@@ -842,13 +852,46 @@ class LocalTable:
         return slots
 
     def _found_or_created(self, unique: torch.Tensor) -> torch.Tensor:
-        """Slots of distinct ids, the missing ones created (inserted where their probe ended)."""
+        """Slots of distinct ids, the missing ones created (inserted where their probe ended); with a tier
+        below, those of them kept there are moved up as they were, in the same insert (one probe of the
+        in-memory index for every id, one of the tier below for the ids not in memory)."""
         slots, ends = self._index.find_with_ends(unique)
-        missing = slots < 0
-        if bool(missing.any()):
-            new_ids = unique[missing]
-            slots[missing] = self._create(new_ids, self._initial_rows(new_ids), ends[missing])
+        missing = (slots < 0).nonzero().squeeze(1)
+        if missing.numel():
+            new_ids = unique.index_select(0, missing)
+            below = self._lower.take_back(new_ids) if self._lower is not None else []
+            if below:  # made from their rows below; the initializer only for the ids new to the table
+                rows = torch.empty(new_ids.numel(), self._dim, dtype=self._dtype)
+                fresh = torch.ones(new_ids.numel(), dtype=torch.bool)
+                at = [_positions_in(new_ids, part["ids"]) for part in below]
+                for part, where in zip(below, at):
+                    rows.index_copy_(0, where, part["rows"])
+                    fresh[where] = False
+                if bool(fresh.any()):
+                    rows[fresh] = self._initial_rows(new_ids[fresh])
+            else:
+                rows = self._initial_rows(new_ids)
+            made = self._create(new_ids, rows, ends.index_select(0, missing))
+            for part, where in zip(below, at if below else []):
+                self._write_moved(made.index_select(0, where), part)
+            slots.index_copy_(0, missing, made)
         return slots
+
+    def _fetch_below(self, unique: torch.Tensor) -> None:
+        """Moves the rows of distinct ids kept in the tier below (not in memory) up, as they were: what an
+        admission path does before it asks the policy (a row below was admitted long ago)."""
+        if self._lower is None:
+            return
+        absent = unique[self._index.find(unique) < 0]
+        if absent.numel():
+            for part in self._lower.take_back(absent):
+                self._write_moved(self._create(part["ids"], part["rows"]), part)
+
+    def _write_moved(self, slots: torch.Tensor, part: dict[str, Any]) -> None:
+        """Writes rows moved up from the tier below (``part``: as :meth:`take` exported them) into ``slots``,
+        as they were there, the save epoch each last changed in included."""
+        self._write_rows(slots, part, torch.arange(part["ids"].numel()))
+        self._changed_in.index_copy_(0, slots, part["changed_in"].to(torch.int64))
 
     def _create(self, ids: torch.Tensor, rows: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:
         """Store distinct absent ids with their rows and fresh counters and state; returns their slots."""
@@ -904,6 +947,35 @@ class LocalTable:
         for name in list(self._state):
             self._state[name] = grown(self._state[name])
 
+    def compact(self) -> bool:
+        """Moves the live rows into the lowest slots and hands the rest of the slot storage back, when
+        more than a quarter of the slots used so far are free (a step that made many rows, then
+        rows spilled or evicted): a table's resident size follows its rows again, not its high-water
+        mark. Slots change (the :attr:`generation` too); returns whether it compacted."""
+        live = self._live_slots()
+        count = live.numel()
+        if self._used - count <= max(_MIN_CAPACITY, count // 4):
+            return False
+        capacity = count + max(_MIN_CAPACITY, count // 8)  # room for the next steps' rows before a _grow
+
+        def packed(old: torch.Tensor) -> torch.Tensor:
+            new = torch.empty((capacity, *old.shape[1:]), dtype=old.dtype)
+            new[:count] = old.index_select(0, live)
+            return new
+
+        self._rows, self._slot_ids, self._counts = packed(self._rows), packed(self._slot_ids), packed(self._counts)
+        self._last_seen, self._live = packed(self._last_seen), packed(self._live)
+        self._changed_in = packed(self._changed_in)
+        if self._seen_at is not None:
+            self._seen_at = packed(self._seen_at)
+        for name in list(self._state):
+            self._state[name] = packed(self._state[name])
+        self._used, self._free = count, torch.zeros(0, dtype=torch.int64)
+        self._index = IdIndex()
+        self._index.insert(self._slot_ids[:count], torch.arange(count))
+        self._generation = next(_GENERATIONS)
+        return True
+
     def _ensure_state(self, spec: dict[str, RowState], source: str) -> None:
         """Allocate the state ``spec`` names; refuse one whose shape or start differs from the kept one."""
         for name, wanted in spec.items():
@@ -917,3 +989,9 @@ class LocalTable:
                                  f"{wanted.initial!r}, but this table keeps it with {self._state[name].shape[1]} "
                                  f"columns starting at {self._state_init[name]!r}; fix: use one optimizer "
                                  f"configuration per table")
+
+
+def _positions_in(ids: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+    """Where each of ``wanted`` is in the distinct ``ids`` (each of them is there)."""
+    order = ids.argsort()
+    return order.index_select(0, torch.searchsorted(ids.index_select(0, order), wanted))

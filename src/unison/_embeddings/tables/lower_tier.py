@@ -29,6 +29,12 @@ class LowerTier(Protocol):
         """Positions of ``ids`` below, -1 for those without a row there."""
         ...
 
+    def take_back(self, ids: torch.Tensor) -> list[dict[str, Any]]:
+        """The rows below among distinct ``ids`` (none of them in memory), moved up: no longer below. One
+        export per set of optimizer states, each as ``LocalTable.take(..., moving=True)`` gave it (with
+        ``"changed_in"``; its ``meta`` holds ``state_init``); none when no id has a row below."""
+        ...
+
     def joined(self, export: dict[str, Any], changed_after: int | None) -> dict[str, Any]:
         """``export`` (of rows in memory) with the rows below changed after save epoch ``changed_after``
         (every row below: None), as one export sorted by id."""

@@ -54,6 +54,7 @@ class ColdRows:
         self._shadow = torch.zeros(0, dtype=torch.bool)  # the row is in memory; its disk copy is kept (stale)
         self._marked = torch.zeros(0, dtype=torch.bool)  # the id is recorded dirty since the last seal
         self._shadows = 0
+        self.rows_lifted = 0  # rows read back into memory, ever (:meth:`lift`)
         self._free = torch.zeros(0, dtype=torch.int64)
         self._used = 0
         self._num_rows = 0
@@ -159,6 +160,7 @@ class ColdRows:
         self._shadow[positions] = True
         self._num_rows -= positions.numel()
         self._shadows += positions.numel()
+        self.rows_lifted += positions.numel()
 
     def remove(self, positions: torch.Tensor) -> None:
         """Deletes the rows at live ``positions`` from disk and memory."""

@@ -3,8 +3,11 @@
 A step's spill (and an eviction's deletes) used to run inside the push that ends the
 step: LMDB's copy-on-write B-tree costs tens of microseconds a row written, so the step
 waited for the disk (``benchmarks/disk_tier.py`` under ``py-spy``). Here the store hands
-each batch to one writer thread and returns; LMDB releases the GIL while it writes, so the
-writes overlap the next steps' compute. Order is kept (one thread, a FIFO queue), each
+each batch to one writer thread and returns, so a step does not wait for its own spill.
+The writes do not run beside the step's compute for free, though: py-lmdb holds the GIL
+for most of a write, and a thread writing 1,700 rows slowed a busy training thread by
+about the write's own length (``benchmarks/RESULTS.md``, the disk tier), so the cost moves
+off the step that spills onto the next ones rather than onto the second core. Order is kept (one thread, a FIFO queue), each
 batch is one transaction (its rows and its dirty marks together, so a crash leaves the
 files at a batch boundary), and a row whose batch is not committed yet is read from the
 batch itself (:meth:`overlay`), never from an older copy on disk. At most ``depth``
@@ -24,6 +27,8 @@ from collections.abc import Callable
 from typing import final
 
 import torch
+
+from unison._embeddings.tables.disk.heap import trim_heap
 
 __all__ = ["RowWriter"]
 
@@ -101,6 +106,8 @@ class RowWriter:
                 keys, values, mark = item
                 if self._failure is None:
                     self._write(keys, values, mark)
+                    if self._queue.qsize() == 0:
+                        trim_heap()  # the transaction's page copies, freed at its commit (``heap``)
             except BaseException as exc:  # kept for the submitting thread, which raises it
                 self._failure = exc
             finally:

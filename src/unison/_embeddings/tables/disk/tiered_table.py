@@ -4,8 +4,10 @@ What a ``LocalTable`` does to its rows, this does to the same rows wherever they
 a table with ``storage=DiskStorage(...)`` trains, evicts, admits and checkpoints exactly as
 it would in memory:
 
-- a lookup or update of a cold row first reads it back (values, optimizer state, counters)
-  into the hot table, in one batch per request;
+- a lookup or update of a cold row reads it back (values, optimizer state, counters) into
+  the hot table, in one batch per request: the hot table asks for the ids it misses
+  (``lower_tier.take_back``), so an id in memory costs one probe, as in a table without
+  a disk tier;
 - after each optimizer step (:meth:`evict`, which a push runs) the eviction policy and the
   capacity choose over every row, hot and cold, from their counters (an evicted cold row
   is deleted from disk), then the hot rows over the budget spill to disk in one batch,
@@ -45,6 +47,7 @@ from unison._embeddings.tables.bag_layout import BagLayout
 from unison._embeddings.tables.capacity import RowCapacity
 from unison._embeddings.tables.checks import checked_ids
 from unison._embeddings.tables.disk.cold_rows import ColdRows
+from unison._embeddings.tables.disk.heap import trim_heap
 from unison._embeddings.tables.disk.storage import DiskStorage
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.id_hashing import shard_of
@@ -55,6 +58,7 @@ __all__ = ["TieredTable"]
 
 _INDEX_BYTES_PER_ROW = 32  # a hot row's id index entry, about
 _COLD_BYTES_PER_ROW = 80  # a cold row's counters and index entry, about (``ColdRows``)
+_SPILL_SLACK = 16  # a spill goes down to 1/16 below the budget (``TieredTable._spill``)
 
 
 @final
@@ -141,6 +145,11 @@ class TieredTable:
         return self._hot.bytes + self._cold.nbytes
 
     @property
+    def rows_read_back(self) -> int:
+        """Cold rows read back into memory so far, by lookups and updates (a training request's misses)."""
+        return self._cold.rows_lifted
+
+    @property
     def disk_bytes(self) -> int:
         """Bytes of the cold rows' files on disk."""
         return self._cold.disk_bytes
@@ -158,8 +167,7 @@ class TieredTable:
         """As ``LocalTable.lookup``; cold rows of ``ids`` are read back into memory first (evaluation reads
         them from disk and leaves them there)."""
         ids = checked_ids(ids, "TieredTable.lookup")
-        if create:
-            self._read_back(torch.unique(ids.reshape(-1)))
+        if create:  # the hot table moves the cold rows up as it misses them (``_ColdTier.take_back``)
             return self._hot.lookup(ids, create=True, occurrences=occurrences)
         rows = self._hot.lookup(ids, create=False, occurrences=occurrences)
         wanted = ids.reshape(-1)
@@ -176,8 +184,7 @@ class TieredTable:
         return flat.reshape(rows.shape)
 
     def lookup_distinct(self, ids: torch.Tensor, occurrences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``LocalTable.lookup_distinct`` (a ps task's lookup), cold rows read back first."""
-        self._read_back(ids)
+        """As ``LocalTable.lookup_distinct`` (a ps task's lookup), cold rows read back as they are missed."""
         return self._hot.lookup_distinct(ids, occurrences)
 
     def apply_to_slots(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
@@ -190,8 +197,7 @@ class TieredTable:
         return self._hot.advance_to(step)
 
     def apply_gradients(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
-        """As ``LocalTable.apply_gradients``, cold rows of ``ids`` read back first."""
-        self._read_back(torch.unique(checked_ids(ids, "TieredTable.apply_gradients")))
+        """As ``LocalTable.apply_gradients``, cold rows of ``ids`` read back as they are missed."""
         self._hot.apply_gradients(ids, grads, optimizer)
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
@@ -377,8 +383,11 @@ class TieredTable:
     def _spill(self, protect: bool = True) -> None:
         """Writes the hot rows over the budget to disk, in batches (``storage.cache`` chooses which).
 
-        The cold rows' index grows with each batch and counts against the budget, so the budget
-        is read again after each (a few rounds: each takes the rows its index costs).
+        Once over the budget, the rows spill down to ``1 / _SPILL_SLACK`` below it: the choice of
+        victims reads every hot row's counters, so it runs every few steps (the rows a step reads
+        back fill the slack), not at each, and each batch of writes is larger. The cold rows'
+        index grows with each batch and counts against the budget, so the budget is read again
+        after each (a few rounds: each takes the rows its index costs).
         """
         protect_from = self.current_step - 1 if protect else 2 ** 62
         over = 0
@@ -388,11 +397,15 @@ class TieredTable:
                 return
             hot = self._hot.row_counters()
             live = torch.arange(hot["ids"].numel())
-            chosen, over = RowCapacity(allowed, self._storage.cache).victims(live, hot["ids"], hot["counts"],
-                                                                             hot["last_seen"], protect_from)
+            target = allowed - allowed // _SPILL_SLACK
+            chosen, over = RowCapacity(target, self._storage.cache).victims(live, hot["ids"], hot["counts"],
+                                                                            hot["last_seen"], protect_from)
+            over = max(0, over - allowed // _SPILL_SLACK)  # rows over the budget itself
             if not chosen.numel():
                 break
             self._cold.put(self._hot.take(hot["ids"].index_select(0, chosen), moving=True))
+            if self._hot.compact():  # after a step over the budget (a fill, a large batch): its slots go back
+                trim_heap()
         if over and not self._warned["budget"]:
             self._warned["budget"] = True
             warnings.warn(f"DiskStorage: {self._hot.num_rows} rows in memory after spilling, over the "
@@ -467,6 +480,15 @@ class _ColdTier:
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         return self._cold.find(ids)
+
+    def take_back(self, ids: torch.Tensor) -> list[dict[str, Any]]:
+        positions = self._cold.find(ids)
+        positions = positions[positions >= 0]
+        if not positions.numel():
+            return []
+        parts = self._cold.read(positions, {})
+        self._cold.lift(positions)  # its disk copy stays, a shadow (no write on the read path)
+        return parts
 
     def _positions(self, changed_after: int | None) -> torch.Tensor:
         return self._cold.live_positions() if changed_after is None else self._cold.changed_positions(changed_after)
