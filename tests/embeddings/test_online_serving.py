@@ -88,6 +88,7 @@ def test_after_an_explicit_poll_the_served_model_equals_the_trained_one_at_that_
     clock.now = 5.0
     first = exporter.maybe_export(info={"step": 3})
     assert first is not None and first.name == "000000"
+    assert exporter.flush() == first  # written on the exporter's thread: published now
     meta = json.loads((first / "snapshot.json").read_text())
     assert meta["kind"] == "full" and meta["chain"] == 0 and meta["base"] is None and meta["info"] == {"step": 3}
     assert sorted(p.name for p in first.iterdir()) == ["dense.pt", "embeddings", "snapshot.json"]
@@ -108,6 +109,7 @@ def test_after_an_explicit_poll_the_served_model_equals_the_trained_one_at_that_
         train(model, opt, 4, seed=k)
         clock.now += 5.0
         assert exporter.maybe_export() is not None
+    exporter.flush()
     served_users = follower.embeddings["users"]
     applied = follower.poll()
     assert [(s.number, s.kind, s.chain) for s in applied] == [(1, "delta", 0), (2, "delta", 0)]
@@ -251,3 +253,69 @@ def test_the_dense_state_leaves_the_tables_out_without_reading_them(tmp_path, mo
     assert "ranker.norm.running_mean" in want and "scale" in want and "scratch" not in want
     for key, value in want.items():
         assert torch.equal(follower.dense_state[key], value), key
+
+
+def test_maybe_export_writes_on_its_own_thread_while_training_goes_on(tmp_path, monkeypatch):
+    """The step waits for the rows to be taken, not for the files: the snapshot holds the model as it was
+    then, though training changed it before the files were written."""
+    import threading
+
+    import unison._embeddings.serving.exporter as exporter_module
+
+    release, writing = threading.Event(), threading.Event()
+    write_export = exporter_module.write_export
+
+    def slow_write(*args, **kwargs):
+        writing.set()
+        assert release.wait(30)
+        return write_export(*args, **kwargs)
+
+    model, opt = make()
+    clock = Clock()
+    exporter = exporter_of(model, tmp_path, clock=clock)
+    train(model, opt, 3, seed=0)
+    then = {name: getattr(model, name).state_dict() for name in ("users", "items")}
+    head = {key: value.clone() for key, value in model.head.state_dict().items()}
+    monkeypatch.setattr(exporter_module, "write_export", slow_write)
+    clock.now = 5.0
+    path = exporter.maybe_export()
+    assert path is not None and writing.wait(30) and not path.exists()  # returned while the files are written
+    train(model, opt, 2, seed=1)  # training goes on meanwhile
+    release.set()
+    assert exporter.flush() == path and path.exists()
+    follower = ServingFollower(tmp_path)
+    follower.poll()
+    for name, state in then.items():
+        assert torch.equal(follower.embeddings[name]._rows_of(state["ids"]), state["rows"]), name
+    assert all(torch.equal(follower.dense_state[f"head.{key}"], value) for key, value in head.items())
+
+
+def test_a_failed_background_write_is_raised_by_the_next_call_and_the_next_snapshot_is_full(tmp_path, monkeypatch):
+    import unison._embeddings.serving.exporter as exporter_module
+
+    write_export = exporter_module.write_export
+    model, opt = make()
+    clock = Clock()
+    exporter = exporter_of(model, tmp_path, clock=clock)
+    exporter.export()  # full 0
+    train(model, opt, 2, seed=0)
+
+    def failing(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(exporter_module, "write_export", failing)
+    clock.now = 5.0
+    lost = exporter.maybe_export()
+    assert lost is not None
+    with pytest.raises(RuntimeError, match=r"writing a snapshot under .* failed: .*No space left on device.*next "
+                                           r"snapshot is full; fix: the cause"):
+        exporter.flush()
+    assert not lost.exists() and not list(tmp_path.glob(".*tmp*"))  # nothing half-written is left
+    monkeypatch.setattr(exporter_module, "write_export", write_export)
+    clock.now = 10.0
+    path = exporter.maybe_export()
+    exporter.flush()
+    assert json.loads((path / "snapshot.json").read_text())["kind"] == "full"
+    follower = ServingFollower(tmp_path)
+    follower.poll()
+    assert_serves(follower, model)

@@ -8,6 +8,12 @@ snapshot before) and the dense layers' state_dict, under a temporary name, renam
 place. A :class:`~unison.embeddings.ServingFollower` in the serving process applies each
 one as it appears.
 
+:meth:`~ServingExporter.maybe_export` (the training loop's call) takes the rows and the dense
+state on the caller's thread, then writes and publishes the files on a thread of its own
+while training goes on: the step waits for the gather, not for the disk. One snapshot is
+written at a time, in order; :meth:`~ServingExporter.flush` waits for it, and a write that
+failed is raised by the next call (the snapshot after it is full).
+
 Why snapshots of deltas, with a full one now and then: a delta holds what a few seconds
 of training changed (a small part of a large table), so the interval can be short; but a
 server that starts late would replay every delta since the job began, so ``full_every``
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,7 +36,7 @@ from torch import nn
 
 from unison._embeddings.modules.dynamic_embedding import DynamicEmbedding
 from unison._embeddings.serving import snapshots
-from unison._embeddings.serving.export import export_for_serving
+from unison._embeddings.serving.files import write_export
 
 __all__ = ["ServingExporter"]
 
@@ -71,6 +78,8 @@ class ServingExporter:
             snapshot and its deltas) and remove older ones; 2 (the default) keeps the
             chain a follower may still be reading. None keeps every snapshot.
         clock: seconds of a monotonic clock, for the interval (tests pass their own).
+        background: :meth:`maybe_export` writes the files on a thread of its own (False:
+            on the caller's, as :meth:`export` always does).
 
     Raises:
         TypeError: a table that is not a ``DynamicEmbedding``, or ``dense`` not an
@@ -84,7 +93,8 @@ class ServingExporter:
 
     def __init__(self, root: str | os.PathLike[str], embeddings: Mapping[str, DynamicEmbedding], *,
                  every_seconds: float, dense: nn.Module | None = None, full_every: int | None = None,
-                 keep_chains: int | None = 2, clock: Callable[[], float] = time.monotonic) -> None:
+                 keep_chains: int | None = 2, clock: Callable[[], float] = time.monotonic,
+                 background: bool = True) -> None:
         where = "ServingExporter"
         if not isinstance(embeddings, Mapping) or not embeddings:
             raise ValueError(f"{where}: `embeddings` must be a non-empty dict of name -> DynamicEmbedding, got "
@@ -122,7 +132,10 @@ class ServingExporter:
         self._chain: int | None = None  # the number of the current chain's full snapshot; None: next is full
         self._deltas = 0
         self.last: Path | None = None
-        """The newest snapshot this exporter wrote, or None."""
+        """The newest snapshot this exporter published, or None."""
+        self.background = bool(background)
+        self._writing: threading.Thread | None = None
+        self._failure: BaseException | None = None
 
     @property
     def next_number(self) -> int:
@@ -136,12 +149,15 @@ class ServingExporter:
     def maybe_export(self, info: Mapping[str, Any] | None = None) -> Path | None:
         """The next snapshot, if ``every_seconds`` have passed since the previous one began; else None.
 
-        Cheap when not due (one clock read): call it after every training step.
+        Cheap when not due (one clock read): call it after every training step. When due, it
+        takes the rows and the dense state now and (``background``) returns the path the
+        snapshot is published at once its files are written, on the exporter's own thread;
+        :meth:`flush` waits for that.
         """
-        return self.export(info) if self.due() else None
+        return self._export(info, None, wait=not self.background) if self.due() else None
 
     def export(self, info: Mapping[str, Any] | None = None, *, full: bool | None = None) -> Path:
-        """Writes the next snapshot now and returns its directory.
+        """Writes the next snapshot now and returns its directory, published.
 
         Args:
             info: JSON-serialisable facts about this moment of training (a step, a data
@@ -153,39 +169,82 @@ class ServingExporter:
             TypeError: ``info`` is not a JSON object.
             ValueError: ``full=False``.
         """
+        return self._export(info, full, wait=True)
+
+    def flush(self) -> Path | None:
+        """Waits until the snapshot being written (if any) is published; returns the newest published, or None.
+
+        Raises:
+            RuntimeError: the snapshot failed to be written (from its ``OSError`` or other cause); the
+                next one is full.
+        """
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise RuntimeError(f"ServingExporter: writing a snapshot under {str(self.root)!r} failed: {failure}; "
+                               f"nothing of it was published and the next snapshot is full; fix: the cause "
+                               f"(e.g. free disk space) and export again") from failure
+        return self.last
+
+    def close(self) -> None:
+        """Waits for the snapshot being written (:meth:`flush`)."""
+        self.flush()
+
+    def _export(self, info: Mapping[str, Any] | None, full: bool | None, wait: bool) -> Path:
         if full is False:
             raise ValueError("ServingExporter.export: `full` must be True or None (follow full_every); a delta "
                              "cannot be forced, the first snapshot of a run is full")
         if info is not None and not isinstance(info, Mapping):
             raise TypeError(f"ServingExporter.export: `info` must be a dict (kept as JSON) or None, got "
                             f"{type(info).__name__}")
+        self.flush()  # one snapshot in flight at a time, in order
         began_at, began = self._clock(), time.time()
         self._last_began = began_at
         number = self._next
         is_full = bool(full) or self._chain is None or (self.full_every is not None and self._deltas >= self.full_every)
         chain = number if is_full or self._chain is None else self._chain
-        temporary = snapshots.temporary_path(self.root, number)
         self._chain = None  # a failure part way moved some tables' chains: the next snapshot is full
+        tables = {name: (module.table.serving_export(not is_full), module.mode)
+                  for name, module in self._embeddings.items()}
+        dense = _dense_copy(self._dense, self._holders) if self._dense is not None else None
+        meta = snapshots.SnapshotMeta(number=number, kind="full" if is_full else "delta", chain=chain,
+                                      base=None if is_full else number - 1, began=began,
+                                      seconds=self._clock() - began_at, embeddings=tuple(self._embeddings),
+                                      dense=DENSE_FILE if dense is not None else None, info=dict(info or {}))
+        self._chain, self._next = chain, number + 1  # as if written: a failed write resets the chain
+        self._deltas = 0 if is_full else self._deltas + 1
+        if wait:
+            self._write(number, tables, dense, meta)
+            self.flush()
+        else:
+            self._writing = threading.Thread(target=self._write, args=(number, tables, dense, meta),
+                                             name=f"unison-serving-export {number}")
+            self._writing.start()  # not a daemon: an exiting process still publishes it
+        return snapshots.snapshot_path(self.root, number)
+
+    def _write(self, number: int, tables: dict[str, tuple[dict[str, Any], str | None]],
+               dense: dict[str, torch.Tensor] | None, meta: snapshots.SnapshotMeta) -> None:
+        """Writes and publishes snapshot ``number`` (on the exporter's thread, or the caller's); a failure is
+        kept for :meth:`flush` and leaves nothing published."""
+        temporary = snapshots.temporary_path(self.root, number)
         try:
             temporary.mkdir()
-            for name, module in self._embeddings.items():
-                export_for_serving(module, temporary / "embeddings" / name, delta=not is_full)
-            if self._dense is not None:
-                _save_dense(self._dense, self._holders, temporary / DENSE_FILE)
-            meta = snapshots.SnapshotMeta(number=number, kind="full" if is_full else "delta", chain=chain,
-                                base=None if is_full else number - 1, began=began,
-                                seconds=self._clock() - began_at, embeddings=tuple(self._embeddings),
-                                dense=DENSE_FILE if self._dense is not None else None, info=dict(info or {}))
+            for name, (export, mode) in tables.items():
+                write_export(temporary / "embeddings" / name, export, mode)
+            if dense is not None:
+                _save_dense(dense, temporary / DENSE_FILE)
             snapshots.write_meta(temporary, meta)
             path = snapshots.publish(temporary, self.root, number)
-        except BaseException:
+            if meta.kind == "full" and self.keep_chains is not None:
+                self._prune()
+        except BaseException as exc:
             shutil.rmtree(temporary, ignore_errors=True)
-            raise
-        self._chain, self._next, self.last = chain, number + 1, path
-        self._deltas = 0 if is_full else self._deltas + 1
-        if is_full and self.keep_chains is not None:
-            self._prune()
-        return path
+            self._chain = None
+            self._failure = exc
+            return
+        self.last = path
 
     def _prune(self) -> None:
         """Removes the snapshots older than the newest ``keep_chains`` chains' full snapshots."""
@@ -252,10 +311,14 @@ def _dense_state(module: nn.Module, holders: frozenset[int], prefix: str = "") -
     return state
 
 
-def _save_dense(dense: nn.Module, holders: frozenset[int], path: Path) -> None:
-    """``dense``'s state_dict without its tables, as plain CPU tensors (``torch.load(weights_only=True)`` reads it)."""
-    state = {key: value.detach().cpu().clone().as_subclass(torch.Tensor)
-             for key, value in _dense_state(dense, holders).items() if isinstance(value, torch.Tensor)}
+def _dense_copy(dense: nn.Module, holders: frozenset[int]) -> dict[str, torch.Tensor]:
+    """``dense``'s state_dict without its tables, copied as plain CPU tensors (training may change it next)."""
+    return {key: value.detach().cpu().clone().as_subclass(torch.Tensor)
+            for key, value in _dense_state(dense, holders).items() if isinstance(value, torch.Tensor)}
+
+
+def _save_dense(state: dict[str, torch.Tensor], path: Path) -> None:
+    """A dense state (:func:`_dense_copy`), fsynced (``torch.load(weights_only=True)`` reads it)."""
     with open(path, "wb") as handle:
         torch.save(state, handle)
         handle.flush()

@@ -77,7 +77,8 @@ def write_export(path: str | os.PathLike[str], export: dict[str, Any], mode: str
         temporary.mkdir()
         for name, (_, tensor) in arrays.items():
             with open(temporary / f"{name}.bin", "wb") as handle:
-                handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+                if tensor.numel():  # the tensor's own memory, no copy (the write releases the GIL)
+                    handle.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
                 handle.flush()
                 os.fsync(handle.fileno())
         with open(temporary / "manifest.json", "w") as handle:
