@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--budget-fraction", type=float, default=0.25, help="budget / bytes of every row in memory")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--cache", choices=("lru", "lfu"), default="lru", help="DiskStorage's cache policy")
     parser.add_argument("--plain-malloc", action="store_true",
                         help="glibc's default malloc (a one-device trainer) instead of a ps task's setting")
     args = parser.parse_args()
@@ -106,7 +107,7 @@ def main() -> None:
     budget = int(args.rows * row_bytes * args.budget_fraction)
     budget_rows = int(budget / row_bytes)
     results: dict = {"rows": args.rows, "dim": args.dim, "budget_bytes": budget, "steps": args.steps,
-                     "batch": args.batch, "malloc": "glibc default" if args.plain_malloc else "ps task's"}
+                     "batch": args.batch, "cache": args.cache, "malloc": "glibc default" if args.plain_malloc else "ps task's"}
     warnings.simplefilter("ignore", RuntimeWarning)
 
     # torch's and autograd's first training step costs ~85 MB (measured with an in-memory table of 2,000 rows):
@@ -116,7 +117,7 @@ def main() -> None:
     del warm
     rss_before, parts_before = _rss_mb(), _rss_parts_mb()
     with tempfile.TemporaryDirectory() as path:
-        tiered = DynamicEmbedding(args.dim, storage=DiskStorage(path, memory_budget_bytes=budget))
+        tiered = DynamicEmbedding(args.dim, storage=DiskStorage(path, memory_budget_bytes=budget, cache=args.cache))
         opt_t = torch.optim.Adagrad(tiered.parameters(), lr=0.05)
         _fill(tiered, opt_t, args.rows)
         if hasattr(tiered.table._cold.store, "flush"):
