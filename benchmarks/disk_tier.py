@@ -139,12 +139,13 @@ def main() -> None:
             batches = _batches(args.rows, hot, hit, args.steps + 10, args.batch, seed=int(hit * 10))
             _warm(tiered, opt_t, hot, batches[:10])  # the hot set comes in, the cache settles
             _warm(memory, opt_m, hot, batches[:10])
-            read_before = tiered.table.rows_read_back
+            read_before = getattr(tiered.table, "rows_read_back", None)  # None: a tree from before the counter
             ours, theirs = _train(tiered, opt_t, batches[10:]), _train(memory, opt_m, batches[10:])
             distinct = sum(torch.unique(b).numel() for b in batches[10:])
             results[f"hit_{hit}"] = {"tiered_samples_per_s": ours[0], "in_memory_samples_per_s": theirs[0],
                                      "ratio": ours[0] / theirs[0], "ratio_per_cpu_second": ours[1] / theirs[1],
-                                     "rows_in_memory_share": 1 - (tiered.table.rows_read_back - read_before) / distinct}
+                                     "rows_in_memory_share": None if read_before is None else
+                                     1 - (tiered.table.rows_read_back - read_before) / distinct}
         # LMDB's file pages that reads and writes touched are mapped into the process: resident, counted in
         # RSS as file-backed (the kernel's page cache, dropped under memory pressure), growing with the rows read
         results["rss_file_growth_after_training_mb"] = _rss_parts_mb()["RssFile"] - parts_before.get("RssFile", 0.0)
