@@ -17,6 +17,11 @@ Variants, each with plain ``zero_grad(); loss.backward(); opt.step()`` and SGD:
   through a queue and waited for, as Mirrored's replicas are -- with no reduction, so
   their weights part. The least a replica-per-thread design can cost on this machine:
   Mirrored's goals above this ratio are out of reach of any such design here.
+- ``threads_reduce_floor`` (a reference, not unison): the same two threads, meeting once a
+  step after backward, where the last to arrive averages the two models' gradients (one
+  in-place sum and copy per parameter) and wakes the other, as Mirrored's merge does; their
+  weights stay equal. The least a replica-per-thread design that reduces can cost: the
+  floor above plus one rendezvous and the reduction's own arithmetic.
 
 Variants are timed in interleaved rounds (the order rotates each round); the reported
 ratio is the median over rounds of plain's step time divided by the variant's (samples
@@ -59,9 +64,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
            "batch": 256, "inputs": 64, "outputs": 64, "steps": 8},
     "D": {"make": lambda: nn.Linear(10, 10), "batch": 8, "inputs": 10, "outputs": 10, "steps": 200},
 }
-VARIANTS = ("plain", "one_device", "mirrored", "threads_floor")
-STRATEGY_VARIANTS = ("plain", "one_device", "mirrored")
-"""The variants whose weights must equal plain PyTorch's (the floor does not reduce)."""
+VARIANTS = ("plain", "one_device", "mirrored", "threads_floor", "threads_reduce_floor")
+STRATEGY_VARIANTS = ("plain", "one_device", "mirrored", "threads_reduce_floor")
+"""The variants whose weights must equal plain PyTorch's (``threads_floor`` does not reduce)."""
 
 
 def _batches(spec: dict[str, Any], dtype: torch.dtype = torch.float32, count: int = 4) -> list:
@@ -91,9 +96,11 @@ class ThreadsFloor:
     them one model: no variables, no gradient reduction, no merge.
     """
 
-    def __init__(self, spec: dict[str, Any], dtype: torch.dtype):
+    def __init__(self, spec: dict[str, Any], dtype: torch.dtype, reduce: bool = False):
         self._models = [_model(spec, dtype) for _ in range(2)]
         self._opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in self._models]
+        # ``reduce``: a rendezvous after backward whose last arrival averages the gradients
+        self._meet = threading.Barrier(2, action=self._average) if reduce else None
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
         own = torch.get_num_threads()
@@ -118,7 +125,15 @@ class ThreadsFloor:
         model, opt = self._models[i], self._opts[i]
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
+        if self._meet is not None:
+            self._meet.wait(30)
         opt.step()
+
+    def _average(self) -> None:
+        with torch.no_grad():
+            for first, second in zip(self._models[0].parameters(), self._models[1].parameters()):
+                first.grad.add_(second.grad).mul_(0.5)
+                second.grad.copy_(first.grad)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         xs, ys = x.chunk(2), y.chunk(2)
@@ -134,8 +149,8 @@ class ThreadsFloor:
 
 def make_step(variant: str, spec: dict[str, Any], dtype: torch.dtype = torch.float32) -> tuple[Callable, nn.Module]:
     """A function ``step(x, y)`` training one batch under ``variant``, and its model."""
-    if variant == "threads_floor":
-        floor = ThreadsFloor(spec, dtype)
+    if variant in ("threads_floor", "threads_reduce_floor"):
+        floor = ThreadsFloor(spec, dtype, reduce=variant == "threads_reduce_floor")
         return floor, floor._models[0]
     strategy: unison.Strategy | None = None
     if variant == "one_device":
@@ -210,12 +225,12 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         return False
     names = list(results)
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.27
-    for k, variant in enumerate(("one_device", "mirrored", "threads_floor")):
+    width = 0.2
+    for k, variant in enumerate(("one_device", "mirrored", "threads_floor", "threads_reduce_floor")):
         ratios = [results[n]["summary"][variant]["samples_per_s_vs_plain"] for n in names]
-        bars = ax.bar([i + (k - 1) * width for i in range(len(names))], ratios, width, label=variant,
-                      hatch="//" if variant == "threads_floor" else None,
-                      alpha=0.6 if variant == "threads_floor" else 1.0)
+        floor = variant.startswith("threads")
+        bars = ax.bar([i + (k - 1.5) * width for i in range(len(names))], ratios, width, label=variant,
+                      hatch="//" if floor else None, alpha=0.6 if floor else 1.0)
         for bar, ratio in zip(bars, ratios):
             ax.annotate(f"{ratio:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
@@ -242,14 +257,22 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--workloads: unknown {unknown!r}; choose from {list(WORKLOADS)!r}")
     results = {}
-    print(f"{'workload':<13} {'variant':<13} {'ms/step':>9} {'x plain (samples/s)':>20} {'max |w - plain|':>16}")
+    print(f"{'workload':<13} {'variant':<21} {'ms/step':>9} {'x plain (samples/s)':>20} {'max |w - plain|':>16}")
     for name in names:
         results[name] = measure(name, args.rounds)
         for variant, row in results[name]["summary"].items():
             diff = results[name]["max_weight_diff_vs_plain"].get(variant)
             shown = f"{diff:>16.2e}" if diff is not None else f"{'(no reduction)':>16}"
-            print(f"{name:<13} {variant:<13} {row['median_step_ms']:>9.2f} {row['samples_per_s_vs_plain']:>20.3f} "
+            print(f"{name:<13} {variant:<21} {row['median_step_ms']:>9.2f} {row['samples_per_s_vs_plain']:>20.3f} "
                   f"{shown}", flush=True)
+    for name, result in results.items():  # Mirrored against each floor (samples/s, median of the paired ratios)
+        summary = result["summary"]
+        mirrored = summary["mirrored"]["samples_per_s_vs_plain"]
+        floors = {floor: mirrored / summary[floor]["samples_per_s_vs_plain"]
+                  for floor in ("threads_floor", "threads_reduce_floor")}
+        result["mirrored_vs_floors"] = floors
+        print(f"{name}: mirrored / threads_floor {floors['threads_floor']:.3f}, mirrored / threads_reduce_floor "
+              f"{floors['threads_reduce_floor']:.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "in_process.json"
     path.write_text(json.dumps({"benchmark": "in_process", "rounds": args.rounds, "results": results,
