@@ -107,7 +107,8 @@ def main() -> None:
     budget = int(args.rows * row_bytes * args.budget_fraction)
     budget_rows = int(budget / row_bytes)
     results: dict = {"rows": args.rows, "dim": args.dim, "budget_bytes": budget, "steps": args.steps,
-                     "batch": args.batch, "cache": args.cache, "malloc": "glibc default" if args.plain_malloc else "ps task's"}
+                     "batch": args.batch, "cache": args.cache,
+                     "malloc": "glibc default" if args.plain_malloc else "ps task's"}
     warnings.simplefilter("ignore", RuntimeWarning)
 
     # torch's and autograd's first training step costs ~85 MB (measured with an in-memory table of 2,000 rows):

@@ -534,3 +534,21 @@ def test_compacting_moves_live_rows_down_and_keeps_every_row_and_counter():
     assert torch.equal(table.lookup(ids[70:]), before["rows"])  # found at their new slots
     table.lookup(ids[:70])  # and new rows are made after them
     assert table.num_rows == 100 and not table.compact()
+
+
+def test_an_import_whose_optimizer_state_does_not_fit_is_refused_before_any_row_changes():
+    table = LocalTable(4, seed=1)
+    ids = torch.arange(5)
+    table.lookup(ids)
+    table.apply_gradients(ids, torch.ones(5, 4), RowAdagrad(0.1))  # state "sum", 4 columns
+    before = table.export()
+    other = LocalTable(4, seed=1)
+    other.lookup(torch.arange(3, 9))
+    export = other.export()
+    export["state"] = {"sum": torch.zeros(6, 2)}  # 2 columns: another optimizer configuration
+    export["meta"] = {**export["meta"], "state_init": {"sum": 0.0}}
+    with pytest.raises(ValueError, match=r"row state 'sum' \(2 columns starting at 0.0\) differs.*fix: use one "
+                                         r"optimizer configuration"):
+        table.import_(export)
+    after = table.export()
+    assert torch.equal(after["ids"], before["ids"]) and torch.equal(after["rows"], before["rows"])

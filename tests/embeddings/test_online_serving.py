@@ -319,3 +319,22 @@ def test_a_failed_background_write_is_raised_by_the_next_call_and_the_next_snaps
     follower = ServingFollower(tmp_path)
     follower.poll()
     assert_serves(follower, model)
+
+
+def test_export_raises_a_failed_write_as_it_was_and_publishes_nothing(tmp_path, monkeypatch):
+    import unison._embeddings.serving.exporter as exporter_module
+
+    write_export = exporter_module.write_export
+
+    def failing(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    model, _ = make()
+    exporter = exporter_of(model, tmp_path)
+    monkeypatch.setattr(exporter_module, "write_export", failing)
+    with pytest.raises(OSError, match="No space left on device"):
+        exporter.export()  # written by this call: its error as it was
+    assert exporter.flush() is None and exporter.last is None and not list(tmp_path.iterdir())
+    monkeypatch.setattr(exporter_module, "write_export", write_export)
+    path = exporter.export()
+    assert json.loads((path / "snapshot.json").read_text())["kind"] == "full"

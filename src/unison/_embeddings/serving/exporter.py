@@ -217,7 +217,9 @@ class ServingExporter:
         self._deltas = 0 if is_full else self._deltas + 1
         if wait:
             self._write(number, tables, dense, meta)
-            self.flush()
+            failure, self._failure = self._failure, None
+            if failure is not None:
+                raise failure  # as it was raised: this call wrote the snapshot
         else:
             self._writing = threading.Thread(target=self._write, args=(number, tables, dense, meta),
                                              name=f"unison-serving-export {number}")

@@ -83,8 +83,8 @@ class IdIndex:
         entries = self._entries
         mask = entries.shape[0] - 1
         keys = _array(ids)
-        found_pos, found_slot = np.full(keys.shape[0], -1), np.full(keys.shape[0], -1)
-        end = np.full(keys.shape[0], -1)
+        found_pos, found_slot = np.full(keys.shape[0], -1, np.int64), np.full(keys.shape[0], -1, np.int64)
+        end = np.full(keys.shape[0], -1, np.int64)
         todo = np.arange(keys.shape[0])
         pos = _home(keys, mask)
         tombstones = self._tombstones > 0

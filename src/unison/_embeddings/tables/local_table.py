@@ -580,6 +580,8 @@ class LocalTable:
         meta = export["meta"]
         ids = export["ids"].index_select(0, pick)
         rows = export["rows"].index_select(0, pick)
+        self._ensure_state({name: RowState(values.shape[1], meta["state_init"][name])  # refused before any change
+                            for name, values in export["state"].items()}, "the export")
         slots = self._index.find(ids)
         missing = slots < 0
         if bool(missing.any()):

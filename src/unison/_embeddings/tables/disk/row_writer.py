@@ -7,8 +7,8 @@ each batch to one writer thread and returns, so a step does not wait for its own
 The writes do not run beside the step's compute for free, though: py-lmdb holds the GIL
 for most of a write, and a thread writing 1,700 rows slowed a busy training thread by
 about the write's own length (``benchmarks/RESULTS.md``, the disk tier), so the cost moves
-off the step that spills onto the next ones rather than onto the second core. Order is kept (one thread, a FIFO queue), each
-batch is one transaction (its rows and its dirty marks together, so a crash leaves the
+off the step that spills onto the next ones rather than onto the second core. Order is kept
+(one thread, a FIFO queue), each batch is one transaction (its rows and its dirty marks together, so a crash leaves the
 files at a batch boundary), and a row whose batch is not committed yet is read from the
 batch itself (:meth:`overlay`), never from an older copy on disk. At most ``depth``
 batches wait: a step that spills faster than the disk writes waits for it then (the rows
