@@ -1,18 +1,18 @@
 """``RowWriter``: a disk store's writes applied by a background thread, in order, the rows in flight readable.
 
-A step's spill (and an eviction's deletes) used to run inside the push that ends the
-step: LMDB's copy-on-write B-tree costs tens of microseconds a row written, so the step
-waited for the disk (``benchmarks/disk_tier.py`` under ``py-spy``). Here the store hands
-each batch to one writer thread and returns, so a step does not wait for its own spill.
-The writes do not run beside the step's compute for free, though: py-lmdb holds the GIL
-for most of a write, and a thread writing 1,700 rows slowed a busy training thread by
-about the write's own length (``benchmarks/RESULTS.md``, the disk tier), so the cost moves
-off the step that spills onto the next ones rather than onto the second core. Order is kept
-(one thread, a FIFO queue), each batch is one transaction (its rows and its dirty marks together, so a crash leaves the
-files at a batch boundary), and a row whose batch is not committed yet is read from the
-batch itself (:meth:`overlay`), never from an older copy on disk. At most ``depth``
-batches wait: a step that spills faster than the disk writes waits for it then (the rows
-in flight are memory beyond the budget: at most ``depth`` spill batches).
+A step's spill (and an eviction's deletes) used to run inside the push that ends the step:
+LMDB's copy-on-write B-tree costs tens of microseconds a row written, so the step waited for
+the disk (``benchmarks/disk_tier.py`` under ``py-spy``). Here the store hands each batch to
+one writer thread and returns, so a step does not wait for its own spill. The writes do not
+run beside the step's compute for free, though: py-lmdb holds the GIL for most of a write,
+and a thread writing 1,700 rows slowed a busy training thread by about the write's own
+length (``benchmarks/RESULTS.md``, the disk tier), so the cost moves off the step that
+spills onto the next ones rather than onto the second core. Order is kept (one thread, a
+FIFO queue), each batch is one transaction (its rows and its dirty marks together, so a
+crash leaves the files at a batch boundary), and a row whose batch is not committed yet is
+read from the batch itself (:meth:`overlay`), never from an older copy on disk. At most
+``depth`` batches wait: a step that spills faster than the disk writes waits for it then
+(the rows in flight are memory beyond the budget: at most ``depth`` spill batches).
 
 A failed write is kept and raised, naming the store, by the next call of the thread that
 submits (the store is then unusable: reload the checkpoint).
