@@ -552,3 +552,17 @@ def test_an_import_whose_optimizer_state_does_not_fit_is_refused_before_any_row_
         table.import_(export)
     after = table.export()
     assert torch.equal(after["ids"], before["ids"]) and torch.equal(after["rows"], before["rows"])
+
+
+def test_coldest_names_the_rows_a_cache_keeps_least_in_order_and_never_the_steps_own():
+    table = LocalTable(2, seed=1)
+    for ids in ([10, 11, 12], [13, 14], [10, 15]):
+        table.lookup(torch.tensor(ids))  # last seen: 11, 12 at step 0; 13, 14 at 1; 10, 15 at 2
+        table.step()
+    table.lookup(torch.tensor([12]))  # 12: seen at step 3, used twice
+    # least recently used first, ties by fewer uses, then by id; rows seen at step 3 or later stay
+    assert table.coldest(3, "lru", protect_from=3).tolist() == [11, 13, 14]
+    assert sorted(table.coldest(10, "lru", protect_from=3).tolist()) == [10, 11, 13, 14, 15]
+    # least often used first (10 twice, 12 twice), ties by older use, then by id
+    assert table.coldest(4, "lfu", protect_from=99).tolist() == [11, 13, 14, 15]
+    assert table.coldest(0, "lru", protect_from=99).numel() == 0

@@ -395,12 +395,33 @@ class LocalTable:
         changed in (give it back with :meth:`restore`)."""
         slots = self._index.find(ids)
         slots = slots[slots >= 0]
-        out = self._export_slots(slots)
-        out.pop("pending_counts", None)
+        out = self._export_slots(slots, chain=False)
         if moving:  # in the export's order (by id), as _export_slots sorts
             out["changed_in"] = self._changed_in.index_select(0, slots.index_select(0, self._slot_ids[slots].argsort()))
         self._remove(slots, log=not moving)
         return out
+
+    def coldest(self, count: int, policy: str, protect_from: int) -> torch.Tensor:
+        """The ids of up to ``count`` stored rows that a cache keeps least: least recently used first
+        (``"lru"``, ties by fewer uses) or least often (``"lfu"``, ties by older use), then by id;
+        none last seen at step ``protect_from`` or later. What a disk tier spills: the two keys in
+        one int64, so one ``kthvalue`` over the slots and a sort of the few rows tied at the cut
+        (:meth:`RowCapacity.victims` sorts every row tied on the first key: a step's rows)."""
+        used = self._used
+        seen, counts = self._last_seen[:used], self._counts[:used].clamp(max=(1 << 31) - 1)
+        first, second = (seen, counts) if policy == "lru" else (counts, seen)
+        key = first * (1 << 32) + second.clamp(min=0, max=(1 << 32) - 1)
+        keep = ~self._live[:used] | (seen >= protect_from)
+        key = key.masked_fill(keep, torch.iinfo(torch.int64).max)
+        count = min(count, used - int(keep.sum()))
+        if count <= 0:
+            return torch.zeros(0, dtype=torch.int64)
+        cut = key.kthvalue(count).values
+        below = (key < cut).nonzero().squeeze(1)
+        tied = (key == cut).nonzero().squeeze(1)
+        tied_ids = self._slot_ids.index_select(0, tied)
+        first_ids = tied_ids.sort().values[:count - below.numel()]  # ties at the cut: lowest ids first
+        return torch.cat([self._slot_ids.index_select(0, below), first_ids])
 
     def restore(self, part: dict[str, Any]) -> None:
         """Takes back rows :meth:`take` moved below (``part``: their export with ``"changed_in"``), as
@@ -492,14 +513,15 @@ class LocalTable:
         out = self._export_slots(self._live_slots())
         return out if self._lower is None else self._lower.joined(out, None)
 
-    def _export_slots(self, live: torch.Tensor) -> dict[str, Any]:
-        """:meth:`export` of the rows in live ``slots`` (any order; sorted by id here)."""
+    def _export_slots(self, live: torch.Tensor, chain: bool = True) -> dict[str, Any]:
+        """:meth:`export` of the rows in live ``slots`` (any order; sorted by id here); without ``chain``
+        (rows a disk tier moves) no admission counts and no save point (which reads every row)."""
         ids, order = self._slot_ids[live].sort()
         slots = live[order]
         policy_parts: dict[str, torch.Tensor] = {}
         if self._clock is not None and self._seen_at is not None:
             policy_parts["idle_seconds"] = self._clock() - self._seen_at.index_select(0, slots)
-        if self._pending is not None:
+        if self._pending is not None and chain:
             policy_parts["pending_counts"] = self._pending.cells()
         return {
             **policy_parts,
@@ -510,7 +532,7 @@ class LocalTable:
             "last_seen": self._last_seen.index_select(0, slots),
             "meta": {"embedding_dim": self._dim, "dtype": str(self._dtype), "seed": self._seed,
                      "step": self._step, "initializer": self._initializer.config(),
-                     "state_init": dict(self._state_init), **self._save_point_meta()},
+                     "state_init": dict(self._state_init), **(self._save_point_meta() if chain else {})},
         }
 
     @classmethod

@@ -395,15 +395,12 @@ class TieredTable:
             allowed = self._budget_rows()
             if self._hot.num_rows <= allowed:
                 return
-            hot = self._hot.row_counters()
-            live = torch.arange(hot["ids"].numel())
-            target = allowed - allowed // _SPILL_SLACK
-            chosen, over = RowCapacity(target, self._storage.cache).victims(live, hot["ids"], hot["counts"],
-                                                                            hot["last_seen"], protect_from)
-            over = max(0, over - allowed // _SPILL_SLACK)  # rows over the budget itself
+            wanted = self._hot.num_rows - (allowed - allowed // _SPILL_SLACK)
+            chosen = self._hot.coldest(wanted, self._storage.cache, protect_from)
+            over = max(0, self._hot.num_rows - chosen.numel() - allowed)  # rows over the budget itself
             if not chosen.numel():
                 break
-            self._cold.put(self._hot.take(hot["ids"].index_select(0, chosen), moving=True))
+            self._cold.put(self._hot.take(chosen, moving=True))
             if self._hot.compact():  # after a step over the budget (a fill, a large batch): its slots go back
                 trim_heap()
         if over and not self._warned["budget"]:
