@@ -419,3 +419,11 @@ def test_a_failed_disk_write_is_raised_by_the_next_step_naming_the_store(tmp_pat
             emb(torch.arange(start, start + 40)).sum().backward()
             opt.step()
             emb.table._cold.store.flush()
+
+
+def test_the_writer_hands_freed_heap_pages_back_where_glibc_is():
+    import ctypes.util
+
+    from unison._embeddings.tables.disk.heap import trim_heap
+
+    assert trim_heap() is (ctypes.util.find_library("c") is not None)
