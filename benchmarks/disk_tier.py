@@ -8,8 +8,11 @@ setting (``release_large_buffers``: glibc's mmap threshold fixed at 1 MB, so fre
 go back to the system as they do on a ps task; ``--plain-malloc`` leaves glibc's default, as a
 one-device trainer has it). Each run is paired: the
 in-memory table and the tiered one train on the same batches in the same run. The hit rate is
-the share of a batch's ids drawn from a hot set of ``budget rows / 2`` ids; the rest are drawn
-uniformly from every row; the timed steps start after the hot set was trained once and ten
+the share of a batch's ids drawn from a hot set; the rest are drawn uniformly from every row.
+The hot set is half the rows the budget holds in memory once the table is filled (the cold
+rows' index takes its share of the budget, so at 4x the budget that is far fewer than the
+budget divided by a row's size; ``--hot-set N`` sets it, ``--hot-set estimate`` takes the old
+``budget / (row + counters + index entry) / 2``); the timed steps start after the hot set was trained once and ten
 steps more (the cache's steady state), and ``rows_in_memory_share`` is the share of each step's
 distinct ids found in memory (not read back from disk). Writes ``benchmarks/out/disk_tier.json``; results in
 ``benchmarks/RESULTS.md`` (indicative: a shared 2-core machine).
@@ -46,6 +49,14 @@ def _rss_parts_mb() -> dict[str, float]:
                 name, kb = line.split()[:2]
                 parts[name.rstrip(":")] = int(kb) / 1024
     return parts
+
+
+def _hot_set(choice: str, hot_rows: int, budget_rows: int) -> int:
+    if choice == "fit":
+        return hot_rows // 2
+    if choice == "estimate":
+        return budget_rows // 2
+    return int(choice)
 
 
 def _batches(rows: int, hot: int, hit: float, steps: int, batch: int, seed: int) -> list[torch.Tensor]:
@@ -95,6 +106,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--cache", choices=("lru", "lfu"), default="lru", help="DiskStorage's cache policy")
+    parser.add_argument("--hot-set", default="fit",
+                        help="ids in the hot set: 'fit' (half the hot rows after the fill), 'estimate' (half the "
+                             "budget over a row's estimated bytes) or a number")
     parser.add_argument("--plain-malloc", action="store_true",
                         help="glibc's default malloc (a one-device trainer) instead of a ps task's setting")
     args = parser.parse_args()
@@ -129,21 +143,22 @@ def main() -> None:
         results["cold_index_bytes"] = tiered.table._cold.nbytes
         results["tiered_rss_growth_mb"] = rss_tiered
         results["rss_growth_over_budget"] = rss_tiered * 2**20 / budget
-        results["hot_rows"] = tiered.table.hot_rows
+        results["hot_rows"] = hot_rows_filled = tiered.table.hot_rows
         results["disk_bytes_per_row"] = tiered.table.disk_bytes / max(1, tiered.num_rows - tiered.table.hot_rows)
         memory = DynamicEmbedding(args.dim)
         opt_m = torch.optim.Adagrad(memory.parameters(), lr=0.05)
         _fill(memory, opt_m, args.rows)
         results["in_memory_table_bytes"] = memory.table.bytes
         for hit in (0.9, 0.5):
-            hot = max(1, budget_rows // 2)
+            hot = max(1, _hot_set(args.hot_set, hot_rows_filled, budget_rows))
             batches = _batches(args.rows, hot, hit, args.steps + 10, args.batch, seed=int(hit * 10))
             _warm(tiered, opt_t, hot, batches[:10])  # the hot set comes in, the cache settles
             _warm(memory, opt_m, hot, batches[:10])
             read_before = getattr(tiered.table, "rows_read_back", None)  # None: a tree from before the counter
             ours, theirs = _train(tiered, opt_t, batches[10:]), _train(memory, opt_m, batches[10:])
             distinct = sum(torch.unique(b).numel() for b in batches[10:])
-            results[f"hit_{hit}"] = {"tiered_samples_per_s": ours[0], "in_memory_samples_per_s": theirs[0],
+            results[f"hit_{hit}"] = {"hot_set": hot, "tiered_samples_per_s": ours[0],
+                                     "in_memory_samples_per_s": theirs[0],
                                      "ratio": ours[0] / theirs[0], "ratio_per_cpu_second": ours[1] / theirs[1],
                                      "rows_in_memory_share": None if read_before is None else
                                      1 - (tiered.table.rows_read_back - read_before) / distinct}
