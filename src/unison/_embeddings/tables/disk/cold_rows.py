@@ -134,17 +134,21 @@ class ColdRows:
         """Exports of the rows at live ``positions``, one per state layout, with ``meta`` and ``"changed_in"``
         (rows stay here)."""
         out = []
-        layouts = self._layout.index_select(0, positions)
-        for code in torch.unique(layouts).tolist():
-            at = positions[layouts == code]
+        if len(self._layouts) == 1:  # one optimizer's rows: no grouping by layout
+            groups = [(0, positions)]
+        else:
+            layouts = self._layout.index_select(0, positions)
+            groups = [(code, positions[layouts == code]) for code in torch.unique(layouts).tolist()]
+        for code, at in groups:
             layout = self._layouts[code]
             columns = self._dim + sum(c for _, c in layout)
-            values = self._store.get(self._ids.index_select(0, at), columns * self._itemsize).view(self._dtype)
+            ids = self._ids.index_select(0, at)
+            values = self._store.get(ids, columns * self._itemsize).view(self._dtype)
             state, start = {}, self._dim
             for name, width in layout:
                 state[name] = values[:, start:start + width]
                 start += width
-            part = {"ids": self._ids.index_select(0, at), "rows": values[:, :self._dim], "state": state,
+            part = {"ids": ids, "rows": values[:, :self._dim], "state": state,
                     "counts": self._counts.index_select(0, at), "last_seen": self._last_seen.index_select(0, at),
                     "changed_in": self._changed_in.index_select(0, at).to(torch.int64),
                     "meta": {**meta, "state_init": {name: self.state_init[name] for name, _ in layout}}}

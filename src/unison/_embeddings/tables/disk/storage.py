@@ -232,17 +232,22 @@ class KeyValueStore:
     def get(self, keys: torch.Tensor, width: int) -> torch.Tensor:
         """``[n, width]`` uint8: the values of ``keys``, each present (on disk or in flight)."""
         out = torch.empty(keys.numel(), width, dtype=torch.uint8)
-        rest = (~self._writer.overlay(keys, out)).nonzero().squeeze(1)
+        in_flight = self._writer.overlay(keys, out)
+        rest = (~in_flight).nonzero().squeeze(1)
         if not rest.numel():
             return out
         found = []
         if self._env is not None:
+            wanted = keys if rest.numel() == keys.numel() else keys.index_select(0, rest)
             with self._env.begin() as txn:
-                found = [value for _, value in txn.cursor(db=self._rows).getmulti(_keys(keys.index_select(0, rest)))]
+                found = [value for _, value in txn.cursor(db=self._rows).getmulti(_keys(wanted))]
         if len(found) != rest.numel():
             raise KeyError(f"DiskStorage: {rest.numel() - len(found)} of {keys.numel()} rows missing from "
                            f"{str(self.directory)!r} (were its files changed by another process?)")
-        out.index_copy_(0, rest, torch.frombuffer(bytearray(b"".join(found)), dtype=torch.uint8).reshape(-1, width))
+        read = torch.frombuffer(bytearray(b"".join(found)), dtype=torch.uint8).reshape(-1, width)
+        if rest.numel() == keys.numel():
+            return read  # none in flight: the rows as read, no copy into ``out``
+        out.index_copy_(0, rest, read)
         return out
 
     def flush(self) -> None:
