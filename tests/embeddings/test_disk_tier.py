@@ -404,6 +404,7 @@ def test_rows_still_in_flight_to_a_slow_disk_are_read_from_the_writer_and_train_
     _assert_same(ours.state_dict(), reference.state_dict())
 
 
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")  # 40 new ids a step
 def test_a_failed_disk_write_is_raised_by_the_next_step_naming_the_store(tmp_path, monkeypatch):
     from unison._embeddings.tables.disk.storage import KeyValueStore
 
