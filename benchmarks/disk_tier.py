@@ -106,7 +106,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--cache", choices=("lru", "lfu"), default="lru", help="DiskStorage's cache policy")
-    parser.add_argument("--readahead", action="store_true", help="DiskStorage(readahead=True)")
     parser.add_argument("--hot-set", default="fit",
                         help="ids in the hot set: 'fit' (half the hot rows after the fill), 'estimate' (half the "
                              "budget over a row's estimated bytes) or a number")
@@ -122,7 +121,7 @@ def main() -> None:
     budget = int(args.rows * row_bytes * args.budget_fraction)
     budget_rows = int(budget / row_bytes)
     results: dict = {"rows": args.rows, "dim": args.dim, "budget_bytes": budget, "steps": args.steps,
-                     "batch": args.batch, "cache": args.cache, "readahead": args.readahead,
+                     "batch": args.batch, "cache": args.cache,
                      "malloc": "glibc default" if args.plain_malloc else "ps task's"}
     warnings.simplefilter("ignore", RuntimeWarning)
 
@@ -133,8 +132,7 @@ def main() -> None:
     del warm
     rss_before, parts_before = _rss_mb(), _rss_parts_mb()
     with tempfile.TemporaryDirectory() as path:
-        tiered = DynamicEmbedding(args.dim, storage=DiskStorage(path, memory_budget_bytes=budget, cache=args.cache,
-                                                                   **({"readahead": True} if args.readahead else {})))
+        tiered = DynamicEmbedding(args.dim, storage=DiskStorage(path, memory_budget_bytes=budget, cache=args.cache))
         opt_t = torch.optim.Adagrad(tiered.parameters(), lr=0.05)
         _fill(tiered, opt_t, args.rows)
         if hasattr(tiered.table._cold.store, "flush"):

@@ -261,8 +261,6 @@ def test_bad_storage_settings_name_the_field_the_value_and_the_fix(tmp_path):
         DiskStorage(tmp_path, memory_budget_bytes=1 << 20, cache="fifo")
     with pytest.raises(TypeError, match=r"`path` must be a directory path"):
         DiskStorage(None, memory_budget_bytes=1 << 20)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"`readahead` must be True or False, got 'yes'; fix: True when"):
-        DiskStorage(tmp_path, memory_budget_bytes=1 << 20, readahead="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"`storage` must be None \(rows in memory\) or a "
                                         r"unison.embeddings.DiskStorage"):
         DynamicEmbedding(4, storage=str(tmp_path))  # type: ignore[arg-type]
@@ -430,15 +428,3 @@ def test_the_writer_hands_freed_heap_pages_back_where_glibc_is():
     from unison._embeddings.tables.disk.heap import trim_heap
 
     assert trim_heap() is (ctypes.util.find_library("c") is not None)
-
-
-@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")  # 64 ids a step
-@pytest.mark.parametrize("readahead", [False, True])
-def test_readahead_reaches_the_store_and_changes_no_value(tmp_path, readahead):
-    storage = DiskStorage(tmp_path, memory_budget_bytes=_budget_for(IDS // 4, DIM), readahead=readahead)
-    assert ("readahead=True" in repr(storage)) is readahead
-    batches = _batches(25)
-    ours = _train(DynamicEmbedding(DIM, mode="sum", seed=3, storage=storage), torch.optim.Adagrad, batches, lr=0.2)
-    reference = _train(DynamicEmbedding(DIM, mode="sum", seed=3), torch.optim.Adagrad, batches, lr=0.2)
-    assert ours.table._cold.store._env.flags()["readahead"] is readahead
-    _assert_same(ours.state_dict(), reference.state_dict())

@@ -69,12 +69,6 @@ class DiskStorage:
         memory_budget_bytes: the bytes of rows kept in memory per owner (per ps task for its
             shard of this table; the whole table on one device); at least one row's.
         cache: which rows stay in memory, ``"lru"`` (most recently used) or ``"lfu"`` (most used).
-        readahead: let the kernel read ahead and map neighbouring pages around each page a read
-            touches (LMDB's default; unison's is off). On when the machine's page cache holds
-            the store (the budget is the process's, not the machine's): a read then maps 16
-            pages per fault instead of one, and ``benchmarks/disk_tier.py`` ran 10% faster at
-            4x the budget. Off when the store is larger than the machine's free memory: every
-            random read would then read ahead from disk what no row needs.
 
     Raises:
         ValueError: a budget below 1 byte or a cache policy not named above (a budget too small
@@ -92,8 +86,7 @@ class DiskStorage:
         torch.Size([2, 16])
     """
 
-    def __init__(self, path: str | os.PathLike[str], memory_budget_bytes: int, cache: str = "lru",
-                 readahead: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], memory_budget_bytes: int, cache: str = "lru") -> None:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"DiskStorage: `path` must be a directory path (str or os.PathLike), got {path!r}")
         if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 1:
@@ -102,18 +95,13 @@ class DiskStorage:
         if cache not in CACHE_POLICIES:
             raise ValueError(f"DiskStorage: `cache` must be one of {CACHE_POLICIES} (which rows stay in memory), "
                              f"got {cache!r}; fix: cache='lru'")
-        if not isinstance(readahead, bool):
-            raise TypeError(f"DiskStorage: `readahead` must be True or False, got {readahead!r}; fix: True when the "
-                            f"machine's memory holds the store's files, else False (the default)")
         _lmdb()
         self.path = Path(path)
         self.memory_budget_bytes = memory_budget_bytes
         self.cache = cache
-        self.readahead = readahead
 
     def __repr__(self) -> str:
-        return (f"DiskStorage({str(self.path)!r}, memory_budget_bytes={self.memory_budget_bytes}, cache={self.cache!r}"
-                f"{', readahead=True' if self.readahead else ''})")
+        return f"DiskStorage({str(self.path)!r}, memory_budget_bytes={self.memory_budget_bytes}, cache={self.cache!r})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DiskStorage) and repr(self) == repr(other)
@@ -133,7 +121,7 @@ class DiskStorage:
     def open(self, place: str) -> KeyValueStore:
         """A new, empty store for the rows of ``place`` (``"local"``, ``"ps-0/<table>"``); what an earlier run
         left in its directory is removed at its first write, or resumed from (``KeyValueStore.reopen``)."""
-        return KeyValueStore(self.path / place, readahead=self.readahead)
+        return KeyValueStore(self.path / place)
 
 
 def _lmdb() -> Any:
@@ -164,10 +152,9 @@ class KeyValueStore:
     marks each id once per seal (``ColdRows``), not at every write.
     """
 
-    def __init__(self, directory: Path, readahead: bool = False) -> None:
+    def __init__(self, directory: Path) -> None:
         lmdb = _lmdb()
         self._lmdb = lmdb
-        self._readahead = readahead  # DiskStorage's
         self._env: Any = None
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -191,7 +178,7 @@ class KeyValueStore:
     def _open(self, path: Path, create: bool) -> None:
         lmdb = self._lmdb
         try:
-            env = lmdb.open(str(path), map_size=_MAP_SIZE, sync=False, metasync=False, readahead=self._readahead,
+            env = lmdb.open(str(path), map_size=_MAP_SIZE, sync=False, metasync=False, readahead=False,
                             max_dbs=3, create=create)
             self._rows = env.open_db(b"rows")
             self._dirty = env.open_db(b"dirty")
@@ -291,7 +278,7 @@ class KeyValueStore:
         if not name.startswith("rows-") or not (path / "data.mdb").is_file():
             return f"no store {name!r} under {str(self._parent)!r}"
         try:
-            env = self._lmdb.open(str(path), map_size=_MAP_SIZE, sync=False, metasync=False, readahead=self._readahead,
+            env = self._lmdb.open(str(path), map_size=_MAP_SIZE, sync=False, metasync=False, readahead=False,
                                   max_dbs=3, create=False)
         except self._lmdb.Error as exc:
             return f"store {str(path)!r} does not open ({exc})"
