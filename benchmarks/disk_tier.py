@@ -1,21 +1,21 @@
 """The disk tier's costs: a table several times its memory budget trains; RSS growth against the budget;
 samples/s at a ~90% and ~50% hot-set hit rate against the same table all in memory; disk bytes per row.
 
-    python benchmarks/disk_tier.py --rows 200000 --dim 32 --budget-fraction 0.25 --steps 60 --batch 2048
+    python benchmarks/disk_tier.py --rows 1000000 --dim 64 --budget-fraction 0.25 --steps 40 --batch 8192
 
-One process, one device (the ps task's path is the same table code), with a ps task's memory
-setting (``release_large_buffers``: glibc's mmap threshold fixed at 1 MB, so freed batch buffers
-go back to the system as they do on a ps task; ``--plain-malloc`` leaves glibc's default, as a
-one-device trainer has it). Each run is paired: the
-in-memory table and the tiered one train on the same batches in the same run. The hit rate is
-the share of a batch's ids drawn from a hot set; the rest are drawn uniformly from every row.
-The hot set is half the rows the budget holds in memory once the table is filled (the cold
-rows' index takes its share of the budget, so at 4x the budget that is far fewer than the
-budget divided by a row's size; ``--hot-set N`` sets it, ``--hot-set estimate`` takes the old
-``budget / (row + counters + index entry) / 2``); the timed steps start after the hot set was trained once and ten
-steps more (the cache's steady state), and ``rows_in_memory_share`` is the share of each step's
-distinct ids found in memory (not read back from disk). Writes ``benchmarks/out/disk_tier.json``; results in
-``benchmarks/RESULTS.md`` (indicative: a shared 2-core machine).
+One process, one device (the ps task's path is the same table code), with a ps task's memory setting
+(``release_large_buffers``: glibc's mmap threshold fixed at 1 MB, so freed batch buffers go back to
+the system as they do on a ps task; ``--plain-malloc`` leaves glibc's default, as a one-device
+trainer has it). Each run is paired: the in-memory table and the tiered one train on the same
+batches in the same run. The hit rate is the share of a batch's ids drawn from a hot set; the rest
+are drawn uniformly from every row. The hot set is half the rows the budget holds in memory once the
+table is filled (the cold rows' index takes its share of the budget, so at 4x the budget that is far
+fewer than the budget divided by a row's size; ``--hot-set N`` sets it, ``--hot-set estimate`` takes
+the old ``budget / (row + counters + index entry) / 2``); the timed steps start after the hot set
+was trained once and ten steps more (the cache's steady state), and ``rows_in_memory_share`` is the
+share of each step's distinct ids found in memory (not read back from disk). Writes
+``benchmarks/out/disk_tier.json``; results in ``benchmarks/RESULTS.md`` (indicative: a shared 2-core
+machine).
 """
 
 from __future__ import annotations
