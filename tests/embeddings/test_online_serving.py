@@ -338,3 +338,23 @@ def test_export_raises_a_failed_write_as_it_was_and_publishes_nothing(tmp_path, 
     monkeypatch.setattr(exporter_module, "write_export", write_export)
     path = exporter.export()
     assert json.loads((path / "snapshot.json").read_text())["kind"] == "full"
+
+
+def test_a_failed_prune_warns_and_keeps_the_new_snapshot(tmp_path, monkeypatch):
+    from unison._embeddings.serving import snapshots
+
+    model, _ = make()
+    exporter = exporter_of(model, tmp_path, full_every=0, keep_chains=1)  # every snapshot full, keep one
+    exporter.export()
+
+    def refused(root, number):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(snapshots, "remove", refused)
+    with pytest.warns(RuntimeWarning, match=r"removing the chains before snapshot 1 under .* failed .*Permission "
+                                            r"denied.*they stay on disk"):
+        path = exporter.export()
+    assert exporter.last == path and path.exists() and (tmp_path / "000000").exists()
+    monkeypatch.undo()
+    exporter.export()  # the next full snapshot prunes both
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000002"]

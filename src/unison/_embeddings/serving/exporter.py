@@ -27,6 +27,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, final
@@ -239,14 +240,19 @@ class ServingExporter:
                 _save_dense(dense, temporary / DENSE_FILE)
             snapshots.write_meta(temporary, meta)
             path = snapshots.publish(temporary, self.root, number)
-            if meta.kind == "full" and self.keep_chains is not None:
-                self._prune()
         except BaseException as exc:
             shutil.rmtree(temporary, ignore_errors=True)
             self._chain = None
             self._failure = exc
             return
         self.last = path
+        if meta.kind == "full" and self.keep_chains is not None:
+            try:
+                self._prune()
+            except OSError as exc:  # the snapshot is published; older ones stay
+                warnings.warn(f"ServingExporter: removing the chains before snapshot {number} under "
+                              f"{str(self.root)!r} failed ({exc}); they stay on disk until the next full "
+                              f"snapshot prunes again", RuntimeWarning, stacklevel=1)
 
     def _prune(self) -> None:
         """Removes the snapshots older than the newest ``keep_chains`` chains' full snapshots."""
