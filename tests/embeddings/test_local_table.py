@@ -566,3 +566,20 @@ def test_coldest_names_the_rows_a_cache_keeps_least_in_order_and_never_the_steps
     # least often used first (10 twice, 12 twice), ties by older use, then by id
     assert table.coldest(4, "lfu", protect_from=99).tolist() == [11, 13, 14, 15]
     assert table.coldest(0, "lru", protect_from=99).numel() == 0
+
+
+@settings(max_examples=60)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=40), st.data(),
+       st.sampled_from(["lru", "lfu"]))
+def test_least_kept_is_the_first_rows_of_a_plain_sort(rows, data, policy):
+    # the oracle: Python's sort by (last seen, count, id) for lru, (count, last seen, id) for lfu
+    import numpy as np
+
+    from unison._embeddings.tables.capacity import least_kept
+
+    count = data.draw(st.integers(1, len(rows)))
+    ids = np.arange(len(rows))[::-1] * 7  # ids not in position order
+    seen, uses = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
+    order = sorted(range(len(rows)), key=lambda i: ((seen[i], uses[i]) if policy == "lru" else (uses[i], seen[i]))
+                   + (ids[i],))
+    assert sorted(least_kept(policy, seen, uses, ids, count).tolist()) == sorted(order[:count])
