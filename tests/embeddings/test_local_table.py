@@ -152,6 +152,41 @@ def test_id_index_keeps_probe_chains_through_removals_and_reuse():
         index.remove(gone[:1])
 
 
+def _walk(entries: list[list[int]], home: int, key: int) -> tuple[int, int, int]:
+    """One id's linear probe, entry by entry: ``(position, slot, end)`` as ``IdIndex._locate`` documents
+    them (slot -1 = empty, -2 = tombstone; ``end``: the first tombstone passed, else the empty entry)."""
+    mask, pos, end = len(entries) - 1, home, -1
+    while True:
+        entry_key, slot = entries[pos]
+        if slot >= 0 and entry_key == key:
+            return pos, slot, -1
+        if slot == -1:
+            return -1, -1, end if end >= 0 else pos
+        if slot == -2 and end < 0:
+            end = pos
+        pos = (pos + 1) & mask
+
+
+@pytest.mark.parametrize("tombstones", [False, True])
+def test_id_index_probe_rounds_equal_a_walk_of_each_chain(tombstones):
+    # batches large enough for one-entry rounds and for the windowed rounds of the last ids
+    from unison._embeddings.tables.id_index import _home
+
+    g = torch.Generator().manual_seed(21)
+    ids = _random_ids(20_000, seed=22)
+    index = IdIndex()
+    index.insert(ids, torch.arange(ids.numel()))
+    if tombstones:
+        index.remove(ids[torch.randperm(ids.numel(), generator=g)[:8000]])
+    entries = index._table.tolist()
+    for size in (40, 700, 5000):
+        wanted = torch.cat([ids[torch.randperm(ids.numel(), generator=g)[:size]], _random_ids(size, seed=size)])
+        pos, slots, ends = index._locate(wanted)
+        homes = _home(wanted.numpy(), len(entries) - 1).tolist()
+        expected = [_walk(entries, home, key) for home, key in zip(homes, wanted.tolist())]
+        assert list(zip(pos.tolist(), slots.tolist(), ends.tolist())) == expected
+
+
 # ---- initial rows ------------------------------------------------------------------------
 
 def test_rows_depend_on_id_and_seed_only():
