@@ -12,10 +12,11 @@ are drawn uniformly from every row. The hot set is half the rows the budget hold
 table is filled (the cold rows' index takes its share of the budget, so at 4x the budget that is far
 fewer than the budget divided by a row's size; ``--hot-set N`` sets it, ``--hot-set estimate`` takes
 the old ``budget / (row + counters + index entry) / 2``); the timed steps start after the hot set
-was trained once and ten steps more (the cache's steady state), and ``rows_in_memory_share`` is the
-share of each step's distinct ids found in memory (not read back from disk). Writes
-``benchmarks/out/disk_tier.json``; results in ``benchmarks/RESULTS.md`` (indicative: a shared 2-core
-machine).
+was trained once and ten steps more (the cache's steady state). ``--rounds`` rounds of ``--steps``
+steps each, on fresh batches, alternate which table trains first (a shared machine's drift falls on
+both), and the ratio is the median of the rounds'. ``rows_in_memory_share`` is the share of each
+step's distinct ids found in memory (not read back from disk). Writes ``benchmarks/out/disk_tier.json``;
+results in ``benchmarks/RESULTS.md`` (indicative: a shared 2-core machine).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import tempfile
 import time
 import warnings
@@ -103,7 +105,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--budget-fraction", type=float, default=0.25, help="budget / bytes of every row in memory")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per round and variant")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed rounds (fresh batches each, the variants' order alternating); the ratio is the "
+                             "median of the rounds' ratios")
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--cache", choices=("lru", "lfu"), default="lru", help="DiskStorage's cache policy")
     parser.add_argument("--hot-set", default="fit",
@@ -121,7 +126,7 @@ def main() -> None:
     budget = int(args.rows * row_bytes * args.budget_fraction)
     budget_rows = int(budget / row_bytes)
     results: dict = {"rows": args.rows, "dim": args.dim, "budget_bytes": budget, "steps": args.steps,
-                     "batch": args.batch, "cache": args.cache,
+                     "rounds": args.rounds, "batch": args.batch, "cache": args.cache,
                      "malloc": "glibc default" if args.plain_malloc else "ps task's"}
     warnings.simplefilter("ignore", RuntimeWarning)
 
@@ -151,15 +156,25 @@ def main() -> None:
         results["in_memory_table_bytes"] = memory.table.bytes
         for hit in (0.9, 0.5):
             hot = max(1, _hot_set(args.hot_set, hot_rows_filled, budget_rows))
-            batches = _batches(args.rows, hot, hit, args.steps + 10, args.batch, seed=int(hit * 10))
-            _warm(tiered, opt_t, hot, batches[:10])  # the hot set comes in, the cache settles
-            _warm(memory, opt_m, hot, batches[:10])
+            warm = _batches(args.rows, hot, hit, 10, args.batch, seed=int(hit * 10))
+            _warm(tiered, opt_t, hot, warm)  # the hot set comes in, the cache settles
+            _warm(memory, opt_m, hot, warm)
             read_before = getattr(tiered.table, "rows_read_back", None)  # None: a tree from before the counter
-            ours, theirs = _train(tiered, opt_t, batches[10:]), _train(memory, opt_m, batches[10:])
-            distinct = sum(torch.unique(b).numel() for b in batches[10:])
-            results[f"hit_{hit}"] = {"hot_set": hot, "tiered_samples_per_s": ours[0],
-                                     "in_memory_samples_per_s": theirs[0],
-                                     "ratio": ours[0] / theirs[0], "ratio_per_cpu_second": ours[1] / theirs[1],
+            rounds, distinct = [], 0
+            for round_ in range(args.rounds):  # fresh batches each round; the order alternates
+                batches = _batches(args.rows, hot, hit, args.steps, args.batch, seed=int(hit * 10) + 100 * (round_ + 1))
+                if round_ % 2:
+                    theirs, ours = _train(memory, opt_m, batches), _train(tiered, opt_t, batches)
+                else:
+                    ours, theirs = _train(tiered, opt_t, batches), _train(memory, opt_m, batches)
+                rounds.append((ours, theirs))
+                distinct += sum(torch.unique(b).numel() for b in batches)
+            ratios = [ours[0] / theirs[0] for ours, theirs in rounds]
+            results[f"hit_{hit}"] = {"hot_set": hot,
+                                     "tiered_samples_per_s": statistics.median(ours[0] for ours, _ in rounds),
+                                     "in_memory_samples_per_s": statistics.median(theirs[0] for _, theirs in rounds),
+                                     "ratio": statistics.median(ratios), "ratio_per_round": ratios,
+                                     "ratio_per_cpu_second": statistics.median(o[1] / t[1] for o, t in rounds),
                                      "rows_in_memory_share": None if read_before is None else
                                      1 - (tiered.table.rows_read_back - read_before) / distinct}
         # LMDB's file pages that reads and writes touched are mapped into the process: resident, counted in
