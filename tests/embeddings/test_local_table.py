@@ -400,6 +400,43 @@ OPS: st.SearchStrategy[tuple[str, list[int]]] = st.one_of(
 POLICIES = st.one_of(st.integers(0, 3).map(EvictUnseen), st.integers(1, 4).map(EvictBelowCount))
 
 
+RECENT_OPS: st.SearchStrategy[tuple[str, list[int]]] = st.one_of(
+    st.tuples(st.sampled_from(["lookup_push", "lookup_take_push", "lookup_lookup_push"]),
+              st.lists(st.sampled_from(POOL), min_size=1, max_size=6, unique=True)),
+    st.tuples(st.just("reload"), st.just([])),
+)
+
+
+@settings(max_examples=60)
+@given(st.lists(RECENT_OPS, max_size=12))
+def test_a_push_of_the_looked_up_ids_equals_the_push_of_a_copy(ops):
+    # a module's step passes the very ids its forward looked up, and the table applies to their slots without
+    # finding them again; that must equal finding them (a copy of the ids), also when rows left between the
+    # lookup and the push (their slots free), another lookup came between, or the table was reloaded
+    same, copy = LocalTable(3), LocalTable(3)
+    g = torch.Generator().manual_seed(len(ops))
+    others = iter(range(10**6, 10**6 + 1000))
+    for op, values in ops:
+        if op == "reload":
+            for table in (same, copy):
+                table.load(table.export())
+            continue
+        ids = _ids(sorted(values))
+        grads = torch.randn(ids.numel(), 3, generator=g)
+        newcomers = _ids([next(others) for _ in range(len(values))])
+        for table in (same, copy):
+            table.lookup(ids, occurrences=torch.ones_like(ids))
+            if op == "lookup_take_push":
+                table.take(ids[: (ids.numel() + 1) // 2])  # rows leave (a disk tier's spill): their slots are free
+            elif op == "lookup_lookup_push":
+                table.lookup(newcomers, occurrences=torch.ones_like(newcomers))
+        same.push(ids, grads, RowAdagrad(0.1))
+        copy.push(ids.clone(), grads, RowAdagrad(0.1))
+        a, b = same.export(), copy.export()
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["rows"], b["rows"])
+        assert torch.equal(a["state"]["sum"], b["state"]["sum"]) and torch.equal(a["counts"], b["counts"])
+
+
 @settings(max_examples=80)
 @given(POLICIES, st.lists(OPS, max_size=30))
 def test_eviction_removes_exactly_the_rows_its_policy_names(policy, ops):

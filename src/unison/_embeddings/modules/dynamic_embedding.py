@@ -234,9 +234,12 @@ class DynamicEmbedding(nn.Module):
         if bags:  # pooled where the rows live: push bag gradients, each row's expanded there
             self.table.push_bags(_as_one_layout(pending, bags), optimizer)
             return
-        ids = torch.cat([i for i, _ in pending]) if pending else torch.zeros(0, dtype=torch.int64)
-        grads = (torch.cat([g.reshape(-1, self.embedding_dim) for _, g in pending]) if pending
-                 else torch.zeros(0, self.embedding_dim, dtype=self.weight.dtype))
+        if len(pending) == 1:  # one forward since the last step: its distinct ids, as the table looked them up
+            ids, grads = pending[0][0], pending[0][1].reshape(-1, self.embedding_dim)
+        else:
+            ids = torch.cat([i for i, _ in pending]) if pending else torch.zeros(0, dtype=torch.int64)
+            grads = (torch.cat([g.reshape(-1, self.embedding_dim) for _, g in pending]) if pending
+                     else torch.zeros(0, self.embedding_dim, dtype=self.weight.dtype))
         self.table.push(ids, grads, optimizer)
 
     def table_stats(self) -> list[dict[str, int]]:

@@ -108,6 +108,9 @@ class LocalTable:
         self._num_rows = 0
         self._step = 0
         self._generation = next(_GENERATIONS)
+        # the last lookup of distinct ids that made their rows: (those ids, their slots, the generation then), so
+        # the push of the same ids (a module's step) applies to the slots without finding them again
+        self._recent: tuple[torch.Tensor, torch.Tensor, int] | None = None
         # what changed since a save: a slot's epoch is the save epoch it was last changed in; a save point ends an
         # epoch, so the slots of a delta are those changed after the save's epoch (one write per touch, no scan)
         self._epoch = 1
@@ -211,7 +214,9 @@ class LocalTable:
         else:
             unique, occurrences = ids.reshape(-1), occurrences.reshape(-1).to(torch.int64)
         if create:
-            rows = self.lookup_distinct(unique, occurrences)[0]
+            rows, slots = self.lookup_distinct(unique, occurrences)
+            if inverse is None and self._admission is None:
+                self._recent = (ids, slots, self._generation)
         else:
             slots = self._index.find(unique)
             rows = torch.empty(unique.numel(), self._dim, dtype=self._dtype)
@@ -248,6 +253,12 @@ class LocalTable:
         if not isinstance(optimizer, RowOptimizer):
             raise TypeError(f"LocalTable.apply_gradients: `optimizer` must be a RowOptimizer (e.g. RowSGD(lr)), "
                             f"got {optimizer!r}")
+        recent, self._recent = self._recent, None
+        if recent is not None and ids is recent[0] and recent[2] == self._generation:
+            # the distinct ids of the last lookup (a module's forward, then its step): no summing, and their
+            # slots still hold them (no row has left since)
+            self.apply_to_slots(recent[1], grads, optimizer)
+            return
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros(unique.numel(), self._dim, dtype=self._dtype)
         summed.index_add_(0, inverse, grads.to(self._dtype))
