@@ -1,14 +1,19 @@
-"""An ``EmbeddingServer`` answers lookups of a ``ServingFollower``'s tables over HTTP.
+"""``unison serve-embeddings``: an ``EmbeddingServer`` answers lookups of a ``ServingFollower``'s tables over HTTP.
 
 In one process: a ``ServingExporter`` writes snapshots of a small trained model, the server
 follows them and ``urllib`` asks it; rows are compared bit for bit with the training
-table's (float32 values read back from JSON).
+table's (float32 values read back from JSON). One subprocess runs the command itself, to
+see it listen, stop on SIGTERM with exit 0, and import no training code.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -24,6 +29,7 @@ from torch import nn
 import unison
 from unison._embeddings.serving.http_server import EmbeddingServer
 from unison._embeddings.serving.serving_embedding import ServingEmbedding
+from unison._launch import cli
 from unison.embeddings import EvictUnseen, ServingExporter
 
 pytestmark = pytest.mark.timeout(60)
@@ -277,3 +283,60 @@ def test_lookup_gives_stored_rows_unpooled_whatever_the_mode():
     assert table.lookup(torch.tensor([[7], [9]])).shape == (2, 1, 2)
     with pytest.raises(TypeError, match="int64 tensor"):
         table.lookup(torch.tensor([7.0]))
+
+
+def test_the_command_refuses_a_path_that_is_not_a_directory(tmp_path, capsys):
+    assert cli.main(["serve-embeddings", str(tmp_path / "missing")]) == 2
+    assert f"PATH {str(tmp_path / 'missing')!r} does not exist; fix:" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert cli.main(["serve-embeddings", str(tmp_path / "file")]) == 2
+    assert f"PATH {str(tmp_path / 'file')!r} is not a directory; fix:" in capsys.readouterr().err
+    for flags in (["--poll-seconds", "0"], ["--port", "70000"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["serve-embeddings", str(tmp_path), *flags])
+        assert exit_.value.code == 2
+
+
+def test_the_command_serves_until_sigterm_exits_0_and_imports_no_training_code(tmp_path):
+    model, opt = make()
+    train(model, opt, 1, seed=0)
+    exporter_of(model, tmp_path).export()
+    code = ("import sys\nfrom unison._launch.cli import main\n"
+            f"code = main(['serve-embeddings', {str(tmp_path)!r}, '--poll-seconds', '0.2'])\n"
+            "training = sorted(m for m in sys.modules if m.startswith(('unison._strategies', 'unison._ps', "
+            "'unison._embeddings.modules', 'unison._gradient_sync')))\n"
+            "print('training modules:', training)\nsys.exit(code)\n")
+    paths = [str(Path(unison.__file__).parents[1]), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}  # this tree's unison
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    try:
+        seen = ""
+        while "unison serve-embeddings:" not in seen:  # blocks until it listens (warnings may come first)
+            line = process.stderr.readline()
+            assert line, seen + process.stderr.read()  # it ended first
+            seen += line
+        match = re.search(rf"^unison serve-embeddings: serving {re.escape(str(tmp_path))} at "
+                          rf"(http://127\.0\.0\.1:\d+)$", seen, re.MULTILINE)
+        assert match, seen
+        status: dict = {}
+
+        def served() -> bool:  # 503 until its first poll has loaded the snapshot
+            try:
+                with urllib.request.urlopen(match.group(1) + "/status", timeout=20) as answer:
+                    status.update(json.loads(answer.read()))
+            except urllib.error.HTTPError as error:
+                assert error.code == 503, error
+                error.close()
+            return bool(status)
+
+        wait_for(served, "snapshot served by the command")
+        assert status["tables"]["users"]["rows"] == model.users.state_dict()["ids"].numel()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err
+    assert "EmbeddingServer: applied snapshot 0 (full of chain 0)" in out and "training modules: []" in out, out
