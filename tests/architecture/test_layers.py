@@ -6,10 +6,11 @@ imports a public facade, and every internal package has an underscored path (PyT
 rule; ``tests/architecture/test_public_api.py``):
 
     coordinator | embeddings | launch | optim | partitioners | placement | progress | tensorpack  (public face)
+    _launch (the ``unison`` command: it starts clusters, standard servers and serving processes)
     _embeddings.serving (the serving export of a trained module, and the read-only module a
                          serving process loads it into: it reads a DynamicEmbedding, so it sits
                          above the modules; a serving process imports it without training code)
-    _launch | _embeddings.modules (the modules a model author builds)
+    _embeddings.modules (the modules a model author builds)
     _placement | _checkpoint
     _ps (the parameter-server strategies, the chief, workers, ps tasks and the wire)
     _strategies
@@ -61,8 +62,9 @@ import unison
 
 LAYERS = (
     ("coordinator", "embeddings", "launch", "optim", "partitioners", "placement", "progress", "tensorpack"),
+    ("_launch",),
     ("_embeddings.serving",),
-    ("_launch", "_embeddings.modules"),
+    ("_embeddings.modules",),
     ("_placement", "_checkpoint"),
     ("_ps",),
     ("_strategies",),

@@ -1,4 +1,5 @@
-"""The ``unison`` command: ``unison launch`` starts a local cluster, ``unison server`` a standard server.
+"""The ``unison`` command: ``unison launch`` starts a local cluster, ``unison server`` a standard server,
+``unison serve-embeddings`` a serving process.
 
 ``unison launch --workers 2 [--chief] [--ps M] [--evaluator] train.py --lr 0.1`` runs
 ``train.py`` once per task on this machine, on free loopback ports, with ``TF_CONFIG``
@@ -7,13 +8,20 @@ same as ``unison launch ...``.
 
 ``unison server`` runs the standard server of the task described by ``TF_CONFIG``, for
 STANDALONE_CLIENT mode; it serves until a client stops it or it receives SIGTERM/SIGINT.
+
+``unison serve-embeddings PATH`` follows the serving snapshots a training job's
+``ServingExporter`` writes under ``PATH`` and answers lookups of their tables over HTTP
+(``GET /status``, ``POST /lookup``) until SIGTERM/SIGINT. It imports the serving code only
+when run, and that code imports no training code.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from unison._coordinator.channel import HANDSHAKE_SECONDS, generate_authkey
@@ -71,12 +79,20 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = _count(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0..65535; 0: a free one)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the ``unison`` command and its subcommands."""
     parser = argparse.ArgumentParser(prog="unison", description="unison: tf.distribute-style strategies for PyTorch")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     launch = commands.add_parser("launch", help="run a script as every task of a local cluster")
     _add_launch_arguments(launch)
+    launch.set_defaults(run=_launch)
     server = commands.add_parser("server", help="run the standard server of the TF_CONFIG task")
     server.add_argument("--bind", metavar="HOST:PORT", help="listen here instead of the task's cluster address")
     server.add_argument(
@@ -86,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seconds a connecting client has to prove the cluster's key (default {HANDSHAKE_SECONDS:g})",
     )
+    server.set_defaults(run=_server)
+    serve = commands.add_parser(
+        "serve-embeddings", help="answer lookups of a training job's serving snapshots over HTTP"
+    )
+    serve.add_argument("path", metavar="PATH", help="the directory a ServingExporter writes its snapshots in")
+    serve.add_argument(
+        "--poll-seconds", type=_positive_seconds, default=1.0, metavar="S",
+        help="seconds between two looks for new snapshots (default 1)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=0, metavar="P", help="the port (default 0: a free one, printed)")
+    serve.set_defaults(run=_serve_embeddings)
     return parser
 
 
@@ -110,7 +138,7 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
 
 
-def _server(args: argparse.Namespace) -> int:
+def _server(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from unison._coordinator.standard_server import run_standard_server
 
     try:
@@ -136,13 +164,45 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_embeddings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    where = "unison serve-embeddings"
+    if not os.path.isdir(args.path):
+        what = "does not exist" if not os.path.exists(args.path) else "is not a directory"
+        print(f"{where}: error: PATH {args.path!r} {what}; fix: pass the root directory the training job's "
+              f"ServingExporter writes (create it first if the job has not started)", file=sys.stderr)
+        return 2
+    from unison._embeddings.serving.http_server import EmbeddingServer  # here: `unison launch` needs no torch
+
+    try:
+        server = EmbeddingServer(args.path, args.poll_seconds, args.host, args.port)
+    except OSError as e:
+        print(f"{where}: error: cannot listen on {args.host}:{args.port} ({e}); fix: pass a free --port, or "
+              f"--port 0 for any free one", file=sys.stderr)
+        return 2
+    stopped = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        stopped.set()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    server.start()
+    print(f"{where}: serving {args.path} at {server.url}", file=sys.stderr, flush=True)
+    try:
+        while not stopped.wait(1.0):  # set by SIGTERM; SIGINT raises KeyboardInterrupt here
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``unison`` console script. Returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "launch":
-        return _launch(args, parser)
-    return _server(args)
+    return int(args.run(args, parser))
 
 
 def launch_main(argv: Sequence[str] | None = None) -> int:

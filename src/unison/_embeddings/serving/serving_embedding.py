@@ -200,11 +200,24 @@ class ServingEmbedding(nn.Module):
             rows[present] = self._rows.index_select(0, slots[present])
         return rows
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's row, ``[*ids.shape, dim]``, never pooled whatever ``mode`` (unknown ids read ``default``).
+
+        What a server answers for a list of ids: the stored rows exactly (a bag of one id
+        pooled by ``forward`` would add it to zero, turning ``-0.0`` into ``0.0``).
+        """
+        self._check_ids(ids)
+        unique, inverse = torch.unique(ids.reshape(-1).to(torch.int64).cpu(), return_inverse=True)
+        return nn.functional.embedding(inverse.reshape(ids.shape), self._rows_of(unique))
+
+    def _check_ids(self, ids: object) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ServingEmbedding: `ids` must be an int64 tensor of feature ids, got {ids!r:.80}")
+
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); unknown ids read ``default``."""
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"ServingEmbedding: `ids` must be an int64 tensor of feature ids, got {ids!r:.80}")
+        self._check_ids(ids)
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
             raise ValueError("ServingEmbedding: `offsets`/`per_sample_weights` pool bags; this table was exported "
                              "from a DynamicEmbedding with mode=None")
