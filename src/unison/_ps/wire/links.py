@@ -88,9 +88,9 @@ class TensorLink:
 
         The header goes in ``multiprocessing.connection``'s framing (what :meth:`recv` reads
         with ``recv_bytes``), and header and tensor frames leave in one ``sendmsg``: one
-        system call, and the peer, blocked in its read, wakes once for the whole message
-        instead of once per frame (on two cores shared by four processes, each wake-up is a
-        wait for a core)."""
+        system call where a header write and a ``sendall`` per tensor were three or four, and
+        the whole message is in the peer's socket buffer when its read wakes. (The hybrid
+        DLRM's samples/s did not move measurably with it: ``benchmarks/RESULTS.md``.)"""
         tensors = [t.detach().contiguous().cpu() for t in tensors]
         meta = [(tuple(t.shape), t.dtype) for t in tensors]
         payload = dumps_header(header, meta)
