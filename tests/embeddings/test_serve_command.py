@@ -24,44 +24,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import unison
+from tests.embeddings._ranker import Ranker, make, train
 from unison._embeddings.serving.http_server import EmbeddingServer
 from unison._embeddings.serving.serving_embedding import ServingEmbedding
 from unison._launch import cli
-from unison.embeddings import EvictUnseen, ServingExporter
+from unison.embeddings import ServingExporter
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Ranker(nn.Module):
-    """A pooled table, a plain table and a dense head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.users = unison.DynamicEmbedding(4, mode="sum", seed=1, eviction=EvictUnseen(3))
-        self.items = unison.DynamicEmbedding(3, seed=2)
-        self.head = nn.Linear(7, 1)
-
-    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.cat([self.users(users), self.items(items)], dim=1)).squeeze(1)
-
-
-def make() -> tuple[Ranker, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = Ranker()
-    return model, torch.optim.Adagrad(model.parameters(), lr=0.1)
-
-
-def train(model: Ranker, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for i in range(steps):
-        users = torch.randint(0, 100, (8, 2), generator=g) + 29 * (seed * steps + i)  # new ids come, old ones age
-        items = torch.randint(0, 20, (8,), generator=g)
-        opt.zero_grad()
-        model(users, items).pow(2).mean().backward()
-        opt.step()
 
 
 def exporter_of(model: Ranker, root: Path) -> ServingExporter:
@@ -134,7 +105,7 @@ def test_lookup_answers_the_trained_rows_bit_for_bit_and_each_delta_once_polled(
     assert answer["snapshot"]["chain"] == 0 and answer["snapshot"]["info"] == {"step": 3}
     assert answer["snapshot"]["lag"] >= 0 and answer["poll_error"] is None and answer["root"] == str(tmp_path)
     assert answer["tables"] == {"users": {"rows": model.users.state_dict()["ids"].numel(), "dim": 4, "mode": "sum"},
-                                "items": {"rows": model.items.state_dict()["ids"].numel(), "dim": 3, "mode": None}}
+                                "items": {"rows": model.items.state_dict()["ids"].numel(), "dim": 4, "mode": None}}
 
     old = model.users.state_dict()
     train(model, opt, 4, seed=1)  # rows updated, made and evicted (EvictUnseen(3))
