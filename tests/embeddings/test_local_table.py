@@ -401,7 +401,7 @@ POLICIES = st.one_of(st.integers(0, 3).map(EvictUnseen), st.integers(1, 4).map(E
 
 
 RECENT_OPS: st.SearchStrategy[tuple[str, list[int]]] = st.one_of(
-    st.tuples(st.sampled_from(["lookup_push", "lookup_take_push", "lookup_lookup_push"]),
+    st.tuples(st.sampled_from(["lookup_push", "lookup_take_push", "lookup_lookup_push", "lookup_write_push"]),
               st.lists(st.sampled_from(POOL), min_size=1, max_size=6, unique=True)),
     st.tuples(st.just("reload"), st.just([])),
 )
@@ -412,7 +412,8 @@ RECENT_OPS: st.SearchStrategy[tuple[str, list[int]]] = st.one_of(
 def test_a_push_of_the_looked_up_ids_equals_the_push_of_a_copy(ops):
     # a module's step passes the very ids its forward looked up, and the table applies to their slots without
     # finding them again; that must equal finding them (a copy of the ids), also when rows left between the
-    # lookup and the push (their slots free), another lookup came between, or the table was reloaded
+    # lookup and the push (their slots free), another lookup came between, the ids tensor was written in place,
+    # or the table was reloaded
     same, copy = LocalTable(3), LocalTable(3)
     g = torch.Generator().manual_seed(len(ops))
     others = iter(range(10**6, 10**6 + 1000))
@@ -430,6 +431,8 @@ def test_a_push_of_the_looked_up_ids_equals_the_push_of_a_copy(ops):
                 table.take(ids[: (ids.numel() + 1) // 2])  # rows leave (a disk tier's spill): their slots are free
             elif op == "lookup_lookup_push":
                 table.lookup(newcomers, occurrences=torch.ones_like(newcomers))
+        if op == "lookup_write_push":
+            ids.add_(1)  # the caller writes the ids it looked up: the same tensor, other ids
         same.push(ids, grads, RowAdagrad(0.1))
         copy.push(ids.clone(), grads, RowAdagrad(0.1))
         a, b = same.export(), copy.export()

@@ -108,9 +108,10 @@ class LocalTable:
         self._num_rows = 0
         self._step = 0
         self._generation = next(_GENERATIONS)
-        # the last lookup of distinct ids that made their rows: (those ids, their slots, the generation then), so
-        # the push of the same ids (a module's step) applies to the slots without finding them again
-        self._recent: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # the last lookup of distinct ids that made their rows: (those ids, their version counter, their slots, the
+        # generation then), so the push of the same ids, unchanged (a module's step), applies to the slots without
+        # finding them again
+        self._recent: tuple[torch.Tensor, int, torch.Tensor, int] | None = None
         # what changed since a save: a slot's epoch is the save epoch it was last changed in; a save point ends an
         # epoch, so the slots of a delta are those changed after the save's epoch (one write per touch, no scan)
         self._epoch = 1
@@ -216,7 +217,7 @@ class LocalTable:
         if create:
             rows, slots = self.lookup_distinct(unique, occurrences)
             if inverse is None and self._admission is None:
-                self._recent = (ids, slots, self._generation)
+                self._recent = (ids, ids._version, slots, self._generation)
         else:
             slots = self._index.find(unique)
             rows = torch.empty(unique.numel(), self._dim, dtype=self._dtype)
@@ -254,10 +255,10 @@ class LocalTable:
             raise TypeError(f"LocalTable.apply_gradients: `optimizer` must be a RowOptimizer (e.g. RowSGD(lr)), "
                             f"got {optimizer!r}")
         recent, self._recent = self._recent, None
-        if recent is not None and ids is recent[0] and recent[2] == self._generation:
-            # the distinct ids of the last lookup (a module's forward, then its step): no summing, and their
-            # slots still hold them (no row has left since)
-            self.apply_to_slots(recent[1], grads, optimizer)
+        if recent is not None and ids is recent[0] and ids._version == recent[1] and recent[3] == self._generation:
+            # the distinct ids of the last lookup (a module's forward, then its step), not written since: no
+            # summing, and their slots still hold them (no row has left since)
+            self.apply_to_slots(recent[2], grads, optimizer)
             return
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros(unique.numel(), self._dim, dtype=self._dtype)
