@@ -50,7 +50,8 @@ def test_a_message_larger_than_the_socket_buffer_arrives_whole_in_order():
     thread.start()
     for header, tensors in sent:
         got_header, got = receiver.recv()
-        assert got_header == header and all(torch.equal(a, b) for a, b in zip(got, tensors))
+        assert got_header == header and len(got) == len(tensors)
+        assert all(torch.equal(a, b) for a, b in zip(got, tensors))
     thread.join()
     sender.close()
     receiver.close()
