@@ -26,7 +26,7 @@ import contextlib
 import itertools
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, final
 
 import numpy as np
@@ -48,6 +48,8 @@ from unison._embeddings.tables.lower_tier import LowerTier
 __all__ = ["LocalTable", "shard_of"]
 
 _MIN_CAPACITY = 16
+# the attributes holding a tensor indexed by slot, besides the optimizer state (``_seen_at`` only with a clock)
+_SLOT_ATTRIBUTES = ("_rows", "_slot_ids", "_live", "_counts", "_last_seen", "_changed_in", "_seen_at")
 _GENERATIONS = itertools.count()  # unique over every table: a reloaded table never repeats one
 
 
@@ -175,11 +177,7 @@ class LocalTable:
         """Bytes in memory: rows, optimizer state and per-row counters of the slots in use, the
         free list, the id index and the admission sketch (capacity never touched is not
         counted: it takes none)."""
-        per_slot = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, self._changed_in,
-                    *self._state.values()]
-        if self._seen_at is not None:
-            per_slot.append(self._seen_at)
-        in_use = sum(t[:self._used].numel() * t.element_size() for t in per_slot)
+        in_use = sum(t[:self._used].numel() * t.element_size() for t in self._slot_tensors())
         sketch = 0 if self._pending is None else self._pending.nbytes
         return in_use + self._free.numel() * self._free.element_size() + self._index.nbytes + sketch
 
@@ -387,10 +385,7 @@ class LocalTable:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one row's slot: its values, optimizer state and counters (not the id index)."""
-        per_slot = [self._rows, self._slot_ids, self._live, self._counts, self._last_seen, *self._state.values()]
-        if self._seen_at is not None:
-            per_slot.append(self._seen_at)
-        return sum(t.element_size() * (t.shape[1] if t.dim() == 2 else 1) for t in per_slot)
+        return sum(t.element_size() * (t.shape[1] if t.dim() == 2 else 1) for t in self._slot_tensors())
 
     def row_counters(self) -> dict[str, torch.Tensor]:
         """Per stored row (in slot order): ``ids``, ``counts``, ``last_seen`` and, with a clock,
@@ -970,16 +965,7 @@ class LocalTable:
             new[:used] = old[:used]
             return new
 
-        self._rows = grown(self._rows)
-        self._slot_ids = grown(self._slot_ids)
-        self._counts = grown(self._counts)
-        self._last_seen = grown(self._last_seen)
-        self._live = grown(self._live)
-        self._changed_in = grown(self._changed_in)
-        if self._seen_at is not None:
-            self._seen_at = grown(self._seen_at)
-        for name in list(self._state):
-            self._state[name] = grown(self._state[name])
+        self._remake_slot_tensors(grown)
 
     def compact(self) -> bool:
         """Moves the live rows into the lowest slots and hands the rest of the slot storage back, when
@@ -997,18 +983,26 @@ class LocalTable:
             new[:count] = old.index_select(0, live)
             return new
 
-        self._rows, self._slot_ids, self._counts = packed(self._rows), packed(self._slot_ids), packed(self._counts)
-        self._last_seen, self._live = packed(self._last_seen), packed(self._live)
-        self._changed_in = packed(self._changed_in)
-        if self._seen_at is not None:
-            self._seen_at = packed(self._seen_at)
-        for name in list(self._state):
-            self._state[name] = packed(self._state[name])
+        self._remake_slot_tensors(packed)
         self._used, self._free = count, torch.zeros(0, dtype=torch.int64)
         self._index = IdIndex()
         self._index.insert(self._slot_ids[:count], torch.arange(count))
         self._generation = next(_GENERATIONS)
         return True
+
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by slot: rows, optimizer state, ids and counters (what a slot's bytes are)."""
+        kept = (getattr(self, attribute) for attribute in _SLOT_ATTRIBUTES)
+        return [t for t in kept if t is not None] + list(self._state.values())
+
+    def _remake_slot_tensors(self, remake: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replaces every tensor indexed by slot with ``remake(it)``, one at a time (growing, compacting)."""
+        for attribute in _SLOT_ATTRIBUTES:
+            old = getattr(self, attribute)
+            if old is not None:
+                setattr(self, attribute, remake(old))
+        for name in list(self._state):
+            self._state[name] = remake(self._state[name])
 
     def _ensure_state(self, spec: dict[str, RowState], source: str) -> None:
         """Allocate the state ``spec`` names; refuse one whose shape or start differs from the kept one."""
