@@ -629,18 +629,33 @@ def test_an_import_whose_optimizer_state_does_not_fit_is_refused_before_any_row_
     assert torch.equal(after["ids"], before["ids"]) and torch.equal(after["rows"], before["rows"])
 
 
-def test_coldest_names_the_rows_a_cache_keeps_least_in_order_and_never_the_steps_own():
+def _cache_table() -> LocalTable:
     table = LocalTable(2, seed=1)
     for ids in ([10, 11, 12], [13, 14], [10, 15]):
         table.lookup(torch.tensor(ids))  # last seen: 11, 12 at step 0; 13, 14 at 1; 10, 15 at 2
         table.step()
     table.lookup(torch.tensor([12]))  # 12: seen at step 3, used twice
-    # least recently used first, ties by fewer uses, then by id; rows seen at step 3 or later stay
-    assert table.coldest(3, "lru", protect_from=3).tolist() == [11, 13, 14]
-    assert sorted(table.coldest(10, "lru", protect_from=3).tolist()) == [10, 11, 13, 14, 15]
-    # least often used first (10 twice, 12 twice), ties by older use, then by id
-    assert table.coldest(4, "lfu", protect_from=99).tolist() == [11, 13, 14, 15]
-    assert table.coldest(0, "lru", protect_from=99).numel() == 0
+    return table
+
+
+@pytest.mark.parametrize(("count", "policy", "protect_from", "taken"), [
+    (3, "lru", 3, [11, 13, 14]),  # least recently used first, ties by fewer uses, then by id
+    (10, "lru", 3, [10, 11, 13, 14, 15]),  # rows seen at step 3 or later stay
+    (4, "lfu", 99, [11, 13, 14, 15]),  # least often used first (10 twice, 12 twice), ties by older use, then by id
+    (1, "lfu", 99, [11]),
+    (0, "lru", 99, []),
+])
+def test_take_coldest_moves_out_the_rows_a_cache_keeps_least_and_never_the_steps_own(count, policy, protect_from,
+                                                                                     taken):
+    table, twin = _cache_table(), _cache_table()
+    before = twin.export()
+    moved = table.take_coldest(count, policy, protect_from)
+    assert moved["ids"].tolist() == taken  # sorted by id, as ``take`` gives them
+    expected = twin.take(torch.tensor(taken, dtype=torch.int64), moving=True)
+    for key in ("ids", "rows", "counts", "last_seen", "changed_in"):
+        assert torch.equal(moved[key], expected[key]), key
+    assert sorted(table.export()["ids"].tolist()) == sorted(set(before["ids"].tolist()) - set(taken))
+    assert table.num_rows == 6 - len(taken)
 
 
 @settings(max_examples=60)

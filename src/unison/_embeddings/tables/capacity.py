@@ -72,7 +72,7 @@ def least_kept(policy: str, last_seen: np.ndarray, counts: np.ndarray, ids: np.n
     """Positions of the ``count`` rows (of those given, ``0 < count <= len(ids)``) that ``policy`` keeps
     least, in the module's order: (last seen, count, id) for ``"lru"``, (count, last seen, id) for ``"lfu"``.
 
-    A capacity evicts them; a disk tier spills them (``LocalTable.coldest``). The two keys go into
+    A capacity evicts them; a disk tier spills them (``LocalTable.take_coldest``). The two keys go into
     one int64 (the first clamped below 2**31, the second below 2**32), so one partition splits the
     rows into those that all go and the few tied at the cut, which are sorted by id: no sort of
     the table, whose every step evicts or spills.

@@ -407,19 +407,23 @@ class LocalTable:
         self._remove(slots, log=not moving)
         return out
 
-    def coldest(self, count: int, policy: str, protect_from: int) -> torch.Tensor:
-        """The ids of up to ``count`` stored rows that ``policy`` keeps least, in a capacity's order
-        (:func:`~unison._embeddings.tables.capacity.least_kept`), none last seen at step
-        ``protect_from`` or later: what a disk tier spills. In numpy over the slots' memory (a few
-        ops over every slot, each about a tenth of torch's cost here)."""
+    def take_coldest(self, count: int, policy: str, protect_from: int) -> dict[str, Any]:
+        """:meth:`take` ``(ids, moving=True)`` of up to ``count`` stored rows that ``policy`` keeps least,
+        in a capacity's order (:func:`~unison._embeddings.tables.capacity.least_kept`), none last seen
+        at step ``protect_from`` or later: what a disk tier spills. Chosen by slot, in numpy over the
+        slots' memory (a few ops over every slot, each about a tenth of torch's cost here), so the
+        index is probed once, to remove them."""
         used = self._used
         seen, uses = self._last_seen[:used].numpy(), self._counts[:used].numpy()
         candidates = np.flatnonzero(self._live[:used].numpy() & (seen < protect_from))
         count = min(count, candidates.size)
         if count <= 0:
-            return torch.zeros(0, dtype=torch.int64)
+            return self.take(torch.zeros(0, dtype=torch.int64), moving=True)
         slot_ids = self._slot_ids[:used].numpy()[candidates]
-        return torch.from_numpy(slot_ids[least_kept(policy, seen[candidates], uses[candidates], slot_ids, count)])
+        slots = torch.from_numpy(candidates[least_kept(policy, seen[candidates], uses[candidates], slot_ids, count)])
+        out = self._export_slots(slots, chain=False, changed_in=True)
+        self._remove(slots, log=False)
+        return out
 
     def restore(self, part: dict[str, Any]) -> None:
         """Takes back rows :meth:`take` moved below (``part``: their export with ``"changed_in"``), as
@@ -972,10 +976,10 @@ class LocalTable:
         more than a quarter of the slots used so far are free (a step that made many rows, then
         rows spilled or evicted): a table's resident size follows its rows again, not its high-water
         mark. Slots change (the :attr:`generation` too); returns whether it compacted."""
-        live = self._live_slots()
-        count = live.numel()
+        count = self._num_rows
         if self._used - count <= max(_MIN_CAPACITY, count // 4):
             return False
+        live = self._live_slots()
         capacity = count + max(_MIN_CAPACITY, count // 8)  # room for the next steps' rows before a _grow
 
         def packed(old: torch.Tensor) -> torch.Tensor:

@@ -396,11 +396,11 @@ class TieredTable:
             if self._hot.num_rows <= allowed:
                 return
             wanted = self._hot.num_rows - (allowed - allowed // _SPILL_SLACK)
-            chosen = self._hot.coldest(wanted, self._storage.cache, protect_from)
-            over = max(0, self._hot.num_rows - chosen.numel() - allowed)  # rows over the budget itself
-            if not chosen.numel():
+            moved = self._hot.take_coldest(wanted, self._storage.cache, protect_from)
+            over = max(0, self._hot.num_rows - allowed)  # rows over the budget itself
+            if not moved["ids"].numel():
                 break
-            self._cold.put(self._hot.take(chosen, moving=True))
+            self._cold.put(moved)
             if self._hot.compact():  # after a step over the budget (a fill, a large batch): its slots go back
                 trim_heap()
         if over and not self._warned["budget"]:
