@@ -244,7 +244,7 @@ class KeyValueStore:
         if len(found) != rest.numel():
             raise KeyError(f"DiskStorage: {rest.numel() - len(found)} of {keys.numel()} rows missing from "
                            f"{str(self.directory)!r} (were its files changed by another process?)")
-        read = torch.frombuffer(bytearray(b"".join(found)), dtype=torch.uint8).reshape(-1, width)
+        read = torch.frombuffer(bytearray().join(found), dtype=torch.uint8).reshape(-1, width)  # one copy
         if rest.numel() == keys.numel():
             return read  # none in flight: the rows as read, no copy into ``out``
         out.index_copy_(0, rest, read)
