@@ -250,6 +250,30 @@ def test_a_checkpoint_older_than_the_files_loads_every_row_and_says_why(tmp_path
     assert len(list((tmp_path / "local").iterdir())) == 1  # the files it could not use are gone
 
 
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+def test_files_of_another_store_format_are_not_resumed_from_and_every_row_loads(tmp_path):
+    """A store whose rows are laid out another way (an older unison's) is never read as this one's."""
+    import lmdb
+
+    budget = _budget_for(IDS // 4, DIM)
+    ours = _train(DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(tmp_path, budget)), torch.optim.Adagrad,
+                  _batches(10, seed=7), lr=0.2)
+    saved = ours.state_dict()
+    store = ours.table._cold._store.directory
+    _crash(ours)
+    env = lmdb.open(str(store), max_dbs=3, map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        txn.delete(b"format", db=env.open_db(b"meta", txn=txn))  # as a store of format 1 recorded none
+    env.close()
+    rebuilt = DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(tmp_path, budget))
+    with pytest.warns(RuntimeWarning, match=r"not resuming from the files of the checkpoint's store under "
+                                            r"'.*local': store '.*rows-\w+' has its rows in format 1, this version "
+                                            r"of unison reads format 2; every row of this place is loaded"):
+        rebuilt.load_state_dict(saved)
+    _assert_same(rebuilt.state_dict(), saved)
+    assert rebuilt.table._cold._store.directory != store
+
+
 def test_bad_storage_settings_name_the_field_the_value_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"`storage.memory_budget_bytes` is 100, less than one row of 64 "
                                          r"torch.float32 values .*fix: DiskStorage\(\.\.\., "

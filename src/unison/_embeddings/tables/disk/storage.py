@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any, final
 
+import numpy as np
 import torch
 
 from unison._embeddings.tables.disk.row_writer import RowWriter
@@ -35,6 +36,10 @@ CACHE_POLICIES = ("lru", "lfu")
 INSTALL_HINT = "pip install 'unison[disk]' (or: pip install lmdb)"
 _INDEX_BYTES_PER_ROW = 32  # an id index entry (id, slot) at a load factor of at most one half
 _MAP_SIZE = 1 << 40  # address space, not disk: LMDB's file grows with its pages
+_FORMAT = b"2"
+"""How a store lays out its rows, recorded in it; a store of another format is not resumed from.
+2: the rows database's keys are integer keys (native-order int64, ``MDB_INTEGERKEY``); 1 (or none
+recorded): big-endian byte strings."""
 
 
 @final
@@ -180,7 +185,7 @@ class KeyValueStore:
         try:
             env = lmdb.open(str(path), map_size=_MAP_SIZE, sync=False, metasync=False, readahead=False,
                             max_dbs=3, create=create)
-            self._rows = env.open_db(b"rows")
+            self._rows = env.open_db(b"rows", integerkey=True)
             self._dirty = env.open_db(b"dirty")
             self._meta = env.open_db(b"meta")
         except (OSError, lmdb.Error) as exc:
@@ -199,6 +204,7 @@ class KeyValueStore:
             with env.begin(write=True) as txn:
                 txn.put(b"seal", b"0", db=self._meta)
                 txn.put(b"boot", _boot_id(), db=self._meta)
+                txn.put(b"format", _FORMAT, db=self._meta)
         return self._env
 
     def put(self, keys: torch.Tensor, values: torch.Tensor, mark: torch.Tensor) -> None:
@@ -215,7 +221,7 @@ class KeyValueStore:
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor | None, mark: torch.Tensor) -> None:
         """One batch, one transaction (on the writer thread): each key and value a slice of one buffer."""
-        raw = keys.numpy().astype(">i8").data.cast("B")
+        raw = _row_keys(keys)
         with self._env.begin(write=True) as txn:
             if values is None:
                 for i in range(keys.numel()):
@@ -240,7 +246,7 @@ class KeyValueStore:
         if self._env is not None:
             wanted = keys if rest.numel() == keys.numel() else keys.index_select(0, rest)
             with self._env.begin() as txn:
-                found = [value for _, value in txn.cursor(db=self._rows).getmulti(_keys(wanted))]
+                found = [value for _, value in txn.cursor(db=self._rows).getmulti(_split(_row_keys(wanted)))]
         if len(found) != rest.numel():
             raise KeyError(f"DiskStorage: {rest.numel() - len(found)} of {keys.numel()} rows missing from "
                            f"{str(self.directory)!r} (were its files changed by another process?)")
@@ -285,11 +291,15 @@ class KeyValueStore:
         try:
             with env.begin() as txn:
                 meta = env.open_db(b"meta", txn=txn, create=False)
-                found = (txn.get(b"seal", db=meta), txn.get(b"boot", db=meta))
+                found = (txn.get(b"seal", db=meta), txn.get(b"boot", db=meta), txn.get(b"format", db=meta))
         except self._lmdb.Error as exc:
             env.close()
             return f"store {str(path)!r} has no seal ({exc})"
         env.close()
+        if found[2] != _FORMAT:
+            written = "1" if found[2] is None else found[2].decode(errors="replace")
+            return (f"store {str(path)!r} has its rows in format {written}, this version of unison reads format "
+                    f"{_FORMAT.decode()}")
         if found[0] is None or int(found[0]) != seal:
             return f"store {str(path)!r} is at seal {found[0] and int(found[0])}, the checkpoint at seal {seal}"
         if found[1] != _boot_id() or not found[1]:
@@ -341,14 +351,23 @@ def _boot_id() -> bytes:
         return b""
 
 
+def _row_keys(ids: torch.Tensor) -> memoryview:
+    """The rows' keys: each id's 8 bytes in this machine's order, which the rows database compares as
+    integers (``MDB_INTEGERKEY``: a word compare per key in the B-tree's descent, not a byte compare)."""
+    return np.ascontiguousarray(ids.numpy(), dtype=np.int64).data.cast("B")
+
+
+def _split(raw: memoryview) -> list[bytes]:
+    data = raw.tobytes()
+    return [data[i:i + 8] for i in range(0, len(data), 8)]
+
+
 def _keys(ids: torch.Tensor) -> list[bytes]:
     raw = ids.numpy().astype(">i8").tobytes()
     return [raw[i:i + 8] for i in range(0, len(raw), 8)]
 
 
 def _ids(raw: bytes) -> torch.Tensor:
-    import numpy as np
-
     return torch.from_numpy(np.frombuffer(raw, dtype=">i8").astype(np.int64)).sort().values
 
 
