@@ -64,7 +64,8 @@ class DiskStorage:
     written after it are rolled back to the checkpoint's values, rows made after it are
     discarded, and only the save's hot rows and the rolled back ones are loaded. When the
     files cannot be proven to match (a later full save sealed them again, the machine
-    restarted since they were written, they do not open) every row is loaded from the
+    restarted since they were written, they do not open, another unison version wrote them
+    in another format) every row is loaded from the
     checkpoint, with a ``RuntimeWarning`` saying why. A new table leaves what an earlier run
     left on its path until it loads a checkpoint or first writes to disk, then removes it.
     Give each ``DynamicEmbedding`` its own ``path``.
