@@ -3,6 +3,7 @@ checkpoints exactly as the in-memory table; eviction deletes from disk; bad sett
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -444,6 +445,56 @@ def test_a_failed_disk_write_is_raised_by_the_next_step_naming_the_store(tmp_pat
             emb(torch.arange(start, start + 40)).sum().backward()
             opt.step()
             emb.table._cold.store.flush()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+@pytest.mark.parametrize("how", ["closed", "let go"])
+def test_a_stores_writer_process_ends_with_its_table(tmp_path, how):
+    """The writes are applied by a process of the store's own; closing the table, or dropping it, ends it."""
+    import gc
+
+    emb = _train(DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(tmp_path, _budget_for(20, DIM, total=100))),
+                 torch.optim.Adagrad, _batches(5), lr=0.1)
+    store = emb.table._cold.store
+    store.flush()
+    pid = store._process.pid
+    assert pid is not None and _alive(pid)
+    if how == "closed":
+        emb.table.close()
+    else:
+        del emb, store
+        gc.collect()  # a module, its optimizer hooks and its table refer to each other
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _alive(pid)
+
+
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+def test_a_killed_writer_process_is_raised_by_the_next_step_naming_the_store(tmp_path):
+    import os
+    import signal
+
+    emb = DynamicEmbedding(DIM, storage=DiskStorage(tmp_path, _budget_for(20, DIM, total=100)))
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"DiskStorage: writing rows to '.*local' failed: the disk writer process "
+                                           r"\d+ ended \(exit code -9\); the store is unusable now"):
+        for start in range(0, 800, 40):
+            emb(torch.arange(start, start + 40)).sum().backward()
+            opt.step()
+            store = emb.table._cold.store
+            store.flush()
+            if store._process.pid is not None:
+                os.kill(store._process.pid, signal.SIGKILL)
+    emb.table.close()
 
 
 def test_the_writer_hands_freed_heap_pages_back_where_glibc_is():

@@ -8,6 +8,7 @@ run around every test.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing
 import os
 import signal
@@ -89,17 +90,24 @@ def find_leaks(
         ``(threads, pids)`` that leaked.
     """
     deadline = time.monotonic() + settle
+    allowed = set(before.pids) | set(ignore_pids) | _infrastructure_pids()
+    if child_pids() - allowed or any(t not in before.threads for t in _non_daemon_threads()):
+        # garbage not collected yet (a reference cycle) may own them: its finalizers end them (a disk
+        # table's writer process ends when its store is collected)
+        gc.collect()
     threads = [t for t in _non_daemon_threads() if t not in before.threads]
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     leaked_threads = [t for t in threads if t.is_alive()]
 
-    allowed = set(before.pids) | set(ignore_pids) | _infrastructure_pids()
     for process in multiprocessing.active_children():  # Reaps and joins the ending ones.
         if process.pid not in allowed:
             process.join(max(0.0, deadline - time.monotonic()))
-    leaked_pids = sorted(child_pids() - allowed)
-    return leaked_threads, leaked_pids
+    leaked = child_pids() - allowed
+    while leaked and time.monotonic() < deadline:  # ending ones started otherwise (a subprocess a finalizer ends)
+        time.sleep(0.02)
+        leaked = child_pids() - allowed
+    return leaked_threads, sorted(leaked)
 
 
 def kill_processes(pids: Iterable[int]) -> None:

@@ -1,11 +1,11 @@
-"""Giving freed heap memory back to the system after a disk tier's writes (glibc's ``malloc_trim``).
+"""Giving freed heap memory back to the system after a disk tier's step over its budget (glibc's ``malloc_trim``).
 
-LMDB copies each page a write transaction changes into memory it mallocs, on the thread
-that writes (``row_writer``). A spill of thousands of rows dirties megabytes of pages; once
-committed they are freed, but glibc keeps freed memory in the thread's heap, so a ps task
-whose table is capped by a memory budget held 12 MB of it beside a 22 MB budget
-(``benchmarks/disk_tier.py``). ``malloc_trim(0)`` returns the free pages of every heap;
-ctypes releases the GIL during the call, so it costs the training thread nothing.
+A step that makes more rows than the budget holds (a load, a large batch) grows the hot
+table's slots; once they spill and the table compacts, the old slots are freed, but glibc
+keeps freed memory in the heap it came from. ``malloc_trim(0)`` returns the free pages of
+every heap; ctypes releases the GIL during the call, so it costs another thread nothing.
+(LMDB's page copies of a write transaction, which this was first for, live in the store's
+writer process now: ``writer_process``.)
 """
 
 from __future__ import annotations

@@ -3,13 +3,12 @@
 A step's spill (and an eviction's deletes) used to run inside the push that ends the step:
 LMDB's copy-on-write B-tree costs tens of microseconds a row written, so the step waited for
 the disk (``benchmarks/disk_tier.py`` under ``py-spy``). Here the store hands each batch to
-one writer thread and returns, so a step does not wait for its own spill. The writes do not
-run beside the step's compute for free, though: py-lmdb holds the GIL for most of a write,
-and a thread writing 1,700 rows slowed a busy training thread by about the write's own
-length (``benchmarks/RESULTS.md``, the disk tier), so the cost moves off the step that
-spills onto the next ones rather than onto the second core. Order is kept (one thread, a
-FIFO queue), each batch is one transaction (its rows and its dirty marks together, so a
-crash leaves the files at a batch boundary), and a row whose batch is not committed yet is
+one writer thread and returns, so a step does not wait for its own spill. The thread only
+hands each batch to the store's writer process and waits for it without the GIL
+(``writer_process``: py-lmdb takes the GIL back after every put, so writes on a thread of this
+process cost the training thread about as much as they saved it). Order is kept (one thread, a
+FIFO queue), a batch's dirty marks are committed with its first rows (a crash never leaves a
+row written whose id is not marked dirty), and a row whose batch is not committed yet is
 read from the batch itself (:meth:`overlay`), never from an older copy on disk. At most
 ``depth`` batches wait: a step that spills faster than the disk writes waits for it then
 (the rows in flight are memory beyond the budget: at most ``depth`` spill batches).
@@ -23,12 +22,12 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import types
+import weakref
 from collections.abc import Callable
 from typing import final
 
 import torch
-
-from unison._embeddings.tables.disk.heap import trim_heap
 
 __all__ = ["RowWriter"]
 
@@ -42,18 +41,23 @@ class RowWriter:
     """Applies batches ``(keys, values or None for a delete, ids to mark dirty)`` with ``write`` on a thread.
 
     Args:
-        write: applies one batch in one transaction (called on the writer thread).
+        write: applies one batch, returning once it is committed (called on the writer thread).
         where: the store's directory, for error messages.
         depth: batches that may wait before a submit blocks.
     """
 
     def __init__(self, write: Write, where: str, depth: int = _DEPTH) -> None:
-        self._write, self._where = write, where
+        # a method is held weakly: the thread must not keep its store alive (a store that is dropped
+        # ends its writer, ``storage.KeyValueStore``)
+        self._write: Callable[[], Write | None] = (weakref.WeakMethod(write) if isinstance(write, types.MethodType)
+                                                   else lambda: write)
+        self._where = where
         self._queue: queue.Queue[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] = queue.Queue(depth)
         self._pending: collections.deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = collections.deque()
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._stop = False  # set on the thread itself: it ends once the queue is empty
 
     def submit(self, keys: torch.Tensor, values: torch.Tensor | None, mark: torch.Tensor) -> None:
         """Queues a put (``values``: ``[n, width]`` uint8, not changed afterwards) or a delete (None)."""
@@ -90,12 +94,15 @@ class RowWriter:
         self._raise_failure()
 
     def close(self) -> None:
-        """Writes what is queued, then ends the thread."""
-        if self._thread is None:
+        """Writes what is queued, then ends the thread (called on the thread itself, it only asks it to end)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        if thread is threading.current_thread():  # the store let go during its last write: no wait on itself
+            self._stop = True
             return
         self._queue.put(None)
-        self._thread.join()
-        self._thread = None
+        thread.join()
 
     def _run(self) -> None:
         while True:
@@ -104,10 +111,10 @@ class RowWriter:
                 if item is None:
                     return
                 keys, values, mark = item
-                if self._failure is None:
-                    self._write(keys, values, mark)
-                    if self._queue.qsize() == 0:
-                        trim_heap()  # the transaction's page copies, freed at its commit (``heap``)
+                write = self._write()
+                if self._failure is None and write is not None:  # None: the store is gone, nobody reads it
+                    write(keys, values, mark)
+                del write
             except BaseException as exc:  # kept for the submitting thread, which raises it
                 self._failure = exc
             finally:
@@ -115,6 +122,8 @@ class RowWriter:
                     with self._lock:
                         self._pending.popleft()
                 self._queue.task_done()
+            if self._stop and self._queue.empty():
+                return
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

@@ -10,9 +10,10 @@ The store is LMDB (the ``lmdb`` package, the ``disk`` extra), chosen by measurem
 RocksDB (``rocksdict``) and LevelDB (``plyvel``) on the tier's own access pattern, batched
 reads and writes of rows keyed by int64 id (``benchmarks/kv_stores.py``; numbers in
 ``benchmarks/RESULTS.md``): it read rows fastest, wrote them as fast as RocksDB, is one
-small C library with no background threads of its own (a ps task forks nothing; the one
-thread that applies a store's writes is ours, ``row_writer``), and maps its file so the
-operating system caches recently read pages. Little durability is asked of it: the
+small C library with no background threads of its own (what applies a store's writes is ours:
+``row_writer``'s thread hands them to ``writer_process``'s child, which writes the same files,
+as LMDB allows several processes to), and maps its file so the operating system caches
+recently read pages. Little durability is asked of it: the
 checkpoint is the truth, so it is opened without ``fsync`` and flushed only when a full save
 seals it (``KeyValueStore.seal``), which is what a restarted process resumes from.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, final
 
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from unison._embeddings.tables.disk.row_writer import RowWriter
+from unison._embeddings.tables.disk.writer_process import WriterProcess
 
 __all__ = ["DiskStorage", "KeyValueStore", "INSTALL_HINT", "CACHE_POLICIES"]
 
@@ -153,7 +156,8 @@ class KeyValueStore:
     and the id of the boot that wrote last (writes after a seal are not flushed, so after
     the machine restarted they cannot be trusted).
 
-    Writes are applied by a background thread (``row_writer``), in order; a read sees the
+    Writes are applied in order by a process of the store's own (``writer_process``, fed by
+    ``row_writer``'s thread), ended when the store is closed or collected; a read sees the
     rows still in flight. ``mark`` names the ids to record as dirty with a write: the caller
     marks each id once per seal (``ColdRows``), not at every write.
     """
@@ -170,6 +174,9 @@ class KeyValueStore:
         self._parent = directory
         self.directory = directory / f"rows-{uuid.uuid4().hex}"
         self._writer = RowWriter(self._write, str(directory))
+        self._process = WriterProcess(_MAP_SIZE)  # applies the writes; its child starts at the first
+        # a store dropped without close() (a table let go) still ends its thread and its writer process
+        self._shut_down = weakref.finalize(self, _shut_down, self._writer, self._process)
 
     @property
     def opened(self) -> bool:
@@ -221,20 +228,10 @@ class KeyValueStore:
             self._writer.submit(keys, None, mark)
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor | None, mark: torch.Tensor) -> None:
-        """One batch, one transaction (on the writer thread): each key and value a slice of one buffer."""
-        raw = _row_keys(keys)
-        with self._env.begin(write=True) as txn:
-            if values is None:
-                for i in range(keys.numel()):
-                    txn.delete(raw[8 * i:8 * i + 8], db=self._rows)
-            else:
-                width = values.shape[1]
-                data = values.numpy().data.cast("B")
-                txn.cursor(db=self._rows).putmulti(
-                    (raw[8 * i:8 * i + 8], data[width * i:width * i + width]) for i in range(keys.numel()))
-            if mark.numel():
-                dirty = mark.numpy().astype(">i8").data.cast("B")
-                txn.cursor(db=self._dirty).putmulti((dirty[8 * i:8 * i + 8], b"") for i in range(mark.numel()))
+        """One batch, applied by the writer process (called on the writer thread)."""
+        data = None if values is None else np.ascontiguousarray(values.numpy()).data.cast("B")
+        width = 0 if values is None else int(values.shape[1])
+        self._process.write(self.directory, _row_keys(keys), data, width, mark.numpy().astype(">i8").data.cast("B"))
 
     def get(self, keys: torch.Tensor, width: int) -> torch.Tensor:
         """``[n, width]`` uint8: the values of ``keys``, each present (on disk or in flight)."""
@@ -336,12 +333,18 @@ class KeyValueStore:
 
     def close(self, remove: bool = True) -> None:
         """Closes the store and (``remove``) removes its files (they hold nothing a checkpoint does not)."""
-        self._writer.close()
+        self._shut_down()  # the writes queued are applied first
         if self._env is not None:
             self._env.close()
             self._env = None
         if remove:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _shut_down(writer: RowWriter, process: WriterProcess) -> None:
+    """Applies the writes queued, then ends the writer thread and the writer process."""
+    writer.close()
+    process.close()
 
 
 def _boot_id() -> bytes:

@@ -26,9 +26,10 @@ it would in memory:
   store only spares rewriting the rows it provably still holds as saved.
 
 Spilling is chosen in the push that ends a step, after its rows are applied; the disk
-writes are applied by a background thread (``row_writer``), in order, the rows in flight
-readable. A cold row read back leaves its disk copy as a shadow (``cold_rows``): the row
-is in exactly one tier, memory, and the copy is written over at its next spill.
+writes are applied in order by the store's writer process (``writer_process``, fed by a thread,
+``row_writer``), so they share no GIL with training; the rows in flight are readable. A cold
+row read back leaves its disk copy as a shadow (``cold_rows``): the row is in exactly one tier,
+memory, and the copy is written over at its next spill.
 
 tf.distribute equivalent: none; DeepRec's multi-tier hash storage (DRAM + SSD, LRU/LFU
 caches) and TorchRec's SSD virtual tables do the same for their tables.
