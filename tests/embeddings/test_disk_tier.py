@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -232,12 +234,17 @@ def test_a_rebuilt_table_resumes_from_its_files_and_the_checkpoint_rolling_back_
                  _train(reference, optimizer, more, **args).state_dict())
 
 
+def _trained_on_disk(path, budget: int) -> DynamicEmbedding:
+    """A table with a disk tier under ``path`` after ten steps of Adagrad."""
+    return _train(DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(path, budget)), torch.optim.Adagrad,
+                  _batches(10, seed=7), lr=0.2)
+
+
 @pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
 def test_a_checkpoint_older_than_the_files_loads_every_row_and_says_why(tmp_path):
     """The files were sealed again by a later full save: they cannot be proven to hold the older one."""
     budget = _budget_for(IDS // 4, DIM)
-    ours = _train(DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(tmp_path, budget)), torch.optim.Adagrad,
-                  _batches(10, seed=7), lr=0.2)
+    ours = _trained_on_disk(tmp_path, budget)
     older = ours.state_dict()
     _train(ours, torch.optim.Adagrad, _batches(3, seed=8), lr=0.2)
     ours.state_dict()  # a later full save: a new seal
@@ -257,8 +264,7 @@ def test_files_of_another_store_format_are_not_resumed_from_and_every_row_loads(
     import lmdb
 
     budget = _budget_for(IDS // 4, DIM)
-    ours = _train(DynamicEmbedding(DIM, mode="sum", storage=DiskStorage(tmp_path, budget)), torch.optim.Adagrad,
-                  _batches(10, seed=7), lr=0.2)
+    ours = _trained_on_disk(tmp_path, budget)
     saved = ours.state_dict()
     store = ours.table._cold._store.directory
     _crash(ours)
@@ -438,13 +444,20 @@ def test_a_failed_disk_write_is_raised_by_the_next_step_naming_the_store(tmp_pat
 
     monkeypatch.setattr(KeyValueStore, "_write", failing)
     emb = DynamicEmbedding(DIM, storage=DiskStorage(tmp_path, _budget_for(20, DIM, total=100)))
-    opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match=r"DiskStorage: writing rows to '.*local' failed: .*No space left on "
                                            r"device; the store is unusable now, fix: free disk space"):
-        for start in range(0, 400, 40):
-            emb(torch.arange(start, start + 40)).sum().backward()
-            opt.step()
-            emb.table._cold.store.flush()
+        _new_ids_each_step(emb, 10)
+
+
+def _new_ids_each_step(emb: DynamicEmbedding, steps: int, after: Callable[[Any], object] = lambda store: None) -> None:
+    """``steps`` steps of 40 new ids each (rows spill from the first), each step's writes waited for, then
+    ``after(store)``."""
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
+    for start in range(0, 40 * steps, 40):
+        emb(torch.arange(start, start + 40)).sum().backward()
+        opt.step()
+        emb.table._cold.store.flush()
+        after(emb.table._cold.store)
 
 
 def _alive(pid: int) -> bool:
@@ -483,17 +496,14 @@ def test_a_killed_writer_process_is_raised_by_the_next_step_naming_the_store(tmp
     import os
     import signal
 
+    def kill_its_writer(store: Any) -> None:
+        if store._process.pid is not None:
+            os.kill(store._process.pid, signal.SIGKILL)
+
     emb = DynamicEmbedding(DIM, storage=DiskStorage(tmp_path, _budget_for(20, DIM, total=100)))
-    opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match=r"DiskStorage: writing rows to '.*local' failed: the disk writer process "
                                            r"\d+ ended \(exit code -9\); the store is unusable now"):
-        for start in range(0, 800, 40):
-            emb(torch.arange(start, start + 40)).sum().backward()
-            opt.step()
-            store = emb.table._cold.store
-            store.flush()
-            if store._process.pid is not None:
-                os.kill(store._process.pid, signal.SIGKILL)
+        _new_ids_each_step(emb, 20, kill_its_writer)
     emb.table.close()
 
 

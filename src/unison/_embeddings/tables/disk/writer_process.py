@@ -75,7 +75,10 @@ class WriterProcess:
                 raise RuntimeError(stdout.read(length).decode(errors="replace"))
         except (BrokenPipeError, OSError, struct.error):
             pass  # ended while we spoke: said below
-        code = child.poll()
+        try:
+            code: int | None = child.wait(1.0)  # its pipes closed: it is ending, if not gone
+        except subprocess.TimeoutExpired:
+            code = None
         raise RuntimeError(f"the disk writer process {child.pid} ended"
                            + (f" (exit code {code})" if code is not None else ""))
 
