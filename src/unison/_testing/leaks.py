@@ -91,22 +91,24 @@ def find_leaks(
     """
     deadline = time.monotonic() + settle
     allowed = set(before.pids) | set(ignore_pids) | _infrastructure_pids()
-    if child_pids() - allowed or any(t not in before.threads for t in _non_daemon_threads()):
-        # garbage not collected yet (a reference cycle) may own them: its finalizers end them (a disk
-        # table's writer process ends when its store is collected)
-        gc.collect()
     threads = [t for t in _non_daemon_threads() if t not in before.threads]
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    leaked_threads = [t for t in threads if t.is_alive()]
-
     for process in multiprocessing.active_children():  # Reaps and joins the ending ones.
         if process.pid not in allowed:
             process.join(max(0.0, deadline - time.monotonic()))
     leaked = child_pids() - allowed
-    while leaked and time.monotonic() < deadline:  # ending ones started otherwise (a subprocess a finalizer ends)
-        time.sleep(0.02)
+    if leaked or any(t.is_alive() for t in threads):
+        # Garbage not collected yet (a reference cycle) may own them, and its finalizers end them (a disk
+        # table's writer process ends when its store is collected): collect, then give them the time left.
+        gc.collect()
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
         leaked = child_pids() - allowed
+        while leaked and time.monotonic() < deadline:
+            time.sleep(0.02)
+            leaked = child_pids() - allowed
+    leaked_threads = [t for t in threads if t.is_alive()]
     return leaked_threads, sorted(leaked)
 
 
