@@ -50,9 +50,9 @@ class WriterProcess:
 
     def write(self, directory: Path, keys: memoryview, values: memoryview | None, width: int,
               marks: memoryview) -> None:
-        """Applies one batch to the store in ``directory`` in one transaction: ``values`` (``width`` bytes a
-        row; None: delete the keys) under ``keys`` (8 bytes each), and ``marks`` (8 bytes each) recorded as
-        dirty; returns once it is committed.
+        """Applies one batch to the store in ``directory``: ``values`` (``width`` bytes a row; None: delete the
+        keys) under ``keys`` (8 bytes each), and ``marks`` (8 bytes each) recorded as dirty, in transactions
+        of at most 1,024 rows, the marks in the first (``lmdb_writer_main``); returns once all are committed.
 
         Raises:
             RuntimeError: what the child raised, or that it ended (with its exit code).
