@@ -37,9 +37,9 @@ def test_requests_of_varying_sizes_keep_one_receive_buffer_per_position():
 
 
 def test_a_message_larger_than_the_socket_buffer_arrives_whole_in_order():
-    # one gathered write per message: on a socket that takes part of it at a time (non-blocking under a
-    # timeout, a small send buffer) a part may end inside any frame, and the peer still reads the header,
-    # the tensors and the next message intact
+    # on a socket that takes part of a message at a time (non-blocking under a timeout, a small send
+    # buffer) a write may end inside any frame, and the peer still reads the header, the tensors and the
+    # next message intact
     sender, receiver = _pair()
     sender._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     sender._socket.settimeout(30)

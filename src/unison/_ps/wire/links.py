@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-import struct
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -49,19 +48,6 @@ def _bytes_view(tensor: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
-def _send_gathered(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
-    """Writes ``buffers`` in order with as few ``sendmsg`` calls as the socket takes (a large message may
-    go in parts: the rest of a partly sent buffer goes in the next call)."""
-    views = [memoryview(buffer).cast("B") for buffer in buffers]
-    while views:
-        sent = sock.sendmsg(views)
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
-
-
 class TensorLink:
     """Sends and receives ``(header, [tensors])`` messages on an authenticated Channel.
 
@@ -84,19 +70,16 @@ class TensorLink:
         self._scratch: dict[int, torch.Tensor] = {}
 
     def send(self, header: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
-        """Sends ``header`` and ``tensors`` (made contiguous, CPU) in one gathered write.
+        """Sends ``header`` and ``tensors`` (made contiguous, CPU).
 
-        The header goes in ``multiprocessing.connection``'s framing (what :meth:`recv` reads
-        with ``recv_bytes``), and header and tensor frames leave in one ``sendmsg``: one
-        system call where a header write and a ``sendall`` per tensor were three or four, and
-        the whole message is in the peer's socket buffer when its read wakes. (The hybrid
-        DLRM's samples/s did not move measurably with it: ``benchmarks/RESULTS.md``.)"""
+        (Sending header and tensor frames in one gathered ``sendmsg`` instead was measured: the
+        hybrid DLRM's samples/s did not move, ``benchmarks/RESULTS.md``; not kept.)"""
         tensors = [t.detach().contiguous().cpu() for t in tensors]
         meta = [(tuple(t.shape), t.dtype) for t in tensors]
-        payload = dumps_header(header, meta)
-        size = len(payload)
-        prefix = struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
-        _send_gathered(self._socket, [prefix, payload, *(_bytes_view(t) for t in tensors if t.numel())])
+        self._connection.send_bytes(dumps_header(header, meta))
+        for t in tensors:
+            if t.numel():
+                self._socket.sendall(_bytes_view(t))
 
     def recv(self, into: Sequence[torch.Tensor] | None = None, timeout: float | None = None,
              reuse: bool = False) -> tuple[Any, list[torch.Tensor]]:
