@@ -33,7 +33,7 @@ part bench 130 "$PY" benchmarks/gpu.py --rounds "${ROUNDS:-6}" --out "$OUT"
 TAIL=60 part profile 60 "$PY" benchmarks/gpu.py --profile D:mwms,ddp
 part demo 90 "$PY" -m unison.launch --workers 2 examples/digits.py --epochs 3 --checkpoint "$OUT/ck/digits.pt" \
   --backup-dir "$OUT/ck/backup" --eval-dir "$OUT/ck/eval"
-part suite_with_gpu "${SUITE_S:-120}" "$PY" -m pytest -q -p no:cacheprovider -n 12 --timeout 100 tests/strategies \
+part suite_with_gpu "${SUITE_S:-270}" "$PY" -m pytest -q -rf -p no:cacheprovider -n 14 --timeout 100 tests/strategies \
   tests/values tests/gradient_sync tests/interpose tests/devices tests/architecture/test_public_names_and_stubs.py \
   tests/collectives tests/input tests/multi_worker tests/checkpoint tests/ps tests/cluster/test_slurm_jobs.py \
   tests/coordinator/test_coordinator_strategy.py

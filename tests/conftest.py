@@ -164,7 +164,15 @@ def _restore_environ() -> Iterator[None]:
 
 
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
-torch.cuda.is_available()  # this process's CUDA is decided now, before a test hides GPUs from its children
+if torch.cuda.is_available():
+    # This process's CUDA is decided now, before a test hides GPUs from its children. The
+    # availability check caches the driver's count, but until CUDA is initialised
+    # ``torch.cuda.device_count()`` re-reads ``CUDA_VISIBLE_DEVICES`` through NVML: under
+    # the hider below it said 0 while ``is_available()`` said True, and Dynamo's device
+    # properties (listed by that count) then failed every in-process ``torch.compile`` test
+    # with an IndexError (H200, torch 2.11). After ``init()`` the count is cached too.
+    torch.cuda.init()
+    torch.cuda.device_count()
 _SESSION_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
