@@ -78,6 +78,7 @@ from unison._embeddings.tables.bag_layout import BagLayout, bag_layout
 from unison._embeddings.tables.capacity import row_capacity
 from unison._embeddings.tables.checks import POLICY_KEYS, check_table_arguments
 from unison._embeddings.tables.disk.storage import DiskStorage
+from unison._embeddings.tables.distinct_ids import distinct_ids_and_counts
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.initializers import Initializer, normal
 from unison._embeddings.tables.table import Table, TableConfig, TableFactory
@@ -185,7 +186,7 @@ class DynamicEmbedding(nn.Module):
                 and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings)):
             raise IndexError(f"DynamicEmbedding: ids must lie in [0, {self.num_embeddings}) (num_embeddings, as the "
                              f"nn.Embedding it replaces), got ids from {int(ids.min())} to {int(ids.max())}")
-        unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        unique, inverse, occurrences = distinct_ids_and_counts(ids.reshape(-1))
         create = self.training and torch.is_grad_enabled()
         if self._pool_where_rows_live(unique, ids, offsets, per_sample_weights):
             return self._pooled(ids, offsets, per_sample_weights, create)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from unison._embeddings.serving.files import read_export
+from unison._embeddings.tables.distinct_ids import distinct_ids
 from unison._embeddings.tables.id_index import IdIndex
 
 __all__ = ["ServingEmbedding", "ReadDelta"]
@@ -207,7 +208,7 @@ class ServingEmbedding(nn.Module):
         pooled by ``forward`` would add it to zero, turning ``-0.0`` into ``0.0``).
         """
         self._check_ids(ids)
-        unique, inverse = torch.unique(ids.reshape(-1).to(torch.int64).cpu(), return_inverse=True)
+        unique, inverse = distinct_ids(ids.reshape(-1).to(torch.int64).cpu())
         return nn.functional.embedding(inverse.reshape(ids.shape), self._rows_of(unique))
 
     def _check_ids(self, ids: object) -> None:
@@ -224,7 +225,7 @@ class ServingEmbedding(nn.Module):
         if self.mode is not None and offsets is None and ids.dim() != 2:
             raise ValueError(f"ServingEmbedding(mode={self.mode!r}): `ids` must be 2-D (equal bags) or 1-D with "
                              f"`offsets`, got shape {tuple(ids.shape)}")
-        unique, inverse = torch.unique(ids.reshape(-1).to(torch.int64).cpu(), return_inverse=True)
+        unique, inverse = distinct_ids(ids.reshape(-1).to(torch.int64).cpu())
         rows = self._rows_of(unique)
         inverse = inverse.reshape(ids.shape)
         if self.mode is None:

@@ -39,6 +39,7 @@ from unison._embeddings.tables.capacity import RowCapacity, least_kept, row_capa
 from unison._embeddings.tables.checks import check_table_arguments, checked_ids, checked_meta, dtype_from_name
 from unison._embeddings.tables.count_sketch import CountMinSketch
 from unison._embeddings.tables.deltas import check_next, checked_delta
+from unison._embeddings.tables.distinct_ids import distinct_ids, distinct_ids_and_counts
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.id_hashing import shard_of
 from unison._embeddings.tables.id_index import IdIndex
@@ -206,7 +207,7 @@ class LocalTable:
         ids = checked_ids(ids, "LocalTable.lookup")
         inverse: torch.Tensor | None = None
         if occurrences is None:
-            unique, inverse, occurrences = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+            unique, inverse, occurrences = distinct_ids_and_counts(ids.reshape(-1))
         elif tuple(occurrences.shape) != tuple(ids.shape):
             raise ValueError(f"LocalTable.lookup: `occurrences` must count each of distinct `ids` "
                              f"(shape {tuple(ids.shape)}), got shape {tuple(occurrences.shape)}")
@@ -258,7 +259,7 @@ class LocalTable:
             # summing, and their slots still hold them (no row has left since)
             self.apply_to_slots(recent[2], grads, optimizer)
             return
-        unique, inverse = torch.unique(ids, return_inverse=True)
+        unique, inverse = distinct_ids(ids)
         summed = torch.zeros(unique.numel(), self._dim, dtype=self._dtype)
         summed.index_add_(0, inverse, grads.to(self._dtype))
         if self._admission is not None:

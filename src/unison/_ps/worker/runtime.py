@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from unison._embeddings.tables.distinct_ids import distinct_ids
 from unison._gradient_sync.step_hooks import attach, install_step_hooks
 from unison._input.context import InputContext
 from unison._ps.remote_variables.variable_specs import VariableSpec, is_metadata_function
@@ -124,7 +125,7 @@ class WorkerShardedParameter(nn.Parameter):
     def _embedding(self, arguments: dict) -> torch.Tensor:
         ids = arguments.pop("input")
         arguments.pop("weight")
-        unique, inverse = torch.unique(ids, return_inverse=True)
+        unique, inverse = distinct_ids(ids)
         rows = self._ps_runtime.lookup_rows(self, unique)
         pad = arguments.get("padding_idx")
         if pad is not None:
