@@ -1,4 +1,4 @@
-"""The distinct ids of a batch through numpy's sort: the same answer as ``torch.unique``, on either side of the switch."""
+"""Distinct ids through numpy's sort: the same answer as ``torch.unique``, on either side of the switch."""
 
 from __future__ import annotations
 
