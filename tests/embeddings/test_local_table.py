@@ -15,7 +15,14 @@ from unison._embeddings.optim.row_optimizers import RowAdagrad, RowSGD, RowWiseA
 from unison._embeddings.tables.eviction import EvictBelowCount, EvictionPolicy, EvictUnseen
 from unison._embeddings.tables.id_hashing import splitmix64
 from unison._embeddings.tables.id_index import IdIndex
-from unison._embeddings.tables.initializers import Initializer, initializer_from_config, normal, uniform, zeros
+from unison._embeddings.tables.initializers import (
+    Initializer,
+    hash_draws,
+    initializer_from_config,
+    normal,
+    uniform,
+    zeros,
+)
 from unison._embeddings.tables.local_table import LocalTable, shard_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,6 +71,25 @@ def test_splitmix64_gives_the_published_sequence():
 @given(st.lists(int64s, min_size=1, max_size=64))
 def test_splitmix64_wraps_like_unsigned_64_bit_arithmetic(values):
     assert _unsigned(splitmix64(_ids(values + EXTREMES))) == [_mix(v) for v in values + EXTREMES]
+
+
+@given(st.lists(int64s, min_size=1, max_size=16), st.integers(0, 2**32), st.integers(1, 5))
+def test_hash_draws_are_the_documented_stream_bit_for_bit(values, seed, count):
+    # initializers.py: key = mix(id ^ mix(seed)), draw k = (mix(key + k * GAMMA) >> 11) * 2**-53
+    ids = _ids(values + EXTREMES)
+    expected = [[(_mix(_mix((v & M64) ^ _mix(seed)) + k * 0x9E3779B97F4A7C15) >> 11) * 2.0 ** -53
+                 for k in range(1, count + 1)] for v in values + EXTREMES]
+    assert hash_draws(ids, seed, count).tolist() == expected
+    assert hash_draws(ids[::2], seed, count).tolist() == expected[::2]  # a strided view reads its own ids
+
+
+def test_splitmix64_leaves_its_input_alone_and_keeps_its_shape():
+    ids = _random_ids(50, 8)
+    before = ids.clone()
+    grid = ids[:48].reshape(6, 8).t()  # not contiguous
+    assert _unsigned(splitmix64(grid).reshape(-1)) == [_mix(v) for v in grid.reshape(-1).tolist()]
+    assert splitmix64(grid).shape == grid.shape and splitmix64(ids[3]).shape == ()
+    assert torch.equal(ids, before)
 
 
 def test_shard_of_is_pinned():

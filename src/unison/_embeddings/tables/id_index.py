@@ -23,13 +23,13 @@ from typing import final
 import numpy as np
 import torch
 
+from unison._embeddings.tables.id_hashing import splitmix64_in_place
+
 __all__ = ["IdIndex"]
 
 _EMPTY = -1  # never used: a probe for any id stops here
 _TOMBSTONE = -2  # removed: probes continue past it, an insert may reuse it
 _MIN_CAPACITY = 16
-_MUL1, _MUL2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _WINDOW = 16  # entries a probe round reads per id once few ids are left: a tail of long chains
 _WINDOW_BELOW = 256  # ids left under which rounds read windows (above it, one entry each is cheaper)
 _STEPS = np.arange(_WINDOW)
@@ -38,10 +38,7 @@ _STEPS = np.arange(_WINDOW)
 def _home(ids: np.ndarray, mask: int) -> np.ndarray:
     """Where each id's probe starts: SplitMix64's finaliser of its bits (``id_hashing.splitmix64``, in
     numpy's wrapping uint64 arithmetic) masked to the table."""
-    z = ids.view(np.uint64)
-    z = (z ^ (z >> _S30)) * _MUL1
-    z = (z ^ (z >> _S27)) * _MUL2
-    return (z ^ (z >> _S31)).view(np.int64) & mask
+    return splitmix64_in_place(ids.view(np.uint64).copy()).view(np.int64) & mask
 
 
 def _blank(capacity: int) -> torch.Tensor:
