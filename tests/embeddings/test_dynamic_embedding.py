@@ -293,3 +293,37 @@ def test_adam_over_a_table_is_refused_naming_sparse_adam_and_nothing_moves(dense
     after = emb.state_dict()
     assert torch.equal(after["rows"], before["rows"]) and after["_extra_state"]["step"] == 0
     assert torch.equal(head.weight, head_before) and not opt.state
+
+
+def test_a_compiled_model_runs_the_table_eagerly_and_trains_as_eager():
+    """``torch.compile`` leaves the table's forward to eager PyTorch (a graph break: its ids, numpy
+    index and hooks are not traceable); the dense layers around it compile and train alike."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = DynamicEmbedding(DIM, seed=1)
+            self.dense = nn.Linear(DIM, 1)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.dense(torch.tanh(self.emb(ids))).sum()
+
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Model()
+        run = torch.compile(model, backend="eager") if compiled else model
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        losses = []
+        for ids in _batches(steps=4, shape=(16, 3)):
+            opt.zero_grad()
+            loss = run(ids)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        every = torch.unique(torch.cat([b.reshape(-1) for b in _batches(steps=4, shape=(16, 3))]))
+        results.append((losses, model.emb.table.lookup(every, create=False), model.dense.weight.detach().clone()))
+    (eager_losses, eager_rows, eager_w), (compiled_losses, compiled_rows, compiled_w) = results
+    assert compiled_losses == eager_losses
+    assert torch.equal(compiled_rows, eager_rows) and torch.equal(compiled_w, eager_w)
+    assert eager_losses[0] != eager_losses[-1]  # it trained

@@ -81,6 +81,17 @@ def test_one_id_per_row_mode_serves_like_the_module_in_evaluation(tmp_path):
     assert served(torch.tensor([2**63 - 1])).eq(0).all()
 
 
+def test_a_compiled_serving_model_reads_the_table_eagerly(tmp_path):
+    """``torch.compile`` runs the table's lookups eagerly (a graph break) and compiles the rest."""
+    emb, opt = make("sum")
+    train(emb, opt, 3, seed=0)
+    served = ServingEmbedding.load(export_for_serving(emb, tmp_path / "e"))
+    ids = emb.state_dict()["ids"][:12].reshape(3, 4)
+    scaled = torch.compile(lambda i: served(i) * 2 + served.lookup(i).sum(1), backend="eager")
+    with torch.no_grad():
+        assert torch.equal(scaled(ids), served(ids) * 2 + served.lookup(ids).sum(1))
+
+
 def test_a_wrong_delta_is_refused_naming_both_and_changes_nothing(tmp_path):
     emb, opt = make()
     train(emb, opt, 2, seed=0)

@@ -178,9 +178,14 @@ class DynamicEmbedding(nn.Module):
         """How many rows exist."""
         return self.table.num_rows
 
+    @torch.compiler.disable
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); missing rows are made when training."""
+        """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); missing rows are made when training.
+
+        Under ``torch.compile`` this runs eagerly (a graph break): the ids' values pick rows
+        through a numpy index and the table's hooks, which Dynamo cannot trace; the layers
+        around it compile."""
         ids = _checked_ids(ids, self.mode, offsets, per_sample_weights)
         if (self.num_embeddings is not None and ids.numel()
                 and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings)):

@@ -201,6 +201,7 @@ class ServingEmbedding(nn.Module):
             rows[present] = self._rows.index_select(0, slots[present])
         return rows
 
+    @torch.compiler.disable
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's row, ``[*ids.shape, dim]``, never pooled whatever ``mode`` (unknown ids read ``default``).
 
@@ -215,6 +216,7 @@ class ServingEmbedding(nn.Module):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"ServingEmbedding: `ids` must be an int64 tensor of feature ids, got {ids!r:.80}")
 
+    @torch.compiler.disable
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); unknown ids read ``default``."""
