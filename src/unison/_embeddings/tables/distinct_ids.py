@@ -4,8 +4,8 @@
 elements is 2-4x slower than numpy's ``argsort`` (x86-simd-sort where the CPU has it):
 6,656 ids (a DLRM batch of 256 x 26 features) took 271 us against 125 us for the same
 result from numpy's sort, and ``torch.unique`` was 7% of a one-device DLRM step
-(``benchmarks/RESULTS.md``, 'Distinct ids through numpy's sort'). Below that size torch's
-one call beats numpy's dozen (about 13 us), so small batches keep it.
+(``benchmarks/RESULTS.md``, 'A table's distinct ids and hashing through numpy'). Below that
+size torch's one call beats numpy's dozen (about 13 us), so small batches keep it.
 """
 
 from __future__ import annotations
