@@ -79,10 +79,12 @@ class ProcessState:
 
     def stack(self) -> list[ContextEntry]:
         """This thread's stack itself, for the hot path of ``strategy.run`` (append, then pop)."""
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
+        try:
+            return self._local.stack  # type: ignore[no-any-return]
+        except AttributeError:  # this thread's first
+            stack: list[ContextEntry] = []
+            self._local.stack = stack
+            return stack
 
     def depth(self) -> int:
         """How many entries this thread's stack holds."""

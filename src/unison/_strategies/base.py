@@ -108,10 +108,12 @@ class Strategy(abc.ABC):
         PerReplica arguments are unwrapped to each replica's component. Exceptions from
         any replica (or a merge function) are raised here, after every replica stopped.
         """
+        # Few frames on purpose: run costs a one-device step 3-5 us (benchmarks/RESULTS.md, 'Where
+        # the remaining goals' time goes', OneDevice on D).
         if self._extended.components.gradient_sync is not None:  # one device: no hook in opt.step() at all
             install_step_hooks()
-        top = STATE.top()
-        if top is not None and top.strategy is not self and not top.strategy.extended.components.is_default:
+        stack = STATE.stack()
+        if stack and stack[-1].strategy is not self and not stack[-1].strategy.extended.components.is_default:
             with self.scope():  # raises: strategies cannot be nested or mixed
                 pass
         # No scope of its own: each replica runs in its replica context (pushed by the

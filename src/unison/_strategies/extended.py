@@ -351,5 +351,6 @@ class StrategyExtended:
 
     # -- running -----------------------------------------------------------------------
     def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        self.finish_variable_creation()
+        if self._pending:
+            self.finish_variable_creation()
         return self._c.runner.run(fn, args, kwargs)
