@@ -27,6 +27,7 @@ import torch
 from unison._embeddings.optim.row_optimizers import RowOptimizer
 from unison._embeddings.tables.bag_layout import BagLayout
 from unison._embeddings.tables.deltas import check_next, checked_delta
+from unison._embeddings.tables.distinct_ids import distinct_ids
 from unison._embeddings.tables.id_hashing import shard_of
 from unison._embeddings.tables.table import TableConfig
 from unison._ps.wire import protocol as wire
@@ -131,7 +132,7 @@ class RemoteTable:
         touched_bags: dict[int, torch.Tensor] = {}
         for k, where in enumerate(self._split(layout.ids)):
             if where.numel():
-                touched, local = torch.unique(layout.bags[where], return_inverse=True)
+                touched, local = distinct_ids(layout.bags[where])
                 touched_bags[k] = touched
                 requests[k] = (wire.TablePool(self.key, create, touched.numel()),
                                [layout.ids[where], local, layout.weights[where]], None)
@@ -150,7 +151,7 @@ class RemoteTable:
         at_step = self._next_step()
         requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
         for k, where in enumerate(self._split(layout.ids)):
-            touched, local = torch.unique(layout.bags[where], return_inverse=True)
+            touched, local = distinct_ids(layout.bags[where])
             requests[k] = (wire.TablePushBags(self.key, optimizer, at_step),
                            [layout.ids[where], local, layout.weights[where], grads.index_select(0, touched)], None)
         self._client().exchange(requests, wait=False)
