@@ -21,13 +21,7 @@ from typing import Any, final
 import numpy as np
 import torch
 
-from unison._embeddings.tables.id_hashing import (
-    GOLDEN_GAMMA,
-    _shift_right,
-    splitmix64,
-    splitmix64_in_place,
-    splitmix64_int,
-)
+from unison._embeddings.tables.id_hashing import GOLDEN_GAMMA, splitmix64_in_place, splitmix64_int
 
 __all__ = ["Initializer", "Uniform", "Normal", "Zeros", "uniform", "normal", "zeros", "initializer_from_config",
            "hash_draws"]
@@ -42,16 +36,13 @@ def hash_draws(ids: torch.Tensor, seed: int, count: int) -> torch.Tensor:
 
     In numpy's uint64 arithmetic, in place (the same bits as torch's int64 one, 2-3x faster:
     a new row's draws were a fifth of a table's work where many ids were new)."""
-    if ids.device.type != "cpu":
-        key = splitmix64(ids ^ splitmix64_int(seed))
-        bits = splitmix64(key[:, None] + torch.arange(1, count + 1, dtype=torch.int64) * GOLDEN_GAMMA)
-        return _shift_right(bits, 11).to(torch.float64) * _TWO_POW_MINUS_53
-    keys = splitmix64_in_place(ids.detach().numpy().view(np.uint64) ^ np.uint64(splitmix64_int(seed) & _MASK64))
+    id_bits = ids.detach().cpu().numpy().view(np.uint64)
+    keys = splitmix64_in_place(id_bits ^ np.uint64(splitmix64_int(seed) & _MASK64))
     words = splitmix64_in_place(keys[:, None] + np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GAMMA64))
     words >>= np.uint64(11)
     draws = words.astype(np.float64)
     draws *= _TWO_POW_MINUS_53
-    return torch.from_numpy(draws)
+    return torch.from_numpy(draws).to(ids.device)
 
 
 def _number(value: Any, field: str, owner: str) -> float:
