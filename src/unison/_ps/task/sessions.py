@@ -205,7 +205,10 @@ def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
     """Answers one peer's requests (a worker's or the coordinator's) until it disconnects.
 
     Errors come back as ``Failed(exception, traceback text)``; a header that is no request of
-    this protocol is such an error too (``ProtocolError`` naming what came).
+    this protocol is such an error too (``ProtocolError`` naming what came). A request of
+    ``wire.ANSWERED_ON_FAILURE`` (a row push) is answered only if it fails, and then at the
+    next request that has a reply, which is not applied (nor any push in between): the peer
+    raises the push's error there, before it builds on the push.
     """
     session = _Session(store, store.tables, MappedSegments(), {})
     try:
@@ -216,20 +219,32 @@ def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
 
 def _serve(session: _Session, link: TensorLink) -> None:
     ok = wire.Ok()
+    failed: wire.Failed | None = None  # an unanswered push's failure, not reported yet
     while True:
         try:
             header, tensors = link.recv(reuse=True)  # every request is done with them before the next
         except (EOFError, OSError):
             return
+        quiet = False
         try:
             request = wire.check_request(header)
-            reply = _HANDLERS[request.KIND](session, request, tensors)
-            message: Any = ok
+            quiet = request.KIND in wire.ANSWERED_ON_FAILURE
+            if failed is not None:
+                if quiet:
+                    continue
+                message, reply, failed = failed, [], None
+            else:
+                reply = _HANDLERS[request.KIND](session, request, tensors)
+                message = ok
         except Exception as e:  # sent back to the requester, which raises it
-            message, reply = wire.Failed(e, traceback.format_exc()), []
+            message, reply = wire.Failed(e, traceback.format_exc(), earlier=quiet), []
+        if quiet:
+            if message is not ok:
+                failed = message
+            continue
         try:
             link.send(message, reply)
         except (EOFError, OSError):
             return
         except Exception as e:  # the error itself could not be pickled
-            link.send(wire.Failed(RuntimeError(repr(e)), ""), [])
+            link.send(wire.Failed(RuntimeError(repr(e)), "", isinstance(message, wire.Failed) and message.earlier), [])

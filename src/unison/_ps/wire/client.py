@@ -53,8 +53,8 @@ class PSClient:
         #: per ps task: the arena segments it has mapped, or None once it could not (another host)
         self._attached: dict[int, set[str] | None] = {}
         self._grad_slots: dict[tuple[int, str], torch.Tensor] = {}
-        #: ps tasks whose reply to a request sent without waiting (a row push) is still to be read
-        self._unanswered: set[int] = set()
+        #: ps tasks sent a request without waiting (a row push) that no reply has confirmed since
+        self._unconfirmed: set[int] = set()
         #: ps tasks this client has opened a session with (a failure to reach one later means it is lost)
         self._reached: set[int] = set()
 
@@ -134,21 +134,26 @@ class PSClient:
                  wait: bool = True) -> dict[int, list[torch.Tensor]]:
         """Sends each ps task its request, then returns each reply's tensors.
 
-        With ``wait=False`` it returns once the requests are sent (no replies): each ps
-        task answers later, and that answer (an error, raised then) is read before the
-        next request to it, so a ps task still applies one peer's requests in order.
+        With ``wait=False`` (row pushes only: ``wire.ANSWERED_ON_FAILURE``) it returns once the
+        requests are sent: a ps task answers such a request only if it fails, and then at this
+        client's next request to it that has a reply, which raises the push's error.
+        :meth:`settle` waits until they are applied.
 
         Raises:
             ParameterServerError: naming ``ps:K`` if it is gone or does not answer.
             Exception: what the ps task raised for a bad request (with its traceback as a note).
+            ValueError: a request with a reply sent with ``wait=False``.
         """
+        if not wait:
+            unanswerable = [h for h, _, _ in requests.values() if h.KIND not in wire.ANSWERED_ON_FAILURE]
+            if unanswerable:
+                raise ValueError(f"PSClient.exchange(wait=False) sends only requests that have no reply "
+                                 f"(wire.ANSWERED_ON_FAILURE), got {unanswerable[0]!r:.200}")
         order = sorted(requests)
         links = {i: self._link(i) for i in order}
         for i in order:  # one lock order for every caller: no deadlock between threads
             links[i].lock.acquire()
         try:
-            for i in order:
-                self._settle_locked(i, links[i])
             for i in order:
                 header, tensors, _ = requests[i]
                 try:
@@ -157,7 +162,7 @@ class PSClient:
                     self._drop(i)
                     raise self._lost(i, e) from e
             if not wait:
-                self._unanswered.update(order)
+                self._unconfirmed.update(order)
                 return {}
             replies: dict[int, list[torch.Tensor]] = {}
             error: BaseException | None = None
@@ -167,8 +172,12 @@ class PSClient:
                 except (EOFError, OSError, TimeoutError) as e:
                     self._drop(i)
                     raise self._lost(i, e) from e
+                self._unconfirmed.discard(i)  # the ps task applied everything sent before
                 if isinstance(header, wire.Failed) and error is None:
                     error = header.error
+                    if header.earlier:
+                        error.add_note(f"raised on ps:{i} by an earlier request sent without waiting (a row "
+                                       f"push); the request answered by it was not applied")
                     if header.traceback:
                         error.add_note(f"traceback on ps:{i}:\n{header.traceback}")
                 replies[i] = tensors
@@ -179,37 +188,18 @@ class PSClient:
             for i in order:
                 links[i].lock.release()
 
-    def _settle_locked(self, index: int, link: TensorLink) -> None:
-        """Reads ps task ``index``'s answer to a request sent without waiting, if one is due (its lock held)."""
-        if index not in self._unanswered:
-            return
-        self._unanswered.discard(index)
-        try:
-            header, _ = link.recv(None, self._reply_timeout)
-        except (EOFError, OSError, TimeoutError) as e:
-            self._drop(index)
-            raise self._lost(index, e) from e
-        if isinstance(header, wire.Failed):
-            error = header.error
-            error.add_note(f"raised on ps:{index} by an earlier request sent without waiting (a row push)"
-                           + (f"; traceback there:\n{header.traceback}" if header.traceback else ""))
-            raise error
-
     def settle(self) -> None:
         """Waits until every request sent without waiting has been applied (raises its error, if any)."""
-        for index in sorted(self._unanswered):
-            link = self._links.get(index)
-            if link is None:
-                self._unanswered.discard(index)
-                continue
-            with link.lock:
-                self._settle_locked(index, link)
+        pending = sorted(i for i in self._unconfirmed if i in self._links)
+        self._unconfirmed.intersection_update(pending)
+        if pending:
+            self.exchange({i: (wire.Ping(), (), None) for i in pending})
 
     def _drop(self, index: int) -> None:
         with self._lock:
             link = self._links.pop(index, None)
             self._attached.pop(index, None)
-            self._unanswered.discard(index)
+            self._unconfirmed.discard(index)
         if link is not None:
             link.close()
 

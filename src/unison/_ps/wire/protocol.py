@@ -2,7 +2,10 @@
 
 Both sides import this one module. A request is a header (one frozen dataclass per kind
 below, its kind an enum member) followed by raw tensor frames (:mod:`~unison._ps.wire.links`);
-a reply is :class:`Ok` or :class:`Failed` with tensors. The ps task dispatches on the
+a reply is :class:`Ok` or :class:`Failed` with tensors. A row push (``TablePush``,
+``TablePushBags``: :data:`ANSWERED_ON_FAILURE`) has no reply when it succeeds; a push that
+fails is answered at the session's next request that has a reply, by its ``Failed`` (marked
+``earlier``), and that request is not applied. The ps task dispatches on the
 header's class through one table (:mod:`unison._ps.task.sessions`), so adding a request is a
 dataclass here, a method on the client side and one handler there.
 
@@ -31,9 +34,9 @@ header                        tensors sent                               tensors
 ``Ping()``                    none                                       none
 ``TableCreate(key, config)``  none                                       none
 ``TableRows(key, create)``    distinct ids, their occurrences            rows
-``TablePush(key, optimizer)`` ids, grads                                 none
+``TablePush(key, optimizer)`` ids, grads                                 (no reply)
 ``TablePool(key, create, n)`` ids, bag of each id, weights               a partial row per bag
-``TablePushBags(...)``        ids, bag of each id, weights, bag grads    none
+``TablePushBags(...)``        ids, bag of each id, weights, bag grads    (no reply)
 ``TableExport(key)``          none                                       the export's tensors
 ``TableLoad(key, shard, n)``  an export's tensors                        none
 ``TableStats()``              none                                       the pickled stats
@@ -61,17 +64,18 @@ __all__ = [
     "Create", "Pull", "PullShared", "Attach", "PullRows", "Push", "Assign", "Add", "OptimizerStates",
     "LoadOptimizerStates", "Ping", "TableCreate", "TableRows", "TablePush", "TablePool", "TablePushBags",
     "TableExport", "TableLoad", "TableStats", "TableSavePoint", "TableExportDelta", "TableApplyDelta",
-    "TableServingExport", "ProtocolError", "check_request", "encode", "decode", "dumps_header",
+    "TableServingExport", "ANSWERED_ON_FAILURE", "ProtocolError", "check_request", "encode", "decode", "dumps_header",
     "export_tensors", "export_from_tensors", "pickled", "unpickled", "RunFunction", "BuildDataset", "FunctionResult",
     "FunctionFailed", "WorkerRequest",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1; 3: a table
 export carries its policy parts, and ``TableCreate``'s config its admission and capacity; 4: delta
 checkpoints and serving exports of a table, and an export's ``removed`` ids; 5: a table config's disk tier, ``storage``,
 which an older ps task would drop, keeping every row in memory; 6: a table push's ``at_step``,
-the global step of a synchronous job's push)."""
+the global step of a synchronous job's push; 7: row pushes have no reply unless they fail, and
+``Failed.earlier``)."""
 
 
 class ProtocolError(ValueError):
@@ -204,10 +208,14 @@ class Ok:
 
 @_message
 class Failed:
-    """The request raised on the ps task: the exception (re-raised by the requester) and its traceback."""
+    """The request raised on the ps task: the exception (re-raised by the requester) and its traceback.
+
+    ``earlier``: it was an earlier request of the session, one of :data:`ANSWERED_ON_FAILURE`; the
+    request this answers was not applied."""
 
     error: BaseException
     traceback: str
+    earlier: bool = False
 
 
 # -- variables --------------------------------------------------------------------------------
@@ -402,6 +410,13 @@ class TableServingExport(Request):
     delta: bool
     export_id: str
     number: int
+
+
+ANSWERED_ON_FAILURE = frozenset({RequestKind.TABLE_PUSH, RequestKind.TABLE_PUSH_BAGS})
+"""Requests with no reply when they succeed: a worker's row pushes, two per ps task and step, sent
+without waiting. An ``Ok`` for each cost the ps task a send and the worker a read, and the worker
+could not send its next lookup before that ``Ok`` had come (one more sleep and wake of each a
+step, on a machine where a wake costs tens of microseconds)."""
 
 
 # -- the chief and a worker (a ClusterCoordinator's session with a worker task) ---------------

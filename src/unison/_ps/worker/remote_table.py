@@ -159,9 +159,9 @@ class RemoteTable:
     def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """One optimizer step of the rows: each shard applies its ids' gradients, advances and evicts.
 
-        Sent without waiting: the next request to each ps task (this worker's next lookup)
-        reads its answer first, so this worker's next lookup sees it; ``PSClient.settle``
-        waits for it (a function's end on a ClusterCoordinator's worker,
+        Sent without waiting, and answered only if it fails: each ps task applies it before
+        this worker's next request, so its next lookup sees it (or raises its error);
+        ``PSClient.settle`` waits for it (a function's end on a ClusterCoordinator's worker,
         ``HybridParameterServerStrategy.join_pushes``).
         """
         if self._grad_scale is not None:
