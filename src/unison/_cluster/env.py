@@ -24,6 +24,7 @@ __all__ = [
     "UNISON_RENDEZVOUS",
     "UNISON_PREEMPTION_NOTICES",
     "UNISON_PS_SHARED_MEMORY",
+    "UNISON_PS_SCHED_BATCH",
     "UNISON_TERMINAL",
     "MIN_KEY_BYTES",
     "read_authkey",
@@ -32,6 +33,7 @@ __all__ = [
     "coordinator_port",
     "thread_setting",
     "ps_shared_memory",
+    "ps_sched_batch",
     "terminal_streams",
 ]
 
@@ -60,6 +62,10 @@ UNISON_RENDEZVOUS = "UNISON_RENDEZVOUS"
 #: "0" on a worker keeps all its parameter-server traffic on the sockets, even with a ps
 #: task on its host (comparisons; hosts whose ``/proc`` hides a worker's memory files).
 UNISON_PS_SHARED_MEMORY = "UNISON_PS_SHARED_MEMORY"
+
+#: "0" on a ps task keeps its sessions' threads at the default CPU scheduling policy instead of ``SCHED_BATCH``
+#: (``unison._ps.task.scheduling``: a request arriving then never preempts a worker on its host).
+UNISON_PS_SCHED_BATCH = "UNISON_PS_SCHED_BATCH"
 
 #: A directory (set by ``unison launch``) where a task that receives a preemption signal
 #: leaves a file naming itself, so the launcher names the task(s) the notice went to, not
@@ -171,6 +177,11 @@ def thread_setting(environ: Mapping[str, str] | None = None) -> str | None:
 def ps_shared_memory(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a worker may exchange ps values through shared memory (``UNISON_PS_SHARED_MEMORY`` is not "0")."""
     return _environ(environ).get(UNISON_PS_SHARED_MEMORY, "1").strip() != "0"
+
+
+def ps_sched_batch(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a ps task's session threads run under ``SCHED_BATCH`` (``UNISON_PS_SCHED_BATCH`` is not "0")."""
+    return _environ(environ).get(UNISON_PS_SCHED_BATCH, "1").strip() != "0"
 
 
 def terminal_streams(environ: Mapping[str, str] | None = None) -> frozenset[str] | None:

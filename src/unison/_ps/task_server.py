@@ -25,6 +25,7 @@ from unison._coordinator.standard_server import StandardServer
 from unison._gradient_sync.step_hooks import install_step_hooks
 from unison._ps.task.malloc_settings import release_large_buffers
 from unison._ps.task.parameter_store import ParameterStore
+from unison._ps.task.scheduling import serve_at_batch_priority
 from unison._ps.task.sessions import accept_session, serve_ps_session
 from unison._ps.wire import protocol as wire
 from unison._ps.wire.client import PSClient
@@ -146,6 +147,7 @@ class Server:
             channel.close()
             return
         self._track(channel)
+        serve_at_batch_priority()  # this session's thread: its wakeups do not preempt a worker on this host
         try:
             serve_ps_session(self._store, TensorLink(channel, channel.peer))
         finally:
