@@ -226,6 +226,7 @@ def _serve(session: _Session, link: TensorLink) -> None:
         except (EOFError, OSError):
             return
         quiet = False
+        message: wire.Ok | wire.Failed
         try:
             request = wire.check_request(header)
             quiet = request.KIND in wire.ANSWERED_ON_FAILURE
@@ -239,7 +240,7 @@ def _serve(session: _Session, link: TensorLink) -> None:
         except Exception as e:  # sent back to the requester, which raises it
             message, reply = wire.Failed(e, traceback.format_exc(), earlier=quiet), []
         if quiet:
-            if message is not ok:
+            if isinstance(message, wire.Failed):
                 failed = message
             continue
         try:
