@@ -190,8 +190,8 @@ class PSClient:
 
     def settle(self) -> None:
         """Waits until every request sent without waiting has been applied (raises its error, if any)."""
-        pending = sorted(i for i in self._unconfirmed if i in self._links)
-        self._unconfirmed.intersection_update(pending)
+        # a copy first (another thread may push meanwhile); a dropped link's entry went with it (_drop)
+        pending = sorted(i for i in tuple(self._unconfirmed) if i in self._links)
         if pending:
             self.exchange({i: (wire.Ping(), (), None) for i in pending})
 
