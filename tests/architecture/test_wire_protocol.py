@@ -107,7 +107,8 @@ def _example(cls: type):
         "config": TableConfig(4, torch.float32, normal(), 0, None),
         "create": True, "optimizer": RowSGD(lr=0.5), "num_bags": 3, "shard": 1, "num_shards": 2, "version": 2,
         "reason": "why", "error": ValueError("bad"), "traceback": "tb", "earlier": True, "payload": b"x",
-        "dataset_id": 1, "dataset_fn": len, "value": 7, "lost_ps": False, "place": None, "has_ids": True, "hyper": {"lr": 0.1},
+        "dataset_id": 1, "dataset_fn": len, "value": 7, "lost_ps": False, "place": None, "has_ids": True,
+        "hyper": {"lr": 0.1},
         "full": False, "at_step": 5, "sequence": 3, "table_id": "0f3a", "delta": True, "export_id": "9c1d", "number": 2,
     }
     return cls(*(values[name] for name in cls.__slots__))
