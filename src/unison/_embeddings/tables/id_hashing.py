@@ -40,7 +40,8 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 _NP_MUL1, _NP_MUL2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_NP_30, _NP_27, _NP_31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_NP_30, _NP_27, _NP_31, _NP_1 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(1)
+_NP_SHARD_SALT = np.uint64(_SHARD_SALT & _MASK64)
 
 
 def splitmix64_in_place(z: np.ndarray) -> np.ndarray:
@@ -94,7 +95,14 @@ def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
         raise ValueError(f"shard_of: `num_shards` must be an int >= 1, got {num_shards!r}")
     if ids.dtype != torch.int64:
         raise TypeError(f"shard_of: `ids` must be an int64 tensor, got dtype {ids.dtype}; fix: pass ids.long()")
-    return _shift_right(splitmix64(ids + _SHARD_SALT), 1) % num_shards
+    # numpy's wrapping uint64 arithmetic, in place on one copy: half the time of the torch ops (a
+    # worker splits every lookup's ids by it)
+    words = ids.detach().cpu().numpy().astype(np.uint64)  # the same bits
+    words += _NP_SHARD_SALT
+    splitmix64_in_place(words)
+    words >>= _NP_1
+    words %= np.uint64(num_shards)
+    return torch.from_numpy(words.view(np.int64)).to(ids.device)
 
 
 def bucket_of(ids: torch.Tensor, salt: int, buckets: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from unison._embeddings.optim.row_optimizers import RowOptimizer
@@ -106,8 +107,8 @@ class RemoteTable:
         last = self._last_split
         if last is not None and last[0].shape == ids.shape and torch.equal(last[0], ids):
             return last[1]
-        owner = shard_of(ids, self.num_shards)
-        positions = [(owner == k).nonzero().squeeze(1) for k in range(self.num_shards)]
+        owner = shard_of(ids, self.num_shards).numpy()
+        positions = [torch.from_numpy(np.flatnonzero(owner == k)) for k in range(self.num_shards)]
         self._last_split = (ids, positions)
         return positions
 
