@@ -41,7 +41,6 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 _NP_MUL1, _NP_MUL2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _NP_30, _NP_27, _NP_31, _NP_1 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(1)
-_NP_SHARD_SALT = np.uint64(_SHARD_SALT & _MASK64)
 
 
 def splitmix64_in_place(z: np.ndarray) -> np.ndarray:
@@ -95,13 +94,17 @@ def shard_of(ids: torch.Tensor, num_shards: int) -> torch.Tensor:
         raise ValueError(f"shard_of: `num_shards` must be an int >= 1, got {num_shards!r}")
     if ids.dtype != torch.int64:
         raise TypeError(f"shard_of: `ids` must be an int64 tensor, got dtype {ids.dtype}; fix: pass ids.long()")
-    # numpy's wrapping uint64 arithmetic, in place on one copy: half the time of the torch ops (a
-    # worker splits every lookup's ids by it)
+    return _salted_buckets(ids, _SHARD_SALT, num_shards)
+
+
+def _salted_buckets(ids: torch.Tensor, salt: int, buckets: int) -> torch.Tensor:
+    """``(splitmix64(id + salt) >> 1) % buckets`` in numpy's wrapping uint64 arithmetic, in place on one
+    copy: half the time of the same torch ops (a worker splits every lookup's ids by it)."""
     words = ids.detach().cpu().numpy().astype(np.uint64)  # the same bits
-    words += _NP_SHARD_SALT
+    words += np.uint64(salt & _MASK64)
     splitmix64_in_place(words)
     words >>= _NP_1
-    words %= np.uint64(num_shards)
+    words %= np.uint64(buckets)
     return torch.from_numpy(words.view(np.int64)).to(ids.device)
 
 
@@ -111,7 +114,7 @@ def bucket_of(ids: torch.Tensor, salt: int, buckets: int) -> torch.Tensor:
     :func:`shard_of` with another salt: a family of independent bucket hashes, e.g. the rows
     of a count sketch. A salt equal to ``shard_of``'s gives its buckets.
     """
-    return _shift_right(splitmix64(ids + salt), 1) % buckets
+    return _salted_buckets(ids, salt, buckets)
 
 
 def unit_interval(hashes: torch.Tensor) -> torch.Tensor:
