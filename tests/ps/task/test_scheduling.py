@@ -12,6 +12,7 @@ import torch
 import unison
 from unison._coordinator.channel import generate_authkey
 from unison._ps.task import scheduling
+from unison._ps.wire import protocol as wire
 from unison._ps.wire.client import PSClient
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
@@ -24,7 +25,7 @@ def _session_policies(monkeypatch, value: str | None) -> tuple[list[int], int]:
     server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=key, bind_address="127.0.0.1:0")
     client = PSClient([server.address], key, timeout=10, reply_timeout=10)
     try:
-        client.write(unison._ps.wire.protocol.Create, [(0, "w")], [torch.zeros(2)])  # opens a session
+        client.write(wire.Create, [(0, "w")], [torch.zeros(2)])  # opens a session
         sessions = list(server._sessions)
         return [os.sched_getscheduler(thread.native_id) for thread in sessions], os.sched_getscheduler(0)
     finally:

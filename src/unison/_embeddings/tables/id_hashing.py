@@ -61,7 +61,7 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
     """
     if x.dtype != torch.int64:
         raise TypeError(f"splitmix64 needs an int64 tensor, got dtype {x.dtype}; fix: pass x.long()")
-    words = np.array(x.detach().cpu().numpy(), dtype=np.int64, order="C").view(np.uint64)  # a copy, mixed in place
+    words = x.detach().cpu().numpy().astype(np.uint64)  # a copy of the same bits, mixed in place
     return torch.from_numpy(splitmix64_in_place(words).view(np.int64)).to(x.device)
 
 
