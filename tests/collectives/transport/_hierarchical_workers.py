@@ -56,16 +56,33 @@ def reduce_batches(rank: int, world: int, implementation: str, hosts: list[str] 
     }
 
 
-def train(rank: int, world: int, implementation: str):
-    """The multi-worker MLP of test_two_workers_match_single_device, on 4 workers of 2 hosts."""
+class _SlowClock:
+    """``time`` for the link probe of one worker: a second passes at every reading."""
+
+    def __init__(self):
+        self._now = 0.0
+
+    def perf_counter(self) -> float:
+        self._now += 1.0
+        return self._now
+
+
+def train(rank: int, world: int, implementation: str, slow_probe_rank: int | None = None):
+    """The multi-worker MLP of test_two_workers_match_single_device, on 4 workers of 2 hosts
+    (``slow_probe_rank``: that worker's probe of the link between hosts reads 1 MB a second)."""
+    if rank == slow_probe_rank:
+        from unison._collectives.transport import host_share
+        host_share.time = _SlowClock()  # this worker process only
     strategy = strategy_on_hosts(rank, implementation)
     model, step = mlp_and_step(strategy, 2, 16)
 
     for x, y in global_batches():
         strategy.run(step, args=(x.chunk(world)[rank], y.chunk(world)[rank]))
+    sync = strategy.extended.components.gradient_sync
     return {
         "weights": [p.detach().clone() for p in model.parameters()],
-        "buckets": strategy.extended.components.gradient_sync.buckets_in_shared_memory,
+        "buckets": sync.buckets_in_shared_memory,
+        "bucket_bytes": sync.overlap_bucket_bytes,  # where buckets cross hosts: chosen by a probe of the link
         "hierarchical": isinstance(strategy.extended.cross_device_ops.transport, HierarchicalTransport),
     }
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import unison
+from unison._collectives.transport import shared_buckets
 from unison._collectives.transport.bucket_transports import GradientBucket
 from unison._collectives.transport.flat_buffers import views_of
 from unison._collectives.transport.shared_buckets import SharedMemoryBuckets
@@ -87,3 +88,30 @@ def test_small_shared_buckets_are_summed_whole_from_two_slots_in_turn(worker_poo
             values = [2 * (1000.0 * step + 100.0 * b + 10.0 * k) + 1 for b, k in ((0, 0), (0, 1), (1, 0))]
             assert got[:3] == [[v, v] for v in values], (step, got)
             assert got[3:] == [[2.0, 2.0], [2.0]]
+
+
+class _Link:
+    """Hosts whose link a probe reads at ``rate`` bytes a second (counts the probes)."""
+
+    slices_cross_hosts = True
+
+    def __init__(self, rate: int):
+        self.rate, self.probes = rate, 0
+
+    def link_bytes_per_second(self) -> int:
+        self.probes += 1
+        return self.rate
+
+
+@pytest.mark.parametrize("rate,expected", [
+    (7_000_000, shared_buckets.SLOW_LINK_BUCKET_BYTES),  # 100 Mbit/s, as the simulated hosts read it
+    (60_000_000, shared_buckets.SLOW_LINK_BUCKET_BYTES),  # 1 Gbit/s
+    (shared_buckets.SLOW_LINK_BYTES_PER_S, shared_buckets.PIPELINED_BUCKET_BYTES),
+    (335_000_000, shared_buckets.PIPELINED_BUCKET_BYTES),  # an unlimited veth pair
+], ids=["100mbit", "1gbit", "at-the-threshold", "unlimited"])
+def test_buckets_that_cross_hosts_are_smaller_on_a_slow_link_probed_once(rate, expected):
+    hosts = _Link(rate)
+    transport = shared_buckets.PipelinedHostBuckets(None, hosts)
+    assert transport.default_bucket_bytes() == expected
+    assert transport.default_bucket_bytes() == expected  # the buckets rebuilt: no second probe
+    assert hosts.probes == 1

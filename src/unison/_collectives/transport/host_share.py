@@ -20,6 +20,7 @@ The shared-memory engine of either is made on first use, when the group has form
 from __future__ import annotations
 
 import datetime
+import time
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +35,9 @@ from unison._collectives.transport.shared_memory import SharedMemoryAllReduce, S
 from unison._collectives.transport.shm_signals import WRITTEN
 
 __all__ = ["OneHostShare", "HostsShare", "BATCH_OPERATION", "BUCKETS_OPERATION"]
+
+LINK_PROBE_BYTES = 1 << 20
+"""What one probe of the link between hosts sends (:meth:`HostsShare.link_bytes_per_second`)."""
 
 BATCH_OPERATION = "batch all-reduce"
 """How a failed batch all-reduce is named in errors."""
@@ -219,6 +223,21 @@ class HostsShare:
         """
         self._host  # noqa: B018 - the groups exist from here on
         return self._column is not None
+
+    def link_bytes_per_second(self) -> int:
+        """How fast a slice crosses hosts: bytes a second of the slowest column's all-reduce of
+        ``LINK_PROBE_BYTES`` (the best of two, every column at once as the buckets' slices go),
+        the same on every worker. A collective, once where the buckets are planned (equal hosts)."""
+        column = self._column
+        assert column is not None, "link_bytes_per_second needs equal hosts (slices_cross_hosts)"
+        probe = torch.zeros(LINK_PROBE_BYTES // 4, dtype=torch.float32)
+        column.call("link probe", dist.all_reduce, probe[:1])  # the connections, before the clock
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            column.call("link probe", dist.all_reduce, probe)
+            best = min(best, time.perf_counter() - start)
+        return self._control.agree_min(int(LINK_PROBE_BYTES / max(best, 1e-9)), "link probe")
 
     def start_across_hosts(self, segment: SharedSegment) -> list[Any]:
         """Starts adding this worker's summed slice of ``segment`` across hosts (columns only).

@@ -29,11 +29,25 @@ from unison._collectives.transport.bucket_transports import (
 from unison._collectives.transport.flat_buffers import views_of
 from unison._collectives.transport.shared_memory import SharedMemoryAllReduce, SharedSegment
 
-__all__ = ["ONE_SHOT_BYTES", "PIPELINED_BUCKET_BYTES", "PipelinedHostBuckets", "SharedMemoryBuckets"]
+__all__ = ["ONE_SHOT_BYTES", "PIPELINED_BUCKET_BYTES", "SLOW_LINK_BUCKET_BYTES", "SLOW_LINK_BYTES_PER_S",
+           "PipelinedHostBuckets", "SharedMemoryBuckets"]
 
 PIPELINED_BUCKET_BYTES = 2 * 1024 * 1024
 """Default bucket size when buckets cross hosts one by one during backward: small enough
 that a model's first buckets leave early, large enough to keep the collectives few."""
+
+SLOW_LINK_BUCKET_BYTES = 1024 * 1024
+"""The default instead where the link between hosts is slow (``SLOW_LINK_BYTES_PER_S``): there
+the step is the compute before the first bucket leaves plus the link's time, so the first
+bucket should leave sooner; the extra collectives cost less than they would on a fast link."""
+
+SLOW_LINK_BYTES_PER_S = 125_000_000
+"""Below this rate of a host's slice crossing hosts (``HostsShare.link_bytes_per_second``),
+buckets are ``SLOW_LINK_BUCKET_BYTES``. Two simulated hosts of two workers on two cores
+(``benchmarks/multi_host.py``) read 7, 23, 60 and 200-440 MB/s with links of 100 Mbit/s,
+250 Mbit/s, 1 Gbit/s and unlimited, and on W2 ran 1.29x DDP with 1 MB buckets against 1.21x
+with 2 MB at 250 Mbit/s, 1.09x against 1.07x at 1 Gbit/s, 0.99x against 1.02x unlimited
+(medians of 5-8 runs; ``benchmarks/RESULTS.md``)."""
 
 ONE_SHOT_BYTES = 64 * 1024
 """Up to this size a bucket in one host's shared memory is summed whole by every worker: one
@@ -221,6 +235,8 @@ class _AcrossHosts(typing.Protocol):
 
     def start_across_hosts(self, segment: SharedSegment) -> list[Any]: ...
 
+    def link_bytes_per_second(self) -> int: ...
+
     def finish_across_hosts(self, works: list[Any]) -> None: ...
 
 
@@ -244,6 +260,7 @@ class PipelinedHostBuckets(BucketTransport):
         self._placed: dict[int, _InSharedFile] = {}
         self._launched: list[GradientBucket] = []  # this backward's, in launch order (the buckets' order)
         self._started = 0
+        self._default_bytes: int | None = None  # chosen by the link's speed, once
         self.started_during_backward = 0
         """How many buckets of the last backward pass started across hosts before it ended (diagnostics)."""
 
@@ -260,9 +277,15 @@ class PipelinedHostBuckets(BucketTransport):
         return True
 
     def default_bucket_bytes(self) -> int:
-        """Smaller buckets where they cross hosts during backward: more of the trip overlaps.
-        (Forms the host groups on first use: a collective, asked where the buckets are built.)"""
-        return PIPELINED_BUCKET_BYTES if self._hosts.slices_cross_hosts else DEFAULT_BUCKET_BYTES
+        """Smaller buckets where they cross hosts during backward: more of the trip overlaps; smaller
+        still where the link is slow (a probe of it, the first time). (Forms the host groups on first
+        use: a collective, asked where the buckets are built.)"""
+        if not self._hosts.slices_cross_hosts:
+            return DEFAULT_BUCKET_BYTES
+        if self._default_bytes is None:
+            rate = self._hosts.link_bytes_per_second()
+            self._default_bytes = SLOW_LINK_BUCKET_BYTES if rate < SLOW_LINK_BYTES_PER_S else PIPELINED_BUCKET_BYTES
+        return self._default_bytes
 
     def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
         if not self._hosts.slices_cross_hosts:
