@@ -104,14 +104,16 @@ class _Link:
 
 
 @pytest.mark.parametrize("rate,expected", [
-    (7_000_000, shared_buckets.SLOW_LINK_BUCKET_BYTES),  # 100 Mbit/s, as the simulated hosts read it
-    (60_000_000, shared_buckets.SLOW_LINK_BUCKET_BYTES),  # 1 Gbit/s
-    (shared_buckets.SLOW_LINK_BYTES_PER_S, shared_buckets.PIPELINED_BUCKET_BYTES),
+    (7_000_000, 512 * 1024),  # 100 Mbit/s, as the simulated hosts read it
+    (23_000_000, 512 * 1024),  # 250 Mbit/s
+    (40_000_000, 1024 * 1024),  # at the first rate
+    (60_000_000, 1024 * 1024),  # 1 Gbit/s
+    (125_000_000, shared_buckets.PIPELINED_BUCKET_BYTES),  # at the second
     (335_000_000, shared_buckets.PIPELINED_BUCKET_BYTES),  # an unlimited veth pair
-], ids=["100mbit", "1gbit", "at-the-threshold", "unlimited"])
-def test_buckets_that_cross_hosts_are_smaller_on_a_slow_link_probed_once(rate, expected):
+], ids=["100mbit", "250mbit", "at-40MB/s", "1gbit", "at-125MB/s", "unlimited"])
+def test_buckets_that_cross_hosts_are_smaller_on_a_slower_link_probed_once(rate, expected):
     hosts = _Link(rate)
     transport = shared_buckets.PipelinedHostBuckets(None, hosts)
-    assert transport.default_bucket_bytes() == expected
+    assert transport.default_bucket_bytes() == expected == shared_buckets.bucket_bytes_for_link(rate)
     assert transport.default_bucket_bytes() == expected  # the buckets rebuilt: no second probe
     assert hosts.probes == 1

@@ -29,25 +29,23 @@ from unison._collectives.transport.bucket_transports import (
 from unison._collectives.transport.flat_buffers import views_of
 from unison._collectives.transport.shared_memory import SharedMemoryAllReduce, SharedSegment
 
-__all__ = ["ONE_SHOT_BYTES", "PIPELINED_BUCKET_BYTES", "SLOW_LINK_BUCKET_BYTES", "SLOW_LINK_BYTES_PER_S",
-           "PipelinedHostBuckets", "SharedMemoryBuckets"]
+__all__ = ["ONE_SHOT_BYTES", "PIPELINED_BUCKET_BYTES", "BUCKET_BYTES_ON_SLOW_LINKS", "PipelinedHostBuckets",
+           "SharedMemoryBuckets", "bucket_bytes_for_link"]
 
 PIPELINED_BUCKET_BYTES = 2 * 1024 * 1024
 """Default bucket size when buckets cross hosts one by one during backward: small enough
 that a model's first buckets leave early, large enough to keep the collectives few."""
 
-SLOW_LINK_BUCKET_BYTES = 1024 * 1024
-"""The default instead where the link between hosts is slow (``SLOW_LINK_BYTES_PER_S``): there
-the step is the compute before the first bucket leaves plus the link's time, so the first
-bucket should leave sooner; the extra collectives cost less than they would on a fast link."""
-
-SLOW_LINK_BYTES_PER_S = 125_000_000
-"""Below this rate of a host's slice crossing hosts (``HostsShare.link_bytes_per_second``),
-buckets are ``SLOW_LINK_BUCKET_BYTES``. Two simulated hosts of two workers on two cores
-(``benchmarks/multi_host.py``) read 7, 23, 60 and 200-440 MB/s with links of 100 Mbit/s,
-250 Mbit/s, 1 Gbit/s and unlimited, and on W2 ran 1.29x DDP with 1 MB buckets against 1.21x
-with 2 MB at 250 Mbit/s, 1.09x against 1.07x at 1 Gbit/s, 0.99x against 1.02x unlimited
-(medians of 5-8 runs; ``benchmarks/RESULTS.md``)."""
+BUCKET_BYTES_ON_SLOW_LINKS = ((40_000_000, 512 * 1024), (125_000_000, 1024 * 1024))
+"""``(rate, bytes)`` pairs, slowest first: where a host's slice crosses hosts slower than ``rate``
+bytes a second (``HostsShare.link_bytes_per_second``), buckets are ``bytes`` instead of
+``PIPELINED_BUCKET_BYTES``. On a slow link the step is the compute before the first bucket
+leaves plus the link's time, so the first bucket should leave sooner; the extra collectives
+cost less there than on a fast link. Two simulated hosts of two workers on two cores
+(``benchmarks/multi_host.py``) read 7, 16-23, 60 and 200-440 MB/s with links of 100 Mbit/s,
+250 Mbit/s, 1 Gbit/s and unlimited. On W2 at 250 Mbit/s 512 KB buckets ran 1.34x DDP against
+1.31x for 1 MB (six pairs) and 1 MB 1.29x against 1.21x for 2 MB; at 1 Gbit/s 1 MB 1.09x
+against 1.07x; unlimited, 2 MB 1.02x against 0.99x for 1 MB (``benchmarks/RESULTS.md``)."""
 
 ONE_SHOT_BYTES = 64 * 1024
 """Up to this size a bucket in one host's shared memory is summed whole by every worker: one
@@ -220,6 +218,12 @@ class SharedMemoryBuckets(BucketTransport):
         return self._share.shared_memory.signals is not None
 
 
+def bucket_bytes_for_link(rate: int) -> int:
+    """The default size of buckets that cross hosts during backward over a link of ``rate`` bytes a
+    second (``BUCKET_BYTES_ON_SLOW_LINKS``, else ``PIPELINED_BUCKET_BYTES``)."""
+    return next((size for below, size in BUCKET_BYTES_ON_SLOW_LINKS if rate < below), PIPELINED_BUCKET_BYTES)
+
+
 class _AcrossHosts(typing.Protocol):
     """What the hierarchical bucket transport is given: the host's files, and sending a slice across hosts."""
 
@@ -283,8 +287,7 @@ class PipelinedHostBuckets(BucketTransport):
         if not self._hosts.slices_cross_hosts:
             return DEFAULT_BUCKET_BYTES
         if self._default_bytes is None:
-            rate = self._hosts.link_bytes_per_second()
-            self._default_bytes = SLOW_LINK_BUCKET_BYTES if rate < SLOW_LINK_BYTES_PER_S else PIPELINED_BUCKET_BYTES
+            self._default_bytes = bucket_bytes_for_link(self._hosts.link_bytes_per_second())
         return self._default_bytes
 
     def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
