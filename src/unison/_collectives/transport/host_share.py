@@ -230,7 +230,7 @@ class HostsShare:
         the same on every worker. A collective, once where the buckets are planned (equal hosts)."""
         column = self._column
         assert column is not None, "link_bytes_per_second needs equal hosts (slices_cross_hosts)"
-        probe = torch.zeros(LINK_PROBE_BYTES // 4, dtype=torch.float32)
+        probe = torch.zeros(LINK_PROBE_BYTES // 4, dtype=torch.float32, device=column.device)
         column.call("link probe", dist.all_reduce, probe[:1])  # the connections, before the clock
         best = float("inf")
         for _ in range(2):
