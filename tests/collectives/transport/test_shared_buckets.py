@@ -110,7 +110,7 @@ class _Link:
     (60_000_000, 1024 * 1024),  # 1 Gbit/s
     (125_000_000, shared_buckets.PIPELINED_BUCKET_BYTES),  # at the second
     (335_000_000, shared_buckets.PIPELINED_BUCKET_BYTES),  # an unlimited veth pair
-], ids=["100mbit", "250mbit", "at-40MB/s", "1gbit", "at-125MB/s", "unlimited"])
+], ids=["100mbit", "250mbit", "at-40MBps", "1gbit", "at-125MBps", "unlimited"])
 def test_buckets_that_cross_hosts_are_smaller_on_a_slower_link_probed_once(rate, expected):
     hosts = _Link(rate)
     transport = shared_buckets.PipelinedHostBuckets(None, hosts)
