@@ -28,7 +28,8 @@ from torch import nn
 import unison
 from unison.embeddings import Uniform
 
-__all__ = ["DLRM", "dynamic_embeddings", "dynamic_table", "fixed_embeddings", "train_one_device", "evaluate"]
+__all__ = ["DLRM", "pairwise_dots", "dynamic_embeddings", "dynamic_table", "fixed_embeddings", "train_one_device",
+           "evaluate"]
 
 
 def _mlp(sizes: Sequence[int], *, last_relu: bool) -> nn.Sequential:
@@ -38,6 +39,48 @@ def _mlp(sizes: Sequence[int], *, last_relu: bool) -> nn.Sequential:
         if last_relu or i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
+
+
+class _PairwiseDots(torch.autograd.Function):
+    """The dot product of every pair of a sample's vectors, ``[B, n, dim] -> [B, n(n-1)/2]``: the upper
+    triangle of ``V Vᵀ`` without its diagonal, row by row (``torch.triu_indices``'s order).
+
+    Why not plain autograd: its backward of ``bmm(V, Vᵀ)[:, i, j]`` scatters the pairs' gradient into
+    a ``[B, n, n]`` of zeros, runs two batched products on transposed operands and adds them strided,
+    0.9 ms of a 2.4 ms DLRM step at batch 256 on one CPU thread (``torch.profiler``). ``V Vᵀ`` is
+    symmetric, so the gradient is ``(G + Gᵀ) V``: the pairs' gradient written at (i, j) and (j, i),
+    then one product, 0.3 ms; and the forward takes the triangle by ``index_select`` (the product and
+    the selection 0.1 ms, against 0.3 with the advanced index). The same pairs; the gradient's sums
+    run in another order. A one-device step went from 2.4 to 1.95 ms.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, vectors: torch.Tensor, upper: torch.Tensor, mirrored: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(vectors, mirrored)
+        batch, n = vectors.shape[0], vectors.shape[1]
+        return torch.bmm(vectors, vectors.transpose(1, 2)).reshape(batch, n * n).index_select(1, upper)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        vectors, mirrored = ctx.saved_tensors
+        batch, n = vectors.shape[0], vectors.shape[1]
+        symmetric = grad.new_zeros(batch, n * n).scatter_(1, mirrored.expand(batch, -1), torch.cat([grad, grad], 1))
+        return torch.bmm(symmetric.view(batch, n, n), vectors), None, None
+
+
+def _pair_indices(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs ``i < j`` of ``n`` vectors as entries of a flattened ``[n, n]``, and the same followed by
+    their mirrored entries ``(j, i)``: :class:`_PairwiseDots`'s index arguments."""
+    upper = torch.triu_indices(n, n, offset=1)
+    flat = upper[0] * n + upper[1]
+    return flat, torch.cat([flat, upper[1] * n + upper[0]])
+
+
+def pairwise_dots(vectors: torch.Tensor) -> torch.Tensor:
+    """``[B, n, dim] -> [B, n(n-1)/2]``: each sample's dot products of its vectors ``i < j``, in
+    ``torch.triu_indices(n, n, 1)``'s order (the DLRM's interaction; see :class:`_PairwiseDots`)."""
+    flat, mirrored = (index.to(vectors.device) for index in _pair_indices(vectors.shape[1]))
+    return _PairwiseDots.apply(vectors, flat, mirrored)
 
 
 class DLRM(nn.Module):
@@ -85,8 +128,9 @@ class DLRM(nn.Module):
         self.bottom = _mlp((num_dense, *bottom), last_relu=True)
         vectors = len(widths) + 1
         self.top = _mlp((embedding_dim + vectors * (vectors - 1) // 2, *top), last_relu=False)
-        upper = torch.triu_indices(vectors, vectors, offset=1)
-        self.register_buffer("_upper", upper, persistent=False)
+        pairs, mirrored = _pair_indices(vectors)
+        self.register_buffer("_pairs", pairs, persistent=False)
+        self.register_buffer("_pairs_and_mirrored", mirrored, persistent=False)
         starts = [0]
         for width in widths:
             starts.append(starts[-1] + width)
@@ -116,8 +160,7 @@ class DLRM(nn.Module):
                       else module(sparse[:, a:b], per_sample_weights=present[:, a:b])
                       for module, a, b in zip(self.embeddings, self._starts[:-1], self._starts[1:])]
             vectors = torch.stack([x, *pooled], dim=1)  # [B, features + 1, dim]
-        dots = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, features + 1, features + 1]
-        pairs = dots[:, self._upper[0], self._upper[1]]  # the upper triangle: 351 for Criteo's 26 + 1
+        pairs = _PairwiseDots.apply(vectors, self._pairs, self._pairs_and_mirrored)  # 351 for Criteo's 26 + 1
         return self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
 
 
