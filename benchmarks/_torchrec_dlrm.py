@@ -13,10 +13,11 @@ plus the bottom output, top 367-64-32-1, as ``examples/dlrm.py``) whose 26 table
 sharded by ``DistributedModelParallel`` (``--sharding``: table-wise, the default, or
 row-wise, like a parameter server's split, which TorchRec 1.8 offers for CUDA only and
 this script forces onto CPU through a sharder that lists it), their Adagrad fused into
-the fbgemm CPU kernels (``apply_optimizer_in_backward``, ``EXACT_ADAGRAD``); the dense part is data-parallel
-(DDP) with torch's Adagrad. Rank r trains on shard r of the data, batch B per rank
-(so W * B samples a synchronous step), the first ``--warmup`` steps untimed. If TorchRec
-cannot shard or train here, the JSON says why (``"error"``) and the exit status is 0.
+the fbgemm CPU kernels (``apply_optimizer_in_backward``, ``EXACT_ADAGRAD``); the dense part is
+data-parallel (DDP) with torch's Adagrad, fused (``fused=True``, as ``examples/ctr.py``'s dense
+layers). Rank r trains on shard r of the data, batch B per rank (so W * B samples a synchronous
+step), the first ``--warmup`` steps untimed. If TorchRec cannot shard or train here, the JSON
+says why (``"error"``) and the exit status is 0.
 
 ``--data movielens`` trains on MovieLens-100k instead (``examples/movielens_data.py``: its
 training split repeated ``--epochs`` times, the held-out split scored; ``--samples``,
@@ -148,7 +149,7 @@ def _run(rank: int, args: argparse.Namespace, torch, dist, F) -> dict:
     plan = planner.collective_plan(model, sharders, pg=dist.GroupMember.WORLD)
     model = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan, sharders=sharders)
     dense_optimizer = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                            lambda params: torch.optim.Adagrad(params, lr=args.lr))
+                                            lambda params: torch.optim.Adagrad(params, lr=args.lr, fused=True))
     optimizer = CombinedOptimizer([model.fused_optimizer, dense_optimizer])
 
     batches = [(dense, features(sparse), labels) for dense, sparse, labels in data.batches(batch)]
