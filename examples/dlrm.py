@@ -56,24 +56,24 @@ class _PairwiseDots(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, vectors: torch.Tensor, upper: torch.Tensor, mirrored: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(vectors, mirrored)
+        ctx.save_for_backward(vectors, upper, mirrored)
         batch, n = vectors.shape[0], vectors.shape[1]
         return torch.bmm(vectors, vectors.transpose(1, 2)).reshape(batch, n * n).index_select(1, upper)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        vectors, mirrored = ctx.saved_tensors
+        vectors, upper, mirrored = ctx.saved_tensors
         batch, n = vectors.shape[0], vectors.shape[1]
-        symmetric = grad.new_zeros(batch, n * n).scatter_(1, mirrored.expand(batch, -1), torch.cat([grad, grad], 1))
+        symmetric = grad.new_zeros(batch, n * n)
+        symmetric.scatter_(1, upper.expand(batch, -1), grad).scatter_(1, mirrored.expand(batch, -1), grad)
         return torch.bmm(symmetric.view(batch, n, n), vectors), None, None
 
 
 def _pair_indices(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs ``i < j`` of ``n`` vectors as entries of a flattened ``[n, n]``, and the same followed by
-    their mirrored entries ``(j, i)``: :class:`_PairwiseDots`'s index arguments."""
+    """The pairs ``i < j`` of ``n`` vectors as entries of a flattened ``[n, n]``, and their mirrored
+    entries ``(j, i)`` in the same order: :class:`_PairwiseDots`'s index arguments."""
     upper = torch.triu_indices(n, n, offset=1)
-    flat = upper[0] * n + upper[1]
-    return flat, torch.cat([flat, upper[1] * n + upper[0]])
+    return upper[0] * n + upper[1], upper[1] * n + upper[0]
 
 
 def pairwise_dots(vectors: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,7 @@ class DLRM(nn.Module):
         self.top = _mlp((embedding_dim + vectors * (vectors - 1) // 2, *top), last_relu=False)
         pairs, mirrored = _pair_indices(vectors)
         self.register_buffer("_pairs", pairs, persistent=False)
-        self.register_buffer("_pairs_and_mirrored", mirrored, persistent=False)
+        self.register_buffer("_mirrored_pairs", mirrored, persistent=False)
         starts = [0]
         for width in widths:
             starts.append(starts[-1] + width)
@@ -160,7 +160,7 @@ class DLRM(nn.Module):
                       else module(sparse[:, a:b], per_sample_weights=present[:, a:b])
                       for module, a, b in zip(self.embeddings, self._starts[:-1], self._starts[1:])]
             vectors = torch.stack([x, *pooled], dim=1)  # [B, features + 1, dim]
-        pairs = _PairwiseDots.apply(vectors, self._pairs, self._pairs_and_mirrored)  # 351 for Criteo's 26 + 1
+        pairs = _PairwiseDots.apply(vectors, self._pairs, self._mirrored_pairs)  # 351 for Criteo's 26 + 1
         return self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
 
 
