@@ -69,16 +69,24 @@ class GradSlots:
     """Flat buffers (one per dtype) for the gradients of ``components``, and an alias per component.
 
     The aliases are laid out one after another in the order of ``components`` within
-    their dtype's buffer, as ``flat_buffers.views_of`` lays out tensors.
+    their dtype's buffer, as ``flat_buffers.views_of`` lays out tensors. ``home``: memory of
+    the caller's to be the one buffer (components of one dtype, as many elements, contiguous:
+    a slot of a shared file), instead of a buffer of their own.
     """
 
-    def __init__(self, components: Sequence[Any]):
+    def __init__(self, components: Sequence[Any], home: torch.Tensor | None = None):
         self.components = list(components)
         sizes: dict[torch.dtype, int] = defaultdict(int)
         for c in self.components:
             sizes[c.dtype] += c.numel()
-        self.flats = {dtype: torch.zeros(size, dtype=dtype) for dtype, size in sizes.items()}
-        offsets: dict[torch.dtype, int] = defaultdict(int)
+        if home is not None:
+            if list(sizes.items()) != [(home.dtype, home.numel())] or not home.is_contiguous():
+                raise ValueError(f"home: {home.numel()} contiguous {home.dtype} elements do not hold gradients of "
+                                 f"{dict(sizes)} elements; give one dtype's exact size")
+            self.flats = {home.dtype: home}
+        else:
+            self.flats = {dtype: torch.zeros(size, dtype=dtype) for dtype, size in sizes.items()}
+        offsets: dict[torch.dtype, int] = {dtype: int(flat.storage_offset()) for dtype, flat in self.flats.items()}
         self.aliases: list[torch.Tensor] = []
         for c in self.components:
             flat = self.flats[c.dtype]

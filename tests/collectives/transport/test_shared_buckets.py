@@ -90,6 +90,71 @@ def test_small_shared_buckets_are_summed_whole_from_two_slots_in_turn(worker_poo
             assert got[3:] == [[2.0, 2.0], [2.0]]
 
 
+HOME_SHAPES = [(100, 100), (7_000,)]  # 68 KB: above ONE_SHOT_BYTES, so summed in slices
+
+
+def _homes_against_results(rank: int, world: int, divisors: list[int], leave_at: int):
+    """A bucket of gradients living in their home (``wants_slots``) beside the same
+    gradients in a bucket summed into the file's result, step by step; worker 1 leaves its
+    home at step ``leave_at``, keeping a copy of what it held there."""
+    resolver = unison.SimpleClusterResolver(unison.ClusterSpec({"worker": ADDRESSES[:world]}),
+                                            task_type="worker", task_id=rank)
+    strategy = unison.MultiWorkerMirroredStrategy(resolver)
+    transport = strategy.extended.cross_device_ops.transport.bucket_transport()
+
+    def bucket(wants_slots: bool) -> GradientBucket:
+        params = [torch.zeros(shape, requires_grad=True) for shape in HOME_SHAPES]
+        size = sum(p.numel() for p in params)
+        flat = torch.zeros(size + len(params))
+        return GradientBucket(params, views_of(flat[:size], params), flat, wants_slots=wants_slots)
+
+    at_home, elsewhere = bucket(True), bucket(False)
+    carrier = transport.plan([at_home, elsewhere])
+    planned = {"home": at_home.home is not None and at_home.undivided, "elsewhere": elsewhere.home is None}
+    old_home, held = None, None
+    steps = []
+    for step, divisor in enumerate(divisors):
+        if step == leave_at and rank == 1:
+            old_home = at_home.home
+            held = old_home.clone()
+            carrier.leave_home(at_home)
+        grads = torch.randn(at_home.size, generator=torch.Generator().manual_seed(100 * step + rank))
+        at_home.flat[:at_home.size].copy_(grads)  # undivided: the transport divides
+        torch.div(grads, divisor, out=elsewhere.flat[:elsewhere.size])  # divided, as the synchroniser fills
+        for b in (at_home, elsewhere):
+            b.used.fill_(1)
+            carrier.launch(b, divisor)
+        carrier.finish([at_home, elsewhere])
+        sums = carrier.sums(at_home)
+        steps.append({"home": sums.clone(), "elsewhere": carrier.sums(elsewhere).clone(),
+                      "in_my_slot": sums.data_ptr() == at_home.flat.data_ptr(),
+                      "old_home_kept": None if old_home is None else torch.equal(old_home, held)})
+    return {"planned": planned, "steps": steps, "size": at_home.size}
+
+
+def test_gradients_at_home_get_the_sums_back_bit_for_bit_also_after_a_worker_leaves_its_home(worker_pool):
+    """Each worker finds the sums in its own slot (no result to copy out), the very bits of
+    gradients divided first and summed into the file's result, for MEAN over two workers
+    (divided while summed), a divisor that is no power of two (divided first) and SUM; and
+    after worker 1 left its home (a gradient held there), its sums come back into its
+    spare and nothing writes its old home again."""
+    divisors, leave_at = [2, 3, 1, 2, 2, 3], 3
+    results = worker_pool.run(_homes_against_results, divisors, leave_at, timeout=40)
+    size = results[0]["size"]
+    for rank, result in enumerate(results):
+        assert result["planned"] == {"home": True, "elsewhere": True}
+        for step, (got, divisor) in enumerate(zip(result["steps"], divisors, strict=True)):
+            mine, theirs = (torch.randn(size, generator=torch.Generator().manual_seed(100 * step + r))
+                            for r in (0, 1))
+            expected = mine / divisor + theirs / divisor
+            assert torch.equal(got["home"][:size], expected), (rank, step)
+            assert torch.equal(got["home"][:size], got["elsewhere"][:size]), (rank, step)
+            assert torch.equal(got["home"], results[1 - rank]["steps"][step]["home"]), (rank, step)
+            assert bool((got["home"][size:] != 0).all()), (rank, step)  # every worker flagged every gradient
+            assert got["in_my_slot"], (rank, step)
+            assert got["old_home_kept"] is (None if rank == 0 or step < leave_at else True), (rank, step)
+
+
 class _Link:
     """Hosts whose link a probe reads at ``rate`` bytes a second (counts the probes)."""
 

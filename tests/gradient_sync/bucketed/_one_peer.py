@@ -5,7 +5,10 @@
 of two: what this worker launched plus the peer's known share (its gradient divided as
 the synchroniser divides, then its flags), the sums where the transport says they are
 (the bucket's own flat for ``VIEWS``, a tensor of the transport's for ``COPIES``, the
-gradients themselves for ``IN_PLACE``). The sum is formed at ``finish`` from a copy taken
+gradients themselves for ``IN_PLACE``). A way with ``homes`` gives each bucket that wants
+slots a ``home`` (its flat, standing for this worker's slot of a shared file), takes its
+gradients undivided there, and writes the sums back into it, as one host's shared memory
+does; a bucket that leaves its home gets a spare flat (``left``). The sum is formed at ``finish`` from a copy taken
 at ``launch``, as a collective reads the flat once launched. ``PeerControl`` answers the
 worker group's calls the synchroniser makes (agreement on the layout and on late
 parameters, worker 0's bucket order, the one-by-one all-reduce of a parameter that joins
@@ -40,16 +43,18 @@ class Way:
     overlaps_backward: bool
     hand_out: HandOut
     reads_gradients: bool = False
+    homes: bool = False
 
     def __str__(self) -> str:
         return self.name
 
 
 ALL_REDUCE = Way("all_reduce", True, HandOut.VIEWS)  # AllReduceBuckets, CompressedBuckets
-SHARED_MEMORY = Way("shared_memory", False, HandOut.COPIES)  # SharedMemoryBuckets
+SHARED_MEMORY = Way("shared_memory", False, HandOut.COPIES)  # SharedMemoryBuckets on several hosts
+SHARED_HOMES = Way("shared_homes", False, HandOut.COPIES, homes=True)  # SharedMemoryBuckets on one host
 ACROSS_HOSTS = Way("across_hosts", True, HandOut.COPIES)  # PipelinedHostBuckets
 POWERSGD = Way("powersgd", False, HandOut.IN_PLACE, reads_gradients=True)  # PowerSGDBuckets (exact here)
-WAYS = [ALL_REDUCE, SHARED_MEMORY, ACROSS_HOSTS, POWERSGD]
+WAYS = [ALL_REDUCE, SHARED_MEMORY, SHARED_HOMES, ACROSS_HOSTS, POWERSGD]
 
 
 @typing.final
@@ -96,6 +101,7 @@ class Launch:
     divisor: int
     flags: list[float] | None  # this worker's flags (None where the transport reads the gradients)
     from_slots: bool  # the gradients reached the flat from the bucket's slots
+    home: bool = False  # the bucket has (or had) a home: the flat holds the gradients undivided
 
     def flag(self, param: torch.Tensor) -> bool:
         """Whether this worker's flag for ``param`` says it has a dense gradient for it (not 0:
@@ -121,6 +127,7 @@ class PeerBuckets(BucketTransport):
         self.finished = 0
         self._sent: dict[int, tuple[typing.Any, int]] = {}  # id(bucket) -> (what was launched, divisor)
         self._sums: dict[int, torch.Tensor] = {}  # COPIES: id(bucket) -> the shared sums
+        self.left: list[torch.Tensor] = []  # the homes buckets left (what the transport never writes again)
 
     @property
     def overlaps_backward(self) -> bool:
@@ -148,7 +155,18 @@ class PeerBuckets(BucketTransport):
         self._planned = [weakref.ref(b) for b in buckets]
         self.plans.append([[id(p) for p in bucket.params] for bucket in buckets])
         self._sent, self._sums = {}, {}
-        return self if self.carrier is None else self.carrier.plan(buckets)
+        if self.carrier is not None:
+            return self.carrier.plan(buckets)
+        for bucket in buckets:
+            if self.way.homes and bucket.wants_slots:
+                bucket.home, bucket.undivided = bucket.flat[:bucket.size], True
+        return self
+
+    def leave_home(self, bucket: GradientBucket) -> None:
+        assert bucket.home is not None
+        self.left.append(bucket.flat)
+        bucket.flat = torch.zeros_like(bucket.flat)
+        bucket.views, bucket.home = views_of(bucket.flat[:bucket.size], bucket.params), None
 
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
         assert id(bucket) not in self._sent, "a bucket launched twice in one step"
@@ -164,7 +182,7 @@ class PeerBuckets(BucketTransport):
         else:
             self._sent[id(bucket)] = (bucket.flat.clone(), divisor)
             self.launches.append(Launch(index, ids, divisor, bucket.flat[bucket.size:].tolist(),
-                                        bucket.launched_from_slots))
+                                        bucket.launched_from_slots, bucket.undivided))
         bucket.work = "launched"
 
     def finish(self, buckets: list[GradientBucket]) -> None:
@@ -178,6 +196,11 @@ class PeerBuckets(BucketTransport):
                         grad.add_(theirs)
                     if divisor != 1:
                         grad.div_(divisor)
+                continue
+            if bucket.undivided:  # divided as summed, and the sums back in the home (or the spare)
+                sent[:bucket.size] /= divisor
+                bucket.flat.copy_(sent + self._peer_flat(bucket, divisor))
+                self._sums[id(bucket)] = bucket.flat
                 continue
             total = sent + self._peer_flat(bucket, divisor)
             if self.way.hand_out is HandOut.COPIES:

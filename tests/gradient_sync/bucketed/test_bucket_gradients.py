@@ -136,9 +136,13 @@ def _in_slots(*shapes: tuple[int, ...]) -> GradientBucket:
     (as at the first gradient of a backward pass)."""
     bucket = _bucket(*shapes)
     bucket.in_slots_next = True
-    point_grads_at_slots([bucket])
+    point_grads_at_slots([bucket], _no_home)
     assert bucket.slots is not None and bucket.slots.in_slots([p.grad for p in bucket.params])
     return bucket
+
+
+def _no_home(bucket: GradientBucket) -> None:
+    raise AssertionError("a bucket without a home left it")
 
 
 def test_fill_from_slots_divides_the_slots_into_the_flat_and_flags_the_slots_nobody_wrote():
@@ -175,3 +179,61 @@ def test_copy_sums_out_into_slots_leaves_none_where_no_worker_wrote_the_slot(pee
     else:
         assert untouched.grad is None
     assert written.grad.untyped_storage().data_ptr() != shared.untyped_storage().data_ptr()
+
+
+def _at_home(*shapes: tuple[int, ...]) -> GradientBucket:
+    """A bucket the transport gave a home (its flat, standing for this worker's shared slot)."""
+    bucket = _bucket(*shapes)
+    bucket.home, bucket.undivided, bucket.in_slots_next = bucket.flat[:bucket.size], True, True
+    return bucket
+
+
+def test_slots_in_a_home_are_that_memory_so_nothing_is_copied_in_or_out():
+    """The gradients are pointed at the home itself: filling the flat from them copies
+    nothing, and the sums that come back into the home are the gradients."""
+    bucket = _at_home((2,), (3,))
+    point_grads_at_slots([bucket], _no_home)
+    home = bucket.home
+    assert home is not None
+    first, second = bucket.params
+    assert first.grad.data_ptr() == home.data_ptr() and second.grad.data_ptr() == home[2:].data_ptr()
+    first.grad.add_(torch.tensor([4.0, 6.0]))  # as autograd accumulates into a slot
+    second.grad.add_(1.0)
+    assert fill_from_slots(bucket, 1)
+    assert bucket.launched_from_slots and bucket.unwritten == ()
+    assert bucket.flat.tolist() == [4.0, 6.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # undivided, in place
+    bucket.flat.copy_(_sums(bucket, [2, 2]))  # the transport writes the sums back into the home
+    copy_sums_out(bucket, _Sums(bucket.flat), set())
+    assert first.grad.tolist() == [1.0, 2.0] and second.grad.tolist() == [3.0, 4.0, 5.0]
+    assert first.grad.data_ptr() == home.data_ptr()
+
+
+@pytest.mark.parametrize("kept_how", ["alias", "view"])
+def test_a_home_someone_holds_is_left_for_good_and_what_they_hold_keeps_its_values(kept_how):
+    """A gradient kept from the last step (the tensor, or a view that holds its memory)
+    makes the bucket leave its home, so the transport writes there no more: fresh slots of
+    its own, filled into the spare flat the transport gives instead."""
+    bucket = _at_home((2,), (3,))
+    point_grads_at_slots([bucket], _no_home)
+    home = bucket.home
+    first, second = bucket.params
+    first.grad.add_(torch.tensor([4.0, 6.0]))
+    kept = first.grad if kept_how == "alias" else first.grad.detach().view(2)
+    before = kept.clone()
+    for p in bucket.params:
+        p.grad = None  # zero_grad()
+    left = []
+
+    def leave(b: GradientBucket) -> None:  # as a transport does: a spare flat, never handed out
+        left.append(b)
+        b.flat = torch.zeros_like(b.flat)
+        b.views, b.home = views_of(b.flat[:b.size], b.params), None
+
+    point_grads_at_slots([bucket], leave)
+    assert left == [bucket] and bucket.home is None and bucket.undivided
+    assert bucket.slots is not None and bucket.slots.in_slots([p.grad for p in bucket.params])
+    assert all(p.grad.untyped_storage().data_ptr() != home.untyped_storage().data_ptr() for p in bucket.params)
+    first.grad.add_(1.0)
+    assert fill_from_slots(bucket, 1)
+    assert bucket.flat[:2].tolist() == [1.0, 1.0]
+    assert torch.equal(kept, before) and home[:2].tolist() == [4.0, 6.0]

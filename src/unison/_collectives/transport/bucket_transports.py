@@ -10,7 +10,8 @@ through five calls, the same for every way of moving bytes:
 2. ``launch(bucket, divisor)``, when a bucket is ready: its ``flat`` holds this worker's
    gradients, already divided, then one "has a gradient" flag per parameter (a transport
    that ``reads_gradients`` gets the gradient tensors in ``bucket.grads`` instead, not yet
-   divided);
+   divided; a bucket the transport marked ``undivided``, as it does one it gives a
+   ``home``, holds them undivided: the transport divides as it sums);
 3. ``poll()``, from later gradients' hooks: start what can start now;
 4. ``finish(buckets)``, when backward ends: wait for every launched bucket;
 5. ``sums(bucket)``: where the bucket's reduced ``flat`` lives, handed out as
@@ -87,6 +88,11 @@ class GradientBucket:
     # Kept by the gradient synchroniser (one record per bucket, as DDP's reducer keeps):
     ready: int = 0  # this backward pass's gradients counted in so far
     plain: bool = False  # every parameter is a plain tensor (not a distributed variable)
+    wants_slots: bool = False  # reduced when backward ends, the gradients may live in flat slots (many, plain)
+    # Set by the transport's plan: memory of its own where the gradients may live (a slot of a
+    # shared file), into which it writes the sums back (None again after ``leave_home``) ...
+    home: torch.Tensor | None = None
+    undivided: bool = False  # ... and then launch takes the flat undivided: the transport divides
     slots: Any = None  # reduced when backward ends: the gradients' own flat buffer (``GradSlots``)
     in_slots_next: bool = False  # the last step's gradients could all live in `slots` (none sparse or missing)
     launched_from_slots: bool = False  # this step's gradients went to the flat from `slots`
@@ -145,6 +151,12 @@ class BucketTransport(abc.ABC):
     @abc.abstractmethod
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
         """Starts moving a ready bucket."""
+
+    def leave_home(self, bucket: GradientBucket) -> None:
+        """The bucket's gradients leave its ``home`` for good (something outside holds it): its
+        ``flat`` and ``views`` become memory never handed out, ``home`` None. Only for a
+        transport that gives homes."""
+        raise NotImplementedError(f"{type(self).__name__} gives no bucket a home")
 
     def poll(self) -> None:  # noqa: B027 - a no-op default that subclasses may override
         """Starts, without waiting, what can start now (called from later gradients' hooks)."""

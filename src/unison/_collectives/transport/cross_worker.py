@@ -131,7 +131,7 @@ class SharedMemoryTransport:
         self.share = OneHostShare(control)
 
     def bucket_transport(self) -> BucketTransport:
-        return SharedMemoryBuckets(self._control, self.share, one_shot_bytes=ONE_SHOT_BYTES)
+        return SharedMemoryBuckets(self._control, self.share, one_shot_bytes=ONE_SHOT_BYTES, homes=True)
 
     @property
     def shared_memory(self) -> SharedMemoryAllReduce:

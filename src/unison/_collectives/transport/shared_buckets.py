@@ -89,6 +89,31 @@ class _Halves:
 
 
 @dataclasses.dataclass(eq=False)
+class _Homes:
+    """A bucket of many small gradients that live in their worker's slot of the shared file, its home.
+
+    Every worker's slot holds its home, then a spare of the same size. Autograd accumulates
+    into the home (``GradientBucket.home``, undivided); each slice's owner divides as it
+    sums, in worker order, and writes the sums back into every worker's home, so nothing is
+    copied into the file or out of it. A worker whose home someone outside holds (a
+    gradient kept from an earlier step, a view of one) leaves it for good: it says so in
+    ``away`` (read by the owners once every worker announced the bucket), its gradients
+    take slots of their own, copied into its spare and the sums back out of it, and no
+    one writes its home again.
+    """
+
+    homes: list[torch.Tensor]  # [rank]: that worker's home: gradients, then flags
+    spares: list[torch.Tensor]  # [rank]: where that worker's gradients go once it left its home
+    away: torch.Tensor  # [rank]: 1 once that worker left its home (in the file's result region, otherwise unused)
+    mine: torch.Tensor  # this worker's: its home, or its spare once it left
+    divisor: int = 1  # what the sums are divided by while summed this step (1 or a power of two)
+
+    def slots(self) -> list[torch.Tensor]:
+        """Where each worker's gradients are this step (read after every worker announced it)."""
+        return [spare if left else home for home, spare, left in zip(self.homes, self.spares, self.away.tolist())]
+
+
+@dataclasses.dataclass(eq=False)
 class _InSharedFile:
     """A bucket's place in the shared files: its segment, the views of its sums, and the transport's per-step state.
 
@@ -96,38 +121,52 @@ class _InSharedFile:
     model's parameters unreferenced (``BucketedGradientSync.finalize``)."""
 
     segment: SharedSegment
-    results: list[torch.Tensor]  # per parameter, views of the sums (the segment's result, or the halves' sums)
+    results: list[torch.Tensor]  # per parameter, views of the sums (the segment's result, the halves', the home's)
     halves: _Halves | None = None  # a small bucket summed whole by every worker
+    homes: _Homes | None = None  # a bucket whose gradients live in the file
     written: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))
     across: list[Any] = dataclasses.field(default_factory=list)  # pipelined: the works adding it across hosts
 
     @property
     def sums(self) -> torch.Tensor:
         """The reduced flat (gradients, then the flags' sums)."""
-        return self.halves.sums if self.halves is not None else self.segment.result
+        if self.halves is not None:
+            return self.halves.sums
+        return self.homes.mine if self.homes is not None else self.segment.result
 
 
 def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket],
-                        one_shot_bytes: int = 0) -> dict[int, _InSharedFile] | None:
+                        one_shot_bytes: int = 0, homes: bool = False) -> dict[int, _InSharedFile] | None:
     """Moves every bucket's flat into a slot of a shared file; None (nothing moved) where the workers cannot share one.
 
     A bucket of at most ``one_shot_bytes`` (on a host of two workers or more) gets two
-    slots per worker, used in turn, and is summed whole by each (:class:`_Halves`)."""
+    slots per worker, used in turn, and is summed whole by each (:class:`_Halves`). With
+    ``homes``, a larger one whose gradients may live in flat slots (``wants_slots``) gets
+    this worker's slot as their ``home`` (:class:`_Homes`)."""
     if not engine.available or not buckets or any(not b.flat.is_cpu or b.flat.numel() == 0 for b in buckets):
         return None
     whole = [engine.world_size > 1 and b.flat.numel() * b.flat.element_size() <= one_shot_bytes for b in buckets]
+    at_home = [homes and engine.world_size > 1 and b.wants_slots and not small for b, small in zip(buckets, whole)]
     segments = []
-    for bucket, halves in zip(buckets, whole, strict=True):
-        segment = engine.new_segment(bucket.flat.dtype, bucket.flat.numel() * (2 if halves else 1))
+    for bucket, halves, home in zip(buckets, whole, at_home, strict=True):
+        segment = engine.new_segment(bucket.flat.dtype, bucket.flat.numel() * (2 if halves or home else 1))
         if segment is None:
             return None  # the workers cannot share memory: every bucket stays on the group
         segments.append(segment)
     placed = {}
-    for bucket, segment, halves in zip(buckets, segments, whole, strict=True):
+    for bucket, segment, halves, home in zip(buckets, segments, whole, at_home, strict=True):
         slot = engine.my_slot(segment)
         slot.zero_()
         size, numel = bucket.size, bucket.flat.numel()
-        if halves:
+        if home:
+            kept = _Homes([peer[:numel] for peer in segment.inputs], [peer[numel:] for peer in segment.inputs],
+                          segment.result[:engine.world_size], slot[:numel])
+            bucket.flat, bucket.views, bucket.home = kept.mine, views_of(kept.mine[:size], bucket.params), \
+                kept.mine[:size]
+            bucket.undivided = True
+            bucket.used  # noqa: B018 - its view made now: the gradients' slots count who holds the file
+            placed[id(bucket)] = _InSharedFile(segment, bucket.views, homes=kept)
+        elif halves:
             inputs = [[peer[h * numel:(h + 1) * numel] for peer in segment.inputs] for h in (0, 1)]
             mine = [inputs[h][engine.rank] for h in (0, 1)]
             sums = torch.zeros(numel, dtype=bucket.flat.dtype)
@@ -149,15 +188,17 @@ class SharedMemoryBuckets(BucketTransport):
     (and, on several hosts, the hosts' sums are added), copies the totals out. A bucket of
     at most ``one_shot_bytes`` (one host only) is summed whole by every worker instead,
     from two slots used in turn (:class:`_Halves`): one wait a step rather than two, which
-    is most of the cost of synchronising a small model. Falls back to
-    :class:`AllReduceBuckets` where the workers cannot share a file.
+    is most of the cost of synchronising a small model. With ``homes`` (one host only), a
+    bucket of many small gradients keeps them in the file (:class:`_Homes`): no copy in or
+    out. Falls back to :class:`AllReduceBuckets` where the workers cannot share a file.
     """
 
     def __init__(self, control: WorkerControl, share: _HostShare, one_shot_bytes: int = 0,
-                 fallback: Callable[[], BucketTransport] | None = None):
+                 fallback: Callable[[], BucketTransport] | None = None, homes: bool = False):
         self._control = control
         self._share = share
         self._one_shot_bytes = one_shot_bytes
+        self._homes = homes
         self._fallback = fallback if fallback is not None else (lambda: AllReduceBuckets(control))
         self._placed: dict[int, _InSharedFile] = {}
 
@@ -174,7 +215,7 @@ class SharedMemoryBuckets(BucketTransport):
         return True
 
     def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
-        placed = _into_shared_memory(self._share.shared_memory, buckets, self._one_shot_bytes)
+        placed = _into_shared_memory(self._share.shared_memory, buckets, self._one_shot_bytes, self._homes)
         if placed is None:
             return self._fallback().plan(buckets)
         self._placed = placed
@@ -185,8 +226,24 @@ class SharedMemoryBuckets(BucketTransport):
         self._placed = placed
         return self
 
+    def leave_home(self, bucket: GradientBucket) -> None:
+        placed = self._placed[id(bucket)]
+        homes = placed.homes
+        assert homes is not None and bucket.home is not None, "leave_home: the bucket has no home"
+        rank = self._share.shared_memory.rank
+        homes.away[rank] = 1  # the owners read it once this worker announced the bucket
+        homes.mine = homes.spares[rank]
+        bucket.flat, bucket.views, bucket.home = homes.mine, views_of(homes.mine[:bucket.size], bucket.params), None
+        placed.results = bucket.views
+
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
-        bucket.work = self._share.announce(self._placed[id(bucket)].written)
+        placed = self._placed[id(bucket)]
+        homes = placed.homes
+        if homes is not None:  # undivided (GradientBucket.home): divided while summed, where that is exact
+            homes.divisor = divisor if divisor & (divisor - 1) == 0 else 1
+            if homes.divisor != divisor:
+                homes.mine[:bucket.size].div_(divisor)
+        bucket.work = self._share.announce(placed.written)
 
     def finish(self, buckets: list[GradientBucket]) -> None:
         engine = self._share.shared_memory
@@ -196,7 +253,10 @@ class SharedMemoryBuckets(BucketTransport):
         for bucket in buckets:
             placed = self._placed[id(bucket)]
             halves = placed.halves
-            if halves is None:
+            if placed.homes is not None:
+                engine.sum_my_slice_into(placed.homes.slots(), placed.homes.divisor)
+                sliced.append(placed.segment)
+            elif halves is None:
                 engine.sum_my_slice(placed.segment)
                 sliced.append(placed.segment)
             else:

@@ -228,6 +228,31 @@ class SharedMemoryAllReduce:
         if divisor != 1 and (out.is_floating_point() or out.is_complex()):
             out.div_(divisor)
 
+    def sum_my_slice_into(self, slots: Sequence[torch.Tensor], divisor: int = 1) -> None:
+        """Sums this worker's slice of ``slots`` (one per worker, in worker order, all of one
+        size), divided, back into every one of them.
+
+        For gradients that live in their worker's slot: each worker finds the sums in its own
+        slot, with no copy out of a result. ``divisor`` must be 1 or a power of two: each
+        input is scaled by ``1 / divisor`` (exact) as it is added, in worker order, which gives
+        the bits of :meth:`sum_my_slice` over inputs divided first. (Divide the slots first
+        for another divisor.) Barriers as for :meth:`sum_my_slice`.
+        """
+        if divisor < 1 or divisor & (divisor - 1):
+            raise ValueError(f"divisor={divisor}: only 1 or a power of two is applied exactly while summing; "
+                             "divide the slots first and pass divisor=1")
+        start, end = self.my_slice(slots[0].numel())
+        if start == end:
+            return
+        first, *others = (slot[start:end] for slot in slots)
+        scale = 1.0 / divisor
+        if divisor != 1:
+            first.mul_(scale)
+        for part in others:
+            first.add_(part, alpha=scale)
+        for part in others:
+            part.copy_(first)
+
     def _use(self, key: tuple[torch.dtype, int]) -> SharedSegment:
         segment = self._segments.pop(key)
         self._segments[key] = segment  # most recent last

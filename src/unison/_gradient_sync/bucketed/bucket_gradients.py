@@ -9,7 +9,7 @@ zero got no gradient on any worker and keeps none.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,13 +27,16 @@ def set_flags(used: torch.Tensor, missing: Sequence[int]) -> None:
         used[list(missing)] = 0
 
 
-def point_grads_at_slots(buckets: Sequence[GradientBucket]) -> None:
+def point_grads_at_slots(buckets: Sequence[GradientBucket], leave_home: Callable[[GradientBucket], None]) -> None:
     """At the first gradient of a backward pass reduced when it ends, where the sums are
     copied out (shared memory): the gradients of each bucket whose last step's gradients
     could all live in flat slots are pointed at them, so autograd accumulates into them
-    and the bucket reaches the transport's flat in one pass. Buckets with a sparse or a
+    and the bucket reaches the transport's flat in one pass (none where the transport gave
+    the bucket a ``home``: the slots are that memory). Buckets with a sparse or a
     missing gradient last step keep their own tensors: a sparse gradient added into a
-    dense slot would stop being sparse."""
+    dense slot would stop being sparse. Slots someone kept a gradient of are left to them:
+    the bucket takes fresh slots of its own, and leaves its home for good (``leave_home``:
+    the transport writes there no more)."""
     for bucket in buckets:
         if not bucket.in_slots_next:
             continue
@@ -42,7 +45,11 @@ def point_grads_at_slots(buckets: Sequence[GradientBucket]) -> None:
         if slots is not None and slots.in_slots(grads):
             slots.untouched = []  # zero_grad(set_to_none=False): every gradient is a tensor already
             continue  # accumulating into the slots already
-        if slots is None or slots.held_elsewhere(grads):  # never overwrite a gradient someone kept
+        if slots is None:
+            slots = bucket.slots = GradSlots(bucket.params, bucket.home)
+        elif slots.held_elsewhere(grads):  # never overwrite a gradient someone kept
+            if bucket.home is not None:
+                leave_home(bucket)
             slots = bucket.slots = GradSlots(bucket.params)
         try:
             # a slot autograd never writes is a gradient this worker did not compute (see unwritten)
@@ -60,7 +67,10 @@ def fill_from_slots(bucket: GradientBucket, divisor: int) -> bool:
         return False
     (gradients,) = slots.flats.values()  # a bucket holds one dtype
     body = bucket.flat[:bucket.size]
-    if divisor != 1:
+    if gradients.data_ptr() == body.data_ptr():  # the slots are the bucket's home: already there
+        if divisor != 1:
+            body.div_(divisor)
+    elif divisor != 1:
         torch.div(gradients, divisor, out=body)
     else:
         body.copy_(gradients)
@@ -75,13 +85,16 @@ def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: se
 
     The shared result cannot become the gradient itself: a worker that zeroes its
     gradients in place (``zero_grad(set_to_none=False)``) would zero a peer's too.
-    Gradients that live in the bucket's own slots take one copy. ``sparse``: ids of
+    Gradients that live in the bucket's own slots take one copy, those in its home
+    (this worker's own slot, where the sums came back) none. ``sparse``: ids of
     parameters whose (sparse) gradient was summed apart.
     """
     if bucket.launched_from_slots:  # no user code ran since: the gradients are still the slots
         assert bucket.slots is not None
         (gradients,) = bucket.slots.flats.values()
-        gradients.copy_(transport.sums(bucket)[:bucket.size])
+        reduced = transport.sums(bucket)[:bucket.size]
+        if gradients.data_ptr() != reduced.data_ptr():
+            gradients.copy_(reduced)
         if bucket.unwritten:  # slots this worker left unwritten: None again where no worker wrote one
             everywhere = transport.used_sums(bucket)
             for k in bucket.unwritten:
@@ -102,8 +115,9 @@ def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: se
             if sums[k] != 0:  # else no worker computed one (a head this step skipped)
                 param.grad = result.clone()  # no gradient here this step; the peers' mean still applies
         elif grad.is_contiguous() and grad.layout == torch.strided:
-            targets.append(grad)
-            sources.append(result)
+            if grad.data_ptr() != result.data_ptr():  # else it lives where its sum came back
+                targets.append(grad)
+                sources.append(result)
         else:
             param.grad = result.clone()
     if targets:

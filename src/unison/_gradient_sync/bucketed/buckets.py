@@ -29,6 +29,9 @@ bucket of more than 16 gradients that were all dense lives, from the second step
 flat slots of its own (``_gradient_sync/grads_as_buffer_views.py``): the first gradient
 points the others at them, autograd accumulates into them, and the bucket reaches the
 shared file and back in one pass each; few (large) gradients go straight into the file.
+Where the transport gives such a bucket a ``home`` (one host's shared memory: this
+worker's slot of the file, where the sums come back), the slots are that memory: no
+pass in or out at all.
 """
 
 from __future__ import annotations
@@ -221,8 +224,9 @@ class BucketedGradientSync:
                 flat = torch.zeros(size + len(members), dtype=members[0].dtype, device=members[0].device)
                 for p in members:
                     self._bucket_of[id(p)] = len(buckets)
-                buckets.append(GradientBucket(members, views_of(flat[:size], members), flat,
-                                       plain=all(type(p) in _PLAIN_TYPES for p in members)))
+                plain = all(type(p) in _PLAIN_TYPES for p in members)
+                buckets.append(GradientBucket(members, views_of(flat[:size], members), flat, plain=plain,
+                                              wants_slots=plain and len(members) > _FUSED_DIVIDE_MAX_PARAMS))
         self._buckets = buckets
         transport = self._transport = self._chosen.plan(buckets)
         # Learn backward's order where buckets leave during backward (gloo, across hosts);
@@ -261,7 +265,7 @@ class BucketedGradientSync:
             if not self._fired:
                 self._fired = True
                 queue_end_of_backward(self._finish)
-                point_grads_at_slots(self._buckets)
+                point_grads_at_slots(self._buckets, self._transport.leave_home)
             return
         bucket = self._buckets[index]
         if self._observed is not None:
@@ -295,13 +299,16 @@ class BucketedGradientSync:
         param.grad = reduced / self._control.world_size if self._reduce_op() is ReduceOp.MEAN else reduced
 
     def _launch(self, bucket: GradientBucket) -> None:
-        """Fills a ready bucket with this worker's gradients (divided for MEAN) and flags, and launches it."""
+        """Fills a ready bucket with this worker's gradients (divided for MEAN, unless the transport
+        divides: ``undivided``) and flags, and launches it."""
         divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
         transport = self._transport
         if transport.reads_gradients:
             self._gather_gradients(bucket)
-        elif not (self._in_slots and fill_from_slots(bucket, divisor)):
-            self._fill(bucket, divisor)
+        else:
+            share = 1 if bucket.undivided else divisor  # else the transport divides as it sums
+            if not (self._in_slots and fill_from_slots(bucket, share)):
+                self._fill(bucket, share)
         transport.launch(bucket, divisor)
 
     def _fill(self, bucket: GradientBucket, divisor: int) -> None:
@@ -340,7 +347,7 @@ class BucketedGradientSync:
         if self._in_slots:
             # Few gradients are divided straight into the flat (one pass each); slots would
             # add a pass (zeroing, and autograd adding where it took the tensor over)
-            bucket.in_slots_next = len(bucket.params) > _FUSED_DIVIDE_MAX_PARAMS and bucket.plain and all(
+            bucket.in_slots_next = bucket.wants_slots and all(
                 g is not None and fits(g, v) for g, v in zip(grads_of(bucket.params), bucket.views))
 
     def _gather_gradients(self, bucket: GradientBucket) -> None:
