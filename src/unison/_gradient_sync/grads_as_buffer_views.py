@@ -128,6 +128,9 @@ class GradSlots:
             self.versions = list(map(version_of, aliases))
             self.untouched = untouched
         components = self.components
+        if len(untouched) == len(grads):  # zero_grad() to None, the usual case: every one pointed
+            set_grads(components, aliases)
+            return
         set_grads([components[k] for k in untouched], [aliases[k] for k in untouched])
         for k, grad in enumerate(grads):
             if grad is not None and grad is not aliases[k] and fits(grad, aliases[k]):
