@@ -155,6 +155,24 @@ def test_gradients_at_home_get_the_sums_back_bit_for_bit_also_after_a_worker_lea
             assert got["old_home_kept"] is (None if rank == 0 or step < leave_at else True), (rank, step)
 
 
+@pytest.mark.parametrize("numel,world", [(1, 2), (17, 2), (17_001, 2), (5, 3), (1_000, 4), (3, 8)])
+def test_homes_spares_and_away_words_are_carved_apart_inside_the_file(numel, world):
+    """Every worker's home and spare of ``numel`` elements and its ``away`` word: within the
+    file ``new_segment`` makes for ``_home_file_elements``, none overlapping another."""
+    from unison._collectives.transport.shared_memory import SharedSegment
+
+    elements = shared_buckets._home_file_elements(numel, world)
+    storage = torch.arange(float((world + 1) * elements))
+    for rank in range(world):
+        homes = shared_buckets._carve_homes(SharedSegment(storage, world, elements), numel, world, rank)
+        assert homes.mine is homes.homes[rank]
+        regions = [*homes.homes, *homes.spares]
+        assert [r.numel() for r in regions] == [numel] * 2 * world and homes.away.numel() == world
+        taken = torch.cat([*regions, homes.away])
+        assert taken.unique().numel() == taken.numel() == 2 * world * numel + world  # disjoint, all in the file
+    assert (world + 1) * elements - (2 * world * numel + world) <= world  # little left unused
+
+
 class _Link:
     """Hosts whose link a probe reads at ``rate`` bytes a second (counts the probes)."""
 

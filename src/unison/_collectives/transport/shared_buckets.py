@@ -92,7 +92,8 @@ class _Halves:
 class _Homes:
     """A bucket of many small gradients that live in their worker's slot of the shared file, its home.
 
-    Every worker's slot holds its home, then a spare of the same size. Autograd accumulates
+    The file holds every worker's home, then every worker's spare, then one word per worker
+    (``away``); ``_carve_homes`` lays them out. Autograd accumulates
     into the home (``GradientBucket.home``, undivided); each slice's owner divides as it
     sums, in worker order, and writes the sums back into every worker's home, so nothing is
     copied into the file or out of it. A worker whose home someone outside holds (a
@@ -104,13 +105,29 @@ class _Homes:
 
     homes: list[torch.Tensor]  # [rank]: that worker's home: gradients, then flags
     spares: list[torch.Tensor]  # [rank]: where that worker's gradients go once it left its home
-    away: torch.Tensor  # [rank]: 1 once that worker left its home (in the file's result region, otherwise unused)
+    away: torch.Tensor  # [rank]: 1 once that worker left its home
     mine: torch.Tensor  # this worker's: its home, or its spare once it left
     divisor: int = 1  # what the sums are divided by while summed this step (1 or a power of two)
 
     def slots(self) -> list[torch.Tensor]:
         """Where each worker's gradients are this step (read after every worker announced it)."""
         return [spare if left else home for home, spare, left in zip(self.homes, self.spares, self.away.tolist())]
+
+
+def _home_file_elements(numel: int, world_size: int) -> int:
+    """What to ask ``new_segment`` for so that its storage holds ``_carve_homes``'s layout:
+    a segment has ``world_size + 1`` slots of that many elements."""
+    return -(-(2 * world_size * numel + world_size) // (world_size + 1))
+
+
+def _carve_homes(segment: SharedSegment, numel: int, world_size: int, rank: int) -> _Homes:
+    """Every worker's home, then every worker's spare (``numel`` elements each), then the
+    ``away`` words, out of a segment of ``_home_file_elements`` (its slots and result unused)."""
+    storage = segment.storage
+    homes = [storage[r * numel:(r + 1) * numel] for r in range(world_size)]
+    spares = [storage[(world_size + r) * numel:(world_size + r + 1) * numel] for r in range(world_size)]
+    away = storage[2 * world_size * numel:2 * world_size * numel + world_size]
+    return _Homes(homes, spares, away, homes[rank])
 
 
 @dataclasses.dataclass(eq=False)
@@ -149,24 +166,29 @@ def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBuc
     at_home = [homes and engine.world_size > 1 and b.wants_slots and not small for b, small in zip(buckets, whole)]
     segments = []
     for bucket, halves, home in zip(buckets, whole, at_home, strict=True):
-        segment = engine.new_segment(bucket.flat.dtype, bucket.flat.numel() * (2 if halves or home else 1))
+        numel = bucket.flat.numel()
+        if home:
+            numel = _home_file_elements(numel, engine.world_size)
+        segment = engine.new_segment(bucket.flat.dtype, numel * 2 if halves else numel)
         if segment is None:
             return None  # the workers cannot share memory: every bucket stays on the group
         segments.append(segment)
     placed = {}
     for bucket, segment, halves, home in zip(buckets, segments, whole, at_home, strict=True):
-        slot = engine.my_slot(segment)
-        slot.zero_()
         size, numel = bucket.size, bucket.flat.numel()
-        if home:
-            kept = _Homes([peer[:numel] for peer in segment.inputs], [peer[numel:] for peer in segment.inputs],
-                          segment.result[:engine.world_size], slot[:numel])
+        if home:  # its own layout: the segment's slots overlap other workers' homes, never touched here
+            kept = _carve_homes(segment, numel, engine.world_size, engine.rank)
+            kept.mine.zero_()
+            kept.spares[engine.rank].zero_()
             bucket.flat, bucket.views, bucket.home = kept.mine, views_of(kept.mine[:size], bucket.params), \
                 kept.mine[:size]
             bucket.undivided = True
             bucket.used  # noqa: B018 - its view made now: the gradients' slots count who holds the file
             placed[id(bucket)] = _InSharedFile(segment, bucket.views, homes=kept)
-        elif halves:
+            continue
+        slot = engine.my_slot(segment)
+        slot.zero_()
+        if halves:
             inputs = [[peer[h * numel:(h + 1) * numel] for peer in segment.inputs] for h in (0, 1)]
             mine = [inputs[h][engine.rank] for h in (0, 1)]
             sums = torch.zeros(numel, dtype=bucket.flat.dtype)
