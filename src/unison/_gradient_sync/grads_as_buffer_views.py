@@ -30,7 +30,7 @@ import torch
 from unison._gradient_sync.grad_access import set_grads
 from unison._interpose.torch_private import TENSOR_USE_COUNT, storage_use_count
 
-__all__ = ["GradSlots", "fits", "slot_eligible"]
+__all__ = ["GradSlots", "fits", "slot_eligible", "held_beyond"]
 
 
 def slot_eligible(tensor: torch.Tensor) -> bool:
@@ -62,6 +62,24 @@ _FREE_REFS = _references([torch.empty(0)])[0]
 """What ``_references`` counts for a tensor only a list holds. Measured, not assumed:
 what ``sys.getrefcount`` adds for its own argument differs across Python versions."""
 version_of = operator.attrgetter("_version")
+
+
+def held_beyond(tensors: list[torch.Tensor], grads: list) -> bool:
+    """Whether anything holds one of ``tensors`` (each held by one list) besides that list and,
+    where it is the gradient, its parameter and ``grads`` (the parameters' gradients now): a
+    Python reference, or a C++ holder such as a tensor autograd saved for a later backward.
+    True where this torch cannot tell."""
+    if TENSOR_USE_COUNT is None:
+        return True
+    free = _FREE_REFS
+    references, uses = _references(tensors), list(map(TENSOR_USE_COUNT, tensors))
+    if references.count(free) == len(tensors) and uses.count(1) == len(tensors):  # all free: the usual case
+        return False
+    for k, (tensor, grad) in enumerate(zip(tensors, grads)):
+        installed = grad is tensor
+        if references[k] != (free + 2 if installed else free) or uses[k] != (2 if installed else 1):
+            return True
+    return False
 
 
 @typing.final
@@ -154,17 +172,6 @@ class GradSlots:
     def held_elsewhere(self, grads: list) -> bool:
         """Whether anything besides these buffers and the components' ``.grad`` holds an alias
         or a buffer's storage (a gradient kept from an earlier step, a view of one)."""
-        aliases = self.aliases
-        if TENSOR_USE_COUNT is None:  # this torch does not say: assume held, never reuse
+        if held_beyond(self.aliases, grads):  # this torch does not say: held, never reused
             return True
-        free = _FREE_REFS
-        # held by self.aliases only, or also, while it is a component's gradient, by the
-        # component and by `grads`; TENSOR_USE_COUNT counts holders outside Python (a tensor
-        # autograd saved for a later backward)
-        references, uses = _references(aliases), list(map(TENSOR_USE_COUNT, aliases))
-        if references.count(free) != len(aliases) or uses.count(1) != len(aliases):  # not all free
-            for k, (alias, grad) in enumerate(zip(aliases, grads)):
-                installed = grad is alias
-                if references[k] != (free + 2 if installed else free) or uses[k] != (2 if installed else 1):
-                    return True
         return any(self._storage_uses(flat) != self.storage_uses[dtype] for dtype, flat in self.flats.items())

@@ -94,9 +94,10 @@ HOME_SHAPES = [(100, 100), (7_000,)]  # 68 KB: above ONE_SHOT_BYTES, so summed i
 
 
 def _homes_against_results(rank: int, world: int, divisors: list[int], leave_at: int):
-    """A bucket of gradients living in their home (``wants_slots``) beside the same
-    gradients in a bucket summed into the file's result, step by step; worker 1 leaves its
-    home at step ``leave_at``, keeping a copy of what it held there."""
+    """A bucket of gradients living in their home undivided (``wants_slots``) beside the
+    same gradients divided into a bucket of few gradients (also summed back into its home),
+    step by step; worker 1 leaves the first bucket's home at step ``leave_at``, keeping a
+    copy of what it held there."""
     resolver = unison.SimpleClusterResolver(unison.ClusterSpec({"worker": ADDRESSES[:world]}),
                                             task_type="worker", task_id=rank)
     strategy = unison.MultiWorkerMirroredStrategy(resolver)
@@ -110,7 +111,8 @@ def _homes_against_results(rank: int, world: int, divisors: list[int], leave_at:
 
     at_home, elsewhere = bucket(True), bucket(False)
     carrier = transport.plan([at_home, elsewhere])
-    planned = {"home": at_home.home is not None and at_home.undivided, "elsewhere": elsewhere.home is None}
+    planned = {"undivided": at_home.home is not None and at_home.undivided,
+               "divided": elsewhere.home is not None and not elsewhere.undivided}
     old_home, held = None, None
     steps = []
     for step, divisor in enumerate(divisors):
@@ -127,22 +129,24 @@ def _homes_against_results(rank: int, world: int, divisors: list[int], leave_at:
         carrier.finish([at_home, elsewhere])
         sums = carrier.sums(at_home)
         steps.append({"home": sums.clone(), "elsewhere": carrier.sums(elsewhere).clone(),
-                      "in_my_slot": sums.data_ptr() == at_home.flat.data_ptr(),
+                      "in_my_slot": sums.data_ptr() == at_home.flat.data_ptr()
+                      and carrier.sums(elsewhere).data_ptr() == elsewhere.flat.data_ptr(),
                       "old_home_kept": None if old_home is None else torch.equal(old_home, held)})
     return {"planned": planned, "steps": steps, "size": at_home.size}
 
 
 def test_gradients_at_home_get_the_sums_back_bit_for_bit_also_after_a_worker_leaves_its_home(worker_pool):
-    """Each worker finds the sums in its own slot (no result to copy out), the very bits of
-    gradients divided first and summed into the file's result, for MEAN over two workers
-    (divided while summed), a divisor that is no power of two (divided first) and SUM; and
-    after worker 1 left its home (a gradient held there), its sums come back into its
-    spare and nothing writes its old home again."""
+    """Each worker finds the sums in its own part of the file (no result to copy out), the
+    very bits of gradients divided first and summed in worker order, for MEAN over two
+    workers (divided while summed), a divisor that is no power of two (divided first) and
+    SUM, whether the bucket took them undivided or divided; and after worker 1 left its home
+    (a gradient held there), its sums come back into its spare and nothing writes its old
+    home again."""
     divisors, leave_at = [2, 3, 1, 2, 2, 3], 3
     results = worker_pool.run(_homes_against_results, divisors, leave_at, timeout=40)
     size = results[0]["size"]
     for rank, result in enumerate(results):
-        assert result["planned"] == {"home": True, "elsewhere": True}
+        assert result["planned"] == {"undivided": True, "divided": True}
         for step, (got, divisor) in enumerate(zip(result["steps"], divisors, strict=True)):
             mine, theirs = (torch.randn(size, generator=torch.Generator().manual_seed(100 * step + r))
                             for r in (0, 1))

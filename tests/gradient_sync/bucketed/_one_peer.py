@@ -5,11 +5,12 @@
 of two: what this worker launched plus the peer's known share (its gradient divided as
 the synchroniser divides, then its flags), the sums where the transport says they are
 (the bucket's own flat for ``VIEWS``, a tensor of the transport's for ``COPIES``, the
-gradients themselves for ``IN_PLACE``). A way with ``homes`` gives each bucket that wants
-slots a ``home`` (its flat, standing for this worker's slot of a shared file), takes its
-gradients undivided there, and writes the sums back into it, as one host's shared memory
-does; a bucket that leaves its home gets a spare flat (``left``). The sum is formed at ``finish`` from a copy taken
-at ``launch``, as a collective reads the flat once launched. ``PeerControl`` answers the
+gradients themselves for ``IN_PLACE``). A way with ``homes`` gives each bucket a ``home``
+(its flat, standing for this worker's part of a shared file) and writes the sums back into
+it, as one host's shared memory does; a bucket that wants slots is taken there undivided
+(the transport divides); one that leaves its home gets a spare flat (``left``). The sum
+is formed at ``finish`` from a copy taken at ``launch``, as a collective reads the flat
+once launched. ``PeerControl`` answers the
 worker group's calls the synchroniser makes (agreement on the layout and on late
 parameters, worker 0's bucket order, the one-by-one all-reduce of a parameter that joins
 late) with the peer's values. The peer's gradients come from plain autograd on its own
@@ -128,6 +129,7 @@ class PeerBuckets(BucketTransport):
         self._sent: dict[int, tuple[typing.Any, int]] = {}  # id(bucket) -> (what was launched, divisor)
         self._sums: dict[int, torch.Tensor] = {}  # COPIES: id(bucket) -> the shared sums
         self.left: list[torch.Tensor] = []  # the homes buckets left (what the transport never writes again)
+        self._homed: set[int] = set()  # ids of the buckets given a home by the last plan
 
     @property
     def overlaps_backward(self) -> bool:
@@ -157,9 +159,11 @@ class PeerBuckets(BucketTransport):
         self._sent, self._sums = {}, {}
         if self.carrier is not None:
             return self.carrier.plan(buckets)
+        self._homed = set()
         for bucket in buckets:
-            if self.way.homes and bucket.wants_slots:
-                bucket.home, bucket.undivided = bucket.flat[:bucket.size], True
+            if self.way.homes:
+                bucket.home, bucket.undivided = bucket.flat[:bucket.size], bucket.wants_slots
+                self._homed.add(id(bucket))
         return self
 
     def leave_home(self, bucket: GradientBucket) -> None:
@@ -197,8 +201,9 @@ class PeerBuckets(BucketTransport):
                     if divisor != 1:
                         grad.div_(divisor)
                 continue
-            if bucket.undivided:  # divided as summed, and the sums back in the home (or the spare)
-                sent[:bucket.size] /= divisor
+            if id(bucket) in self._homed:  # the sums back in the home (or the spare)
+                if bucket.undivided:  # divided as summed
+                    sent[:bucket.size] /= divisor
                 bucket.flat.copy_(sent + self._peer_flat(bucket, divisor))
                 self._sums[id(bucket)] = bucket.flat
                 continue

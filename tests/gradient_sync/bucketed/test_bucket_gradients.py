@@ -16,6 +16,7 @@ from unison._gradient_sync.bucketed.bucket_gradients import (
     copy_sums_out,
     fill_from_slots,
     hand_out_views,
+    home_held_elsewhere,
     point_grads_at_slots,
     set_flags,
 )
@@ -237,3 +238,24 @@ def test_a_home_someone_holds_is_left_for_good_and_what_they_hold_keeps_its_valu
     assert fill_from_slots(bucket, 1)
     assert bucket.flat[:2].tolist() == [1.0, 1.0]
     assert torch.equal(kept, before) and home[:2].tolist() == [4.0, 6.0]
+
+
+@pytest.mark.parametrize("kept_how", [None, "alias", "view", "stays_the_gradient"])
+def test_a_few_gradients_are_handed_out_as_views_of_their_home_until_one_is_kept(kept_how):
+    """A bucket of few gradients whose sums came back into its home: each gradient becomes
+    its view of the home (no copy). Next step the home counts as held when a gradient handed
+    out was kept past ``zero_grad()`` (the tensor, or a view holding its memory), not when it
+    simply stayed the gradient (``zero_grad(set_to_none=False)``)."""
+    bucket = _bucket((2,), (3,))
+    bucket.home = bucket.flat[:bucket.size]
+    assert not home_held_elsewhere(bucket)  # nothing handed out yet
+    bucket.flat.copy_(_sums(bucket, [2, 2]))  # the sums, back in the home
+    copy_sums_out(bucket, _Sums(bucket.flat), set())
+    first, second = bucket.params
+    assert first.grad is bucket.views[0] and second.grad is bucket.views[1]
+    assert first.grad.tolist() == [1.0, 2.0] and second.grad.tolist() == [3.0, 4.0, 5.0]
+    kept = {None: None, "alias": first.grad, "view": first.grad.detach()[:1], "stays_the_gradient": None}[kept_how]
+    if kept_how != "stays_the_gradient":
+        for p in bucket.params:
+            p.grad = None  # zero_grad()
+    assert home_held_elsewhere(bucket) == (kept is not None)

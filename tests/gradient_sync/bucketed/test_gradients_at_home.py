@@ -1,11 +1,13 @@
 """Gradients that live in the shared file (one host), end to end: two warm pool workers.
 
-Under ``MultiWorkerMirroredStrategy`` on one host a bucket of many small gradients keeps
-them in this worker's slot of the shared file, its home (``shared_buckets._Homes``), from
-the second step on. A model of 24 small gradients (200 KB) is trained there and under DDP on the
-same shards in the same pool call (``zero_grad`` to None, and zeroed in place); with the
-user keeping every step's gradients (the tensors themselves, or views that hold their
-memory) the bucket leaves its home and what the user keeps never changes.
+Under ``MultiWorkerMirroredStrategy`` on one host a bucket's sums come back into this
+worker's part of the shared file, its home (``shared_buckets._Homes``): a bucket of many
+small gradients keeps them there from the second step on, and a few large gradients are
+handed out as views of it. Models of each kind (24 gradients of 200 KB in all; 4 of 130
+KB) are trained there and under DDP on the same shards in the same pool call
+(``zero_grad`` to None, and zeroed in place); with the user keeping every step's
+gradients (the tensors themselves, or views that hold their memory) the bucket leaves
+its home and what the user keeps never changes.
 """
 
 from __future__ import annotations
@@ -23,19 +25,23 @@ pytestmark = pytest.mark.timeout(90)
 
 ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2"]  # never bound: the pool's gloo group is reused
 STEPS = 5
-LAYERS, WIDTH = 12, 64  # 24 gradients (more than 16: flat slots), 200 KB (above ONE_SHOT_BYTES: summed in slices)
+SHAPES = {"many_small": (12, 64), "few_large": (2, 128)}
+"""(layers, width): 24 gradients (more than 16: flat slots) of 200 KB, or 4 of 130 KB; both
+above ONE_SHOT_BYTES, so summed in slices."""
 
 
-def _model() -> nn.Module:
+def _model(kind: str) -> nn.Module:
+    layers, width = SHAPES[kind]
     torch.manual_seed(0)
-    return nn.Sequential(*[layer for _ in range(LAYERS) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+    return nn.Sequential(*[layer for _ in range(layers) for layer in (nn.Linear(width, width), nn.Tanh())])
 
 
-def _train(rank: int, world: int, keep: str, set_to_none: bool) -> dict[str, Any]:
+def _train(rank: int, world: int, kind: str, keep: str, set_to_none: bool) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
+    width = SHAPES[kind][1]
     g = torch.Generator().manual_seed(7)
-    batches = [(torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)) for _ in range(STEPS)]
+    batches = [(torch.randn(8, width, generator=g), torch.randn(8, width, generator=g)) for _ in range(STEPS)]
     shards = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
 
     def train(model: nn.Module, forward: nn.Module, kept: list | None = None) -> None:
@@ -48,7 +54,7 @@ def _train(rank: int, world: int, keep: str, set_to_none: bool) -> dict[str, Any
                 kept.append([(p.grad if keep == "tensors" else p.grad.detach().view(-1), p.grad.clone())
                              for p in model.parameters()])
 
-    model = _model()
+    model = _model(kind)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         ddp = DistributedDataParallel(model, broadcast_buffers=False)
@@ -59,7 +65,7 @@ def _train(rank: int, world: int, keep: str, set_to_none: bool) -> dict[str, Any
                                             task_type="worker", task_id=rank)
     strategy = unison.MultiWorkerMirroredStrategy(resolver)
     with strategy.scope():
-        model = _model()
+        model = _model(kind)
     kept: list = []
     train(model, model, kept if keep != "nothing" else None)
     sync = strategy.extended.components.gradient_sync
@@ -68,7 +74,7 @@ def _train(rank: int, world: int, keep: str, set_to_none: bool) -> dict[str, Any
                      for p in model.parameters()]
     return {
         "largest_difference": max(float((p - q).abs().max()) for p, q in zip(model.parameters(), expected)),
-        "moved": max(float((p - q).abs().max()) for p, q in zip(_model().parameters(), expected)),
+        "moved": max(float((p - q).abs().max()) for p, q in zip(_model(kind).parameters(), expected)),
         "at_home": bucket.home is not None,
         "grads_in_file": all(grads_in_file),
         "kept_unchanged": all(torch.equal(held.reshape(value.shape), value) for step in kept for held, value in step),
@@ -77,18 +83,20 @@ def _train(rank: int, world: int, keep: str, set_to_none: bool) -> dict[str, Any
 
 
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed_in_place"])
-def test_many_small_gradients_live_in_the_shared_file_and_train_as_ddp(worker_pool, set_to_none):
-    for result in worker_pool.run(_train, "nothing", set_to_none, timeout=60):
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_gradients_live_in_the_shared_file_and_train_as_ddp(worker_pool, kind, set_to_none):
+    for result in worker_pool.run(_train, kind, "nothing", set_to_none, timeout=60):
         assert result["moved"] > 1e-3  # training moved the weights
         assert result["largest_difference"] <= 1e-6
         assert result["at_home"] and result["grads_in_file"]
 
 
 @pytest.mark.parametrize("keep", ["tensors", "views"])
-def test_gradients_the_user_keeps_never_change_and_training_still_equals_ddp(worker_pool, keep):
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_gradients_the_user_keeps_never_change_and_training_still_equals_ddp(worker_pool, kind, keep):
     """Kept from every step: the bucket leaves its home at the next backward (slots of its
-    own), so nothing it kept is written again."""
-    for result in worker_pool.run(_train, keep, True, timeout=60):
+    own, or its spare), so nothing it kept is written again."""
+    for result in worker_pool.run(_train, kind, keep, True, timeout=60):
         assert result["kept"] == STEPS and result["kept_unchanged"]
         assert result["largest_difference"] <= 1e-6
         assert not result["at_home"] and not result["grads_in_file"]

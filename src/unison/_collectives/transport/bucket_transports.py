@@ -10,8 +10,8 @@ through five calls, the same for every way of moving bytes:
 2. ``launch(bucket, divisor)``, when a bucket is ready: its ``flat`` holds this worker's
    gradients, already divided, then one "has a gradient" flag per parameter (a transport
    that ``reads_gradients`` gets the gradient tensors in ``bucket.grads`` instead, not yet
-   divided; a bucket the transport marked ``undivided``, as it does one it gives a
-   ``home``, holds them undivided: the transport divides as it sums);
+   divided; a bucket the transport marked ``undivided`` holds them undivided: the
+   transport divides as it sums);
 3. ``poll()``, from later gradients' hooks: start what can start now;
 4. ``finish(buckets)``, when backward ends: wait for every launched bucket;
 5. ``sums(bucket)``: where the bucket's reduced ``flat`` lives, handed out as
@@ -92,7 +92,8 @@ class GradientBucket:
     # Set by the transport's plan: memory of its own where the gradients may live (a slot of a
     # shared file), into which it writes the sums back (None again after ``leave_home``) ...
     home: torch.Tensor | None = None
-    undivided: bool = False  # ... and then launch takes the flat undivided: the transport divides
+    undivided: bool = False  # launch takes the flat undivided: the transport divides
+    home_holders: int | None = None  # the home's storage holders when its views were first handed out
     slots: Any = None  # reduced when backward ends: the gradients' own flat buffer (``GradSlots``)
     in_slots_next: bool = False  # the last step's gradients could all live in `slots` (none sparse or missing)
     launched_from_slots: bool = False  # this step's gradients went to the flat from `slots`

@@ -90,17 +90,18 @@ class _Halves:
 
 @dataclasses.dataclass(eq=False)
 class _Homes:
-    """A bucket of many small gradients that live in their worker's slot of the shared file, its home.
+    """A bucket whose gradients live in their worker's part of the shared file, its home.
 
     The file holds every worker's home, then every worker's spare, then one word per worker
-    (``away``); ``_carve_homes`` lays them out. Autograd accumulates
-    into the home (``GradientBucket.home``, undivided); each slice's owner divides as it
-    sums, in worker order, and writes the sums back into every worker's home, so nothing is
-    copied into the file or out of it. A worker whose home someone outside holds (a
-    gradient kept from an earlier step, a view of one) leaves it for good: it says so in
-    ``away`` (read by the owners once every worker announced the bucket), its gradients
-    take slots of their own, copied into its spare and the sums back out of it, and no
-    one writes its home again.
+    (``away``); ``_carve_homes`` lays them out. Each slice's owner sums every worker's slice,
+    in worker order, and writes the sums back into every worker's home: no copy out of a
+    result. Many small gradients (``wants_slots``) live in the home from the second step on
+    (autograd accumulates into it, undivided: the owner divides as it sums), so none is
+    copied into the file either; a few large ones are divided into it, and the sums are
+    handed out as views of it. A worker whose home someone outside holds (a gradient kept
+    from an earlier step, a view of one) leaves it for good: it says so in ``away`` (read
+    by the owners once every worker announced the bucket), its gradients go through its
+    spare and are copied out of it, and no one writes its home again.
     """
 
     homes: list[torch.Tensor]  # [rank]: that worker's home: gradients, then flags
@@ -158,12 +159,11 @@ def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBuc
 
     A bucket of at most ``one_shot_bytes`` (on a host of two workers or more) gets two
     slots per worker, used in turn, and is summed whole by each (:class:`_Halves`). With
-    ``homes``, a larger one whose gradients may live in flat slots (``wants_slots``) gets
-    this worker's slot as their ``home`` (:class:`_Homes`)."""
+    ``homes``, a larger one gets a home in the file (:class:`_Homes`)."""
     if not engine.available or not buckets or any(not b.flat.is_cpu or b.flat.numel() == 0 for b in buckets):
         return None
     whole = [engine.world_size > 1 and b.flat.numel() * b.flat.element_size() <= one_shot_bytes for b in buckets]
-    at_home = [homes and engine.world_size > 1 and b.wants_slots and not small for b, small in zip(buckets, whole)]
+    at_home = [homes and engine.world_size > 1 and not small for small in whole]
     segments = []
     for bucket, halves, home in zip(buckets, whole, at_home, strict=True):
         numel = bucket.flat.numel()
@@ -182,7 +182,7 @@ def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBuc
             kept.spares[engine.rank].zero_()
             bucket.flat, bucket.views, bucket.home = kept.mine, views_of(kept.mine[:size], bucket.params), \
                 kept.mine[:size]
-            bucket.undivided = True
+            bucket.undivided = bucket.wants_slots  # in the home: the owner divides; else the fill does
             bucket.used  # noqa: B018 - its view made now: the gradients' slots count who holds the file
             placed[id(bucket)] = _InSharedFile(segment, bucket.views, homes=kept)
             continue
@@ -211,8 +211,9 @@ class SharedMemoryBuckets(BucketTransport):
     at most ``one_shot_bytes`` (one host only) is summed whole by every worker instead,
     from two slots used in turn (:class:`_Halves`): one wait a step rather than two, which
     is most of the cost of synchronising a small model. With ``homes`` (one host only), a
-    bucket of many small gradients keeps them in the file (:class:`_Homes`): no copy in or
-    out. Falls back to :class:`AllReduceBuckets` where the workers cannot share a file.
+    larger bucket's sums come back into each worker's part of the file, where many small
+    gradients live and which a few large ones are handed out as views of (:class:`_Homes`).
+    Falls back to :class:`AllReduceBuckets` where the workers cannot share a file.
     """
 
     def __init__(self, control: WorkerControl, share: _HostShare, one_shot_bytes: int = 0,
@@ -261,10 +262,12 @@ class SharedMemoryBuckets(BucketTransport):
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
         placed = self._placed[id(bucket)]
         homes = placed.homes
-        if homes is not None:  # undivided (GradientBucket.home): divided while summed, where that is exact
-            homes.divisor = divisor if divisor & (divisor - 1) == 0 else 1
-            if homes.divisor != divisor:
-                homes.mine[:bucket.size].div_(divisor)
+        if homes is not None:
+            homes.divisor = 1
+            if bucket.undivided:  # divided while summed, where that is exact
+                homes.divisor = divisor if divisor & (divisor - 1) == 0 else 1
+                if homes.divisor != divisor:
+                    homes.mine[:bucket.size].div_(divisor)
         bucket.work = self._share.announce(placed.written)
 
     def finish(self, buckets: list[GradientBucket]) -> None:

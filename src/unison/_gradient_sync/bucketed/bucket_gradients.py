@@ -15,9 +15,11 @@ import torch
 
 from unison._collectives.transport.bucket_transports import BucketTransport, GradientBucket
 from unison._gradient_sync.grad_access import grads_of
-from unison._gradient_sync.grads_as_buffer_views import GradSlots
+from unison._gradient_sync.grads_as_buffer_views import GradSlots, held_beyond
+from unison._interpose.torch_private import storage_use_count
 
-__all__ = ["set_flags", "point_grads_at_slots", "fill_from_slots", "copy_sums_out", "hand_out_views"]
+__all__ = ["set_flags", "point_grads_at_slots", "fill_from_slots", "copy_sums_out", "hand_out_views",
+           "home_held_elsewhere"]
 
 
 def set_flags(used: torch.Tensor, missing: Sequence[int]) -> None:
@@ -80,15 +82,30 @@ def fill_from_slots(bucket: GradientBucket, divisor: int) -> bool:
     return True
 
 
+def home_held_elsewhere(bucket: GradientBucket) -> bool:
+    """Whether something besides unison and the parameters' ``.grad`` holds the home of a
+    bucket whose sums were handed out as views of it (a gradient kept from an earlier step,
+    a view of one): its next gradients must not be written there (``leave_home``)."""
+    if bucket.home is None or bucket.home_holders is None:
+        return False  # no home, or nothing handed out of it yet
+    return held_beyond(bucket.views, grads_of(bucket.params)) or storage_use_count(bucket.flat) != bucket.home_holders
+
+
 def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> None:
     """Copies a shared bucket's sums into the parameters' own gradients (one foreach copy).
 
     The shared result cannot become the gradient itself: a worker that zeroes its
     gradients in place (``zero_grad(set_to_none=False)``) would zero a peer's too.
     Gradients that live in the bucket's own slots take one copy, those in its home
-    (this worker's own slot, where the sums came back) none. ``sparse``: ids of
-    parameters whose (sparse) gradient was summed apart.
+    (this worker's own part of the file, where the sums came back) none. A few large
+    gradients become views of the home (no copy); ``home_held_elsewhere`` tells when one
+    was kept. ``sparse``: ids of parameters whose (sparse) gradient was summed apart.
     """
+    if bucket.home is not None and not bucket.wants_slots:
+        if bucket.home_holders is None:
+            bucket.home_holders = storage_use_count(bucket.flat)
+        hand_out_views(bucket, transport, sparse)
+        return
     if bucket.launched_from_slots:  # no user code ran since: the gradients are still the slots
         assert bucket.slots is not None
         (gradients,) = bucket.slots.flats.values()

@@ -58,6 +58,7 @@ from unison._gradient_sync.bucketed.bucket_gradients import (
     copy_sums_out,
     fill_from_slots,
     hand_out_views,
+    home_held_elsewhere,
     point_grads_at_slots,
     set_flags,
 )
@@ -306,6 +307,8 @@ class BucketedGradientSync:
         if transport.reads_gradients:
             self._gather_gradients(bucket)
         else:
+            if home_held_elsewhere(bucket):  # a gradient handed out as a view of it was kept
+                transport.leave_home(bucket)
             share = 1 if bucket.undivided else divisor  # else the transport divides as it sums
             if not (self._in_slots and fill_from_slots(bucket, share)):
                 self._fill(bucket, share)
