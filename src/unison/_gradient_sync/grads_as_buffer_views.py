@@ -172,6 +172,6 @@ class GradSlots:
     def held_elsewhere(self, grads: list) -> bool:
         """Whether anything besides these buffers and the components' ``.grad`` holds an alias
         or a buffer's storage (a gradient kept from an earlier step, a view of one)."""
-        if held_beyond(self.aliases, grads):  # this torch does not say: held, never reused
+        if held_beyond(self.aliases, grads):  # held (or this torch cannot tell): never reused
             return True
         return any(self._storage_uses(flat) != self.storage_uses[dtype] for dtype, flat in self.flats.items())

@@ -92,7 +92,8 @@ def home_held_elsewhere(bucket: GradientBucket) -> bool:
 
 
 def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> None:
-    """Copies a shared bucket's sums into the parameters' own gradients (one foreach copy).
+    """Hands a shared bucket's sums to the parameters' gradients: one foreach copy, or none
+    where the sums came back into this worker's home.
 
     The shared result cannot become the gradient itself: a worker that zeroes its
     gradients in place (``zero_grad(set_to_none=False)``) would zero a peer's too.

@@ -29,9 +29,10 @@ bucket of more than 16 gradients that were all dense lives, from the second step
 flat slots of its own (``_gradient_sync/grads_as_buffer_views.py``): the first gradient
 points the others at them, autograd accumulates into them, and the bucket reaches the
 shared file and back in one pass each; few (large) gradients go straight into the file.
-Where the transport gives such a bucket a ``home`` (one host's shared memory: this
-worker's slot of the file, where the sums come back), the slots are that memory: no
-pass in or out at all.
+Where the transport gives a bucket a ``home`` (one host's shared memory: this worker's
+part of the file, where the sums come back), the slots are that memory, so many small
+gradients pass neither in nor out, and a few large ones are handed out as views of it;
+a gradient the user keeps makes the bucket leave its home (``leave_home``).
 """
 
 from __future__ import annotations
