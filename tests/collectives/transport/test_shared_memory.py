@@ -90,6 +90,30 @@ def test_empty_and_non_cpu_batches_are_not_eligible():
     assert not transport.eligible([torch.ones(3, device="meta")])
 
 
+@settings(max_examples=30)
+@given(world=st.integers(2, 5), numel=st.integers(1, 40), scale_by=st.sampled_from(["one", "world"]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_summing_every_slice_into_the_slots_gives_the_bits_of_dividing_first(world, numel, scale_by, dtype):
+    """Every owner's slice summed back into every slot, in worker order, scaled as added:
+    each slot ends with the bits of the inputs divided first and added in worker order (a
+    power-of-two divisor), or added as they are; another divisor is refused."""
+    inputs = [_tensor((numel,), dtype, 31 * rank) for rank in range(world)]
+    divisor = world if scale_by == "world" and world & (world - 1) == 0 else 1
+    expected = inputs[0] / divisor
+    for part in inputs[1:]:
+        expected = expected + part / divisor
+    slots = [t.clone() for t in inputs]
+    for rank in range(world):  # each owner in turn (in the file they run at once, on disjoint slices)
+        engine = shared_memory.SharedMemoryAllReduce(rank, world, barrier=lambda: None, broadcast_ints=lambda v: v,
+                                                     agree_min=lambda value: value)
+        engine.sum_my_slice_into(slots, divisor)
+    for slot in slots:
+        assert torch.equal(slot, expected)
+    if world & (world - 1):
+        with pytest.raises(ValueError, match=f"divisor={world}"):
+            engine.sum_my_slice_into(slots, world)
+
+
 # -- the protocol, with workers as threads of this process ---------------------------------
 class _ThreadWorkers:
     """The three collectives the transport needs, for ``world`` threads (a stand-in for gloo)."""
