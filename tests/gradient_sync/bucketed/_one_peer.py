@@ -8,12 +8,11 @@ the synchroniser divides, then its flags), the sums where the transport says the
 gradients themselves for ``IN_PLACE``). A way with ``homes`` gives each bucket a ``home``
 (its flat, standing for this worker's part of a shared file) and writes the sums back into
 it, as one host's shared memory does; a bucket that wants slots is taken there undivided
-(the transport divides); one that leaves its home gets a spare flat (``left``). The sum
-is formed at ``finish`` from a copy taken at ``launch``, as a collective reads the flat
-once launched. ``PeerControl`` answers the
-worker group's calls the synchroniser makes (agreement on the layout and on late
-parameters, worker 0's bucket order, the one-by-one all-reduce of a parameter that joins
-late) with the peer's values. The peer's gradients come from plain autograd on its own
+(the transport divides); one that leaves its home gets a spare flat. The sum is formed at
+``finish`` from a copy taken at ``launch``, as a collective reads the flat once launched.
+``PeerControl`` answers the worker group's calls the synchroniser makes (agreement on the
+layout and on late parameters, worker 0's bucket order, the one-by-one all-reduce of a
+parameter that joins late) with the peer's values. The peer's gradients come from plain autograd on its own
 batch, so a test's expected gradient is ``(mine + peer's) / 2``.
 """
 
@@ -102,7 +101,7 @@ class Launch:
     divisor: int
     flags: list[float] | None  # this worker's flags (None where the transport reads the gradients)
     from_slots: bool  # the gradients reached the flat from the bucket's slots
-    home: bool = False  # the bucket has (or had) a home: the flat holds the gradients undivided
+    undivided: bool = False  # the flat holds the gradients undivided (the transport divides)
 
     def flag(self, param: torch.Tensor) -> bool:
         """Whether this worker's flag for ``param`` says it has a dense gradient for it (not 0:
@@ -128,7 +127,6 @@ class PeerBuckets(BucketTransport):
         self.finished = 0
         self._sent: dict[int, tuple[typing.Any, int]] = {}  # id(bucket) -> (what was launched, divisor)
         self._sums: dict[int, torch.Tensor] = {}  # COPIES: id(bucket) -> the shared sums
-        self.left: list[torch.Tensor] = []  # the homes buckets left (what the transport never writes again)
         self._homed: set[int] = set()  # ids of the buckets given a home by the last plan
 
     @property
@@ -168,8 +166,7 @@ class PeerBuckets(BucketTransport):
 
     def leave_home(self, bucket: GradientBucket) -> None:
         assert bucket.home is not None
-        self.left.append(bucket.flat)
-        bucket.flat = torch.zeros_like(bucket.flat)
+        bucket.flat = torch.zeros_like(bucket.flat)  # the spare: the old home is never written again
         bucket.views, bucket.home = views_of(bucket.flat[:bucket.size], bucket.params), None
 
     def launch(self, bucket: GradientBucket, divisor: int) -> None:

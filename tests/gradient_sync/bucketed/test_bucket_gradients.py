@@ -183,9 +183,11 @@ def test_copy_sums_out_into_slots_leaves_none_where_no_worker_wrote_the_slot(pee
 
 
 def _at_home(*shapes: tuple[int, ...]) -> GradientBucket:
-    """A bucket the transport gave a home (its flat, standing for this worker's shared slot)."""
+    """A bucket of slots the transport gave a home (its flat, standing for this worker's part of
+    the shared file), its last step's gradients fit for the slots."""
     bucket = _bucket(*shapes)
-    bucket.home, bucket.undivided, bucket.in_slots_next = bucket.flat[:bucket.size], True, True
+    bucket.wants_slots, bucket.in_slots_next = True, True
+    bucket.home, bucket.undivided = bucket.flat[:bucket.size], True
     return bucket
 
 
@@ -204,9 +206,10 @@ def test_slots_in_a_home_are_that_memory_so_nothing_is_copied_in_or_out():
     assert bucket.launched_from_slots and bucket.unwritten == ()
     assert bucket.flat.tolist() == [4.0, 6.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # undivided, in place
     bucket.flat.copy_(_sums(bucket, [2, 2]))  # the transport writes the sums back into the home
+    aliases = [first.grad, second.grad]
     copy_sums_out(bucket, _Sums(bucket.flat), set())
+    assert first.grad is aliases[0] and second.grad is aliases[1]  # still the slots, now holding the sums
     assert first.grad.tolist() == [1.0, 2.0] and second.grad.tolist() == [3.0, 4.0, 5.0]
-    assert first.grad.data_ptr() == home.data_ptr()
 
 
 @pytest.mark.parametrize("kept_how", ["alias", "view"])

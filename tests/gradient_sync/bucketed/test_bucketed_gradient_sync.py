@@ -100,7 +100,7 @@ def test_gradients_are_the_mean_of_both_workers_when_backward_returns(way, layer
     assert {launch.divisor for launch in r.transport.launches} == {r.divisor}
     if way in (SHARED_MEMORY, SHARED_HOMES) and layers == MANY:  # the slots path from the second step on
         assert [launch.from_slots for launch in r.transport.launches] == [False] + [True] * (STEPS - 1)
-    assert all(launch.home == (way is SHARED_HOMES and layers == MANY) for launch in r.transport.launches)
+    assert all(launch.undivided == (way is SHARED_HOMES and layers == MANY) for launch in r.transport.launches)
 
 
 @pytest.mark.parametrize("layers", [FEW, MANY], ids=["8_grads", "18_grads"])
