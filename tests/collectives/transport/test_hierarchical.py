@@ -8,7 +8,6 @@ import torch
 
 from tests.collectives.transport import _hierarchical_workers as h
 from tests.multi_worker import _workers as w
-from unison._collectives.transport.shared_buckets import bucket_bytes_for_link
 from unison._testing import run_workers
 
 
@@ -39,7 +38,7 @@ def test_training_on_two_hosts_matches_single_device(implementation):
     results = run_workers(h.train, 4, args=(implementation, 3), timeout=130)
     reference = w.single_device_weights(2, 16)
     if implementation == "AUTO":
-        assert [result["bucket_bytes"] for result in results] == [bucket_bytes_for_link(1 << 20)] * 4
+        assert [result["bucket_bytes"] for result in results] == [512 * 1024] * 4  # the slowest links' size
     for result in results:
         assert result["hierarchical"] is (implementation == "AUTO")
         assert result["buckets"] == [implementation == "AUTO"] * len(result["buckets"])

@@ -110,7 +110,7 @@ class _Homes:
     mine: torch.Tensor  # this worker's: its home, or its spare once it left
     divisor: int = 1  # what the sums are divided by while summed this step (1 or a power of two)
 
-    def slots(self) -> list[torch.Tensor]:
+    def in_use(self) -> list[torch.Tensor]:
         """Where each worker's gradients are this step (read after every worker announced it)."""
         return [spare if left else home for home, spare, left in zip(self.homes, self.spares, self.away.tolist())]
 
@@ -279,7 +279,7 @@ class SharedMemoryBuckets(BucketTransport):
             placed = self._placed[id(bucket)]
             halves = placed.halves
             if placed.homes is not None:
-                engine.sum_my_slice_into(placed.homes.slots(), placed.homes.divisor)
+                engine.sum_my_slice_into(placed.homes.in_use(), placed.homes.divisor)
                 sliced.append(placed.segment)
             elif halves is None:
                 engine.sum_my_slice(placed.segment)
