@@ -411,9 +411,9 @@ def test_rows_still_in_flight_to_a_slow_disk_are_read_from_the_writer_and_train_
     import time
 
     from unison._embeddings.tables.disk.row_writer import RowWriter
-    from unison._embeddings.tables.disk.storage import KeyValueStore
+    from unison._embeddings.tables.disk.storage import _Destination
 
-    write, overlay, served = KeyValueStore._write, RowWriter.overlay, [0]
+    write, overlay, served = _Destination.__call__, RowWriter.overlay, [0]
 
     def slow_write(self, keys, values, mark):
         time.sleep(0.02)
@@ -424,7 +424,7 @@ def test_rows_still_in_flight_to_a_slow_disk_are_read_from_the_writer_and_train_
         served[0] += int(found.sum())
         return found
 
-    monkeypatch.setattr(KeyValueStore, "_write", slow_write)
+    monkeypatch.setattr(_Destination, "__call__", slow_write)
     monkeypatch.setattr(RowWriter, "overlay", counting_overlay)
     batches = _batches(25, seed=9)
     reference = _train(DynamicEmbedding(DIM, mode="sum", seed=3), torch.optim.Adagrad, batches, lr=0.2)
@@ -437,12 +437,12 @@ def test_rows_still_in_flight_to_a_slow_disk_are_read_from_the_writer_and_train_
 
 @pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")  # 40 new ids a step
 def test_a_failed_disk_write_is_raised_by_the_next_step_naming_the_store(tmp_path, monkeypatch):
-    from unison._embeddings.tables.disk.storage import KeyValueStore
+    from unison._embeddings.tables.disk.storage import _Destination
 
     def failing(self, keys, values, mark):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(KeyValueStore, "_write", failing)
+    monkeypatch.setattr(_Destination, "__call__", failing)
     emb = DynamicEmbedding(DIM, storage=DiskStorage(tmp_path, _budget_for(20, DIM, total=100)))
     with pytest.raises(RuntimeError, match=r"DiskStorage: writing rows to '.*local' failed: .*No space left on "
                                            r"device; the store is unusable now, fix: free disk space"):
@@ -489,6 +489,42 @@ def test_a_stores_writer_process_ends_with_its_table(tmp_path, how):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _alive(pid)
+
+
+@pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")
+def test_a_table_let_go_mid_write_ends_its_writer_process_before_the_drop_returns(tmp_path, monkeypatch):
+    """Where the last reference to a table goes (no close()), its queued writes are applied and its writer
+    process ends right there, even while a write is in flight: the writer thread holds where the writes
+    go, never the store, so the store is not kept alive past the drop. (The thread kept the store while
+    it wrote: the process then outlived the drop until that write ended, and a test's leak check on a
+    loaded machine saw it.)"""
+    import gc
+
+    from unison._embeddings.tables.disk.writer_process import WriterProcess
+
+    write, started = WriterProcess.write, []
+
+    def slow_write(self, *args):
+        write(self, *args)
+        started.append(self.pid)
+        time.sleep(0.3)  # the drop below lands while this write is still in flight
+
+    monkeypatch.setattr(WriterProcess, "write", slow_write)
+    emb = DynamicEmbedding(DIM, storage=DiskStorage(tmp_path, _budget_for(4, DIM, total=40)))
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
+    for ids in (torch.arange(36), torch.arange(36, 40)):  # the first step's rows spill after the second
+        emb(ids).sum().backward()
+        opt.step()  # a spill's write goes to the writer thread
+    deadline = time.monotonic() + 10
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert started and _alive(started[0]) and emb.table._cold.store._writer._queue.unfinished_tasks
+    gc.disable()  # the drop itself must end it, not a later collection
+    try:
+        del emb, opt
+        assert not _alive(started[0])
+    finally:
+        gc.enable()
 
 
 @pytest.mark.filterwarnings("ignore:DiskStorage. .* rows in memory after spilling:RuntimeWarning")

@@ -22,8 +22,6 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-import types
-import weakref
 from collections.abc import Callable
 from typing import final
 
@@ -41,16 +39,14 @@ class RowWriter:
     """Applies batches ``(keys, values or None for a delete, ids to mark dirty)`` with ``write`` on a thread.
 
     Args:
-        write: applies one batch, returning once it is committed (called on the writer thread).
+        write: applies one batch, returning once it is committed (called on the writer thread, which
+            holds it: it must not hold the store, or a store let go lives on while it writes).
         where: the store's directory, for error messages.
         depth: batches that may wait before a submit blocks.
     """
 
     def __init__(self, write: Write, where: str, depth: int = _DEPTH) -> None:
-        # a method is held weakly: the thread must not keep its store alive (a store that is dropped
-        # ends its writer, ``storage.KeyValueStore``)
-        self._write: Callable[[], Write | None] = (weakref.WeakMethod(write) if isinstance(write, types.MethodType)
-                                                   else lambda: write)
+        self._write = write
         self._where = where
         self._queue: queue.Queue[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] = queue.Queue(depth)
         self._pending: collections.deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = collections.deque()
@@ -98,7 +94,7 @@ class RowWriter:
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        if thread is threading.current_thread():  # the store let go during its last write: no wait on itself
+        if thread is threading.current_thread():  # the store collected by a collection on this thread
             self._stop = True
             return
         self._queue.put(None)
@@ -111,10 +107,8 @@ class RowWriter:
                 if item is None:
                     return
                 keys, values, mark = item
-                write = self._write()
-                if self._failure is None and write is not None:  # None: the store is gone, nobody reads it
-                    write(keys, values, mark)
-                del write
+                if self._failure is None:
+                    self._write(keys, values, mark)
             except BaseException as exc:  # kept for the submitting thread, which raises it
                 self._failure = exc
             finally:

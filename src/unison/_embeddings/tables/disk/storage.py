@@ -158,8 +158,11 @@ class KeyValueStore:
 
     Writes are applied in order by a process of the store's own (``writer_process``, fed by
     ``row_writer``'s thread), ended when the store is closed or collected; a read sees the
-    rows still in flight. ``mark`` names the ids to record as dirty with a write: the caller
-    marks each id once per seal (``ColdRows``), not at every write.
+    rows still in flight. The thread holds only where the writes go (:class:`_Destination`),
+    never the store: a store let go without close() is finalised where its last reference
+    went, even while a write is in flight, and ends its thread and process there. ``mark``
+    names the ids to record as dirty with a write: the caller marks each id once per seal
+    (``ColdRows``), not at every write.
     """
 
     def __init__(self, directory: Path) -> None:
@@ -172,11 +175,20 @@ class KeyValueStore:
             raise ValueError(f"DiskStorage: cannot keep rows under `path` {str(directory)!r}: {exc}; fix: a "
                              f"directory on local disk that this process may write") from exc
         self._parent = directory
-        self.directory = directory / f"rows-{uuid.uuid4().hex}"
-        self._writer = RowWriter(self._write, str(directory))
         self._process = WriterProcess(_MAP_SIZE)  # applies the writes; its child starts at the first
+        self._destination = _Destination(directory / f"rows-{uuid.uuid4().hex}", self._process)
+        self._writer = RowWriter(self._destination, str(directory))
         # a store dropped without close() (a table let go) still ends its thread and its writer process
         self._shut_down = weakref.finalize(self, _shut_down, self._writer, self._process)
+
+    @property
+    def directory(self) -> Path:
+        """The store's own directory under its place (a resume adopts an earlier run's)."""
+        return self._destination.directory
+
+    @directory.setter
+    def directory(self, path: Path) -> None:
+        self._destination.directory = path
 
     @property
     def opened(self) -> bool:
@@ -226,12 +238,6 @@ class KeyValueStore:
         if keys.numel():
             self._writable()
             self._writer.submit(keys, None, mark)
-
-    def _write(self, keys: torch.Tensor, values: torch.Tensor | None, mark: torch.Tensor) -> None:
-        """One batch, applied by the writer process (called on the writer thread)."""
-        data = None if values is None else np.ascontiguousarray(values.numpy()).data.cast("B")
-        width = 0 if values is None else int(values.shape[1])
-        self._process.write(self.directory, _row_keys(keys), data, width, mark.numpy().astype(">i8").data.cast("B"))
 
     def get(self, keys: torch.Tensor, width: int) -> torch.Tensor:
         """``[n, width]`` uint8: the values of ``keys``, each present (on disk or in flight)."""
@@ -339,6 +345,25 @@ class KeyValueStore:
             self._env = None
         if remove:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@final
+class _Destination:
+    """Where a store's writes go: its directory (a resume replaces it) and its writer process.
+
+    What the writer thread holds instead of the store: held by the thread while it writes,
+    the store itself outlived its last reference until that write ended, so a table let go
+    left its process running after the drop (a loaded machine's leak check saw it).
+    """
+
+    def __init__(self, directory: Path, process: WriterProcess) -> None:
+        self.directory, self.process = directory, process
+
+    def __call__(self, keys: torch.Tensor, values: torch.Tensor | None, mark: torch.Tensor) -> None:
+        """One batch, applied by the writer process (called on the writer thread)."""
+        data = None if values is None else np.ascontiguousarray(values.numpy()).data.cast("B")
+        width = 0 if values is None else int(values.shape[1])
+        self.process.write(self.directory, _row_keys(keys), data, width, mark.numpy().astype(">i8").data.cast("B"))
 
 
 def _shut_down(writer: RowWriter, process: WriterProcess) -> None:
