@@ -114,6 +114,47 @@ def test_summing_every_slice_into_the_slots_gives_the_bits_of_dividing_first(wor
             engine.sum_my_slice_into(slots, world)
 
 
+@settings(max_examples=40)
+@given(world=st.integers(2, 5), numel=st.integers(1, 40), dtype=st.sampled_from([torch.float32, torch.float64,
+                                                                                 torch.bfloat16]),
+       own_divisor=st.sampled_from([1, 2, 4]), data=st.data())
+def test_a_slice_read_from_the_owners_own_gradients_gives_the_bits_of_filling_them_first(world, numel, dtype,
+                                                                                       own_divisor, data):
+    """Pieces of an owner's slice taken from its own gradients (undivided; its slot left unwritten
+    there) give the bits of those gradients divided into its slot first, everywhere."""
+    inputs = [_tensor((numel,), dtype, 31 * rank) for rank in range(world)]
+    expected = inputs[0] / own_divisor
+    for part in inputs[1:]:
+        expected = expected + part / own_divisor
+    slots = [t / own_divisor for t in inputs]  # what the fill writes
+    engines = [shared_memory.SharedMemoryAllReduce(rank, world, barrier=lambda: None, broadcast_ints=lambda v: v,
+                                                   agree_min=lambda value: value) for rank in range(world)]
+    owns = []
+    for rank, engine in enumerate(engines):
+        start, end = engine.my_slice(numel)
+        cuts = sorted(data.draw(st.lists(st.integers(start, end), min_size=0, max_size=4), label=f"cuts {rank}"))
+        pieces = [(lo, hi) for lo, hi in zip(cuts[::2], cuts[1::2]) if lo < hi]
+        for lo, hi in pieces:
+            slots[rank][lo:hi] = float("nan")  # left unwritten: never read
+        owns.append([(lo, hi, inputs[rank][lo:hi].clone()) for lo, hi in pieces])
+    for rank, engine in enumerate(engines):  # each owner in turn (at once, on disjoint slices, in the file)
+        engine.sum_my_slice_into(slots, 1, own=owns[rank], own_divisor=own_divisor)
+    for slot in slots:
+        assert torch.equal(slot, expected)
+
+
+def test_own_pieces_out_of_order_or_outside_the_slice_are_refused():
+    engine = shared_memory.SharedMemoryAllReduce(1, 2, barrier=lambda: None, broadcast_ints=lambda v: v,
+                                                 agree_min=lambda value: value)
+    slots = [torch.zeros(10), torch.zeros(10)]  # worker 1 sums [5, 10)
+    for own in ([(2, 6, torch.ones(4))], [(7, 9, torch.ones(2)), (5, 6, torch.ones(1))], [(5, 7, torch.ones(3))]):
+        with pytest.raises(ValueError, match=r"own: the piece \[\d+, \d+\) of \d+ elements is not in order "
+                                             r"within this worker's slice \[5, 10\)"):
+            engine.sum_my_slice_into(slots, 1, own=own)
+    with pytest.raises(ValueError, match="own_divisor=3"):
+        engine.sum_my_slice_into(slots, 1, own=[], own_divisor=3)
+
+
 # -- the protocol, with workers as threads of this process ---------------------------------
 class _ThreadWorkers:
     """The three collectives the transport needs, for ``world`` threads (a stand-in for gloo)."""

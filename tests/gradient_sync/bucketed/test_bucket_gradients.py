@@ -14,6 +14,7 @@ from unison._collectives.transport.bucket_transports import BucketTransport, Gra
 from unison._collectives.transport.flat_buffers import views_of
 from unison._gradient_sync.bucketed.bucket_gradients import (
     copy_sums_out,
+    fill_around,
     fill_from_slots,
     hand_out_views,
     home_held_elsewhere,
@@ -262,3 +263,38 @@ def test_a_few_gradients_are_handed_out_as_views_of_their_home_until_one_is_kept
         for p in bucket.params:
             p.grad = None  # zero_grad()
     assert home_held_elsewhere(bucket) == (kept is not None)
+
+
+def test_fill_around_leaves_the_owners_range_to_be_read_from_the_gradients_themselves():
+    """Everything but ``own`` is divided into the flat; inside it nothing is written, and the gradients'
+    pieces there (undivided, in order, across parameters) are handed over with the divisor."""
+    bucket = _bucket((2, 3), (4,), (3,))  # 13 elements, then 3 flags
+    grads = [torch.arange(6.0).reshape(2, 3) + 1, torch.arange(4.0) + 10, torch.arange(3.0) + 20]
+    for param, grad in zip(bucket.params, grads):
+        param.grad = grad
+    bucket.flat.fill_(float("nan"))
+    assert fill_around(bucket, 2, (4, 11), set())
+    written = torch.cat([g.reshape(-1) for g in grads]) / 2
+    assert torch.equal(bucket.flat[:4], written[:4]) and torch.equal(bucket.flat[11:13], written[11:13])
+    assert bucket.flat[4:11].isnan().all()  # left to the transport
+    assert bucket.used.tolist() == [1.0, 1.0, 1.0]
+    assert [(lo, hi) for lo, hi, _ in bucket.own_parts] == [(4, 6), (6, 10), (10, 11)]
+    assert all(piece.data_ptr() == grad.data_ptr() + (lo - first) * 4 for (lo, _, piece), grad, first
+               in zip(bucket.own_parts, grads, (0, 6, 10)))  # the gradients themselves, not copies
+    assert bucket.own_divisor == 2
+
+
+@pytest.mark.parametrize("why", ["missing", "sparse", "in the flat", "divisor 3"])
+def test_fill_around_declines_and_writes_nothing_where_a_piece_could_not_be_read_as_it_is(why):
+    bucket = _bucket((2, 3), (4,))
+    grads = [torch.ones(2, 3), torch.ones(4)]
+    if why == "in the flat":  # zero_grad(set_to_none=False) kept a gradient handed out as a view of it
+        grads[1] = bucket.views[1]
+    for param, grad in zip(bucket.params, grads):
+        param.grad = grad
+    if why == "missing":
+        bucket.params[0].grad = None
+    bucket.flat.fill_(float("nan"))
+    sparse = {id(bucket.params[1])} if why == "sparse" else set()
+    assert not fill_around(bucket, 3 if why == "divisor 3" else 2, (0, 5), sparse)
+    assert bucket.flat.isnan().all() and bucket.own_parts is None

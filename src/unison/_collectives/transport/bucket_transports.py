@@ -98,6 +98,10 @@ class GradientBucket:
     in_slots_next: bool = False  # the last step's gradients could all live in `slots` (none sparse or missing)
     launched_from_slots: bool = False  # this step's gradients went to the flat from `slots`
     unwritten: tuple[int, ...] = ()  # from slots: the parameters whose slot autograd left unwritten this step
+    # This step's pieces (start, end, gradient) of the range ``own_range`` gave, which the fill left
+    # unwritten (the transport reads them from the gradients), not yet divided by own_divisor:
+    own_parts: list[tuple[int, int, torch.Tensor]] | None = None
+    own_divisor: int = 1
     _flags: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)  # (flat, its flags)
 
     @property
@@ -158,6 +162,12 @@ class BucketTransport(abc.ABC):
         ``flat`` and ``views`` become memory never handed out, ``home`` None. Only for a
         transport that gives homes."""
         raise NotImplementedError(f"{type(self).__name__} gives no bucket a home")
+
+    def own_range(self, bucket: GradientBucket) -> tuple[int, int] | None:
+        """The ``[start, end)`` of the bucket's gradients that this worker alone reads, from the
+        gradients themselves, if the fill leaves it unwritten and hands the pieces over in
+        ``own_parts`` (one host's homes: this worker's slice); None: fill all of it."""
+        return None
 
     def poll(self) -> None:  # noqa: B027 - a no-op default that subclasses may override
         """Starts, without waiting, what can start now (called from later gradients' hooks)."""

@@ -259,6 +259,17 @@ class SharedMemoryBuckets(BucketTransport):
         bucket.flat, bucket.views, bucket.home = homes.mine, views_of(homes.mine[:bucket.size], bucket.params), None
         placed.results = bucket.views
 
+    def own_range(self, bucket: GradientBucket) -> tuple[int, int] | None:
+        """A few large gradients divided into a home: the owner of a slice reads its own part of it
+        from its gradients, so that part is never copied into the file (a quarter of the bytes the
+        reduction moves on two workers)."""
+        placed = self._placed.get(id(bucket))
+        if placed is None or placed.homes is None or bucket.undivided:
+            return None
+        start, end = self._share.shared_memory.my_slice(bucket.flat.numel())
+        end = min(end, bucket.size)  # the flags are always written
+        return (start, end) if start < end else None
+
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
         placed = self._placed[id(bucket)]
         homes = placed.homes
@@ -279,7 +290,8 @@ class SharedMemoryBuckets(BucketTransport):
             placed = self._placed[id(bucket)]
             halves = placed.halves
             if placed.homes is not None:
-                engine.sum_my_slice_into(placed.homes.in_use(), placed.homes.divisor)
+                own, bucket.own_parts = bucket.own_parts or (), None
+                engine.sum_my_slice_into(placed.homes.in_use(), placed.homes.divisor, own, bucket.own_divisor)
                 sliced.append(placed.segment)
             elif halves is None:
                 engine.sum_my_slice(placed.segment)

@@ -58,6 +58,33 @@ class SharedSegment:
         self.result = storage[world_size * numel:]
 
 
+def _add_in_order(terms: Sequence[tuple[torch.Tensor, float]], out: torch.Tensor) -> None:
+    """``out = c0 * t0 + c1 * t1 + ...``, added in that order, each ``c`` a power of two (so each
+    product is exact and the bits are those of the terms scaled first); ``out`` may be one of them."""
+    (first, c_first), *rest = terms
+    if not rest:
+        if c_first != 1.0:
+            torch.mul(first, c_first, out=out)
+        elif out.data_ptr() != first.data_ptr():
+            out.copy_(first)
+        return
+    (second, c_second), *rest = rest
+    if c_first == 1.0 and c_second == 1.0:
+        torch.add(first, second, out=out)
+    elif c_first == 1.0:
+        torch.add(first, second, alpha=c_second, out=out)
+    elif c_second == 1.0:
+        torch.add(second, first, alpha=c_first, out=out)  # c_first * first + second: addition commutes
+    else:
+        torch.mul(first, c_first, out=out)
+        out.add_(second, alpha=c_second)
+    for term, c in rest:
+        if c == 1.0:
+            out.add_(term)
+        else:
+            out.add_(term, alpha=c)
+
+
 class SharedMemoryAllReduce:
     """Sums (or averages) dense CPU tensors across the workers of one host through ``/dev/shm``.
 
@@ -228,7 +255,8 @@ class SharedMemoryAllReduce:
         if divisor != 1 and (out.is_floating_point() or out.is_complex()):
             out.div_(divisor)
 
-    def sum_my_slice_into(self, slots: Sequence[torch.Tensor], divisor: int = 1) -> None:
+    def sum_my_slice_into(self, slots: Sequence[torch.Tensor], divisor: int = 1,
+                          own: Sequence[tuple[int, int, torch.Tensor]] = (), own_divisor: int = 1) -> None:
         """Sums this worker's slice of ``slots`` (one per worker, in worker order, all of one
         size), divided, back into every one of them.
 
@@ -237,21 +265,49 @@ class SharedMemoryAllReduce:
         input is scaled by ``1 / divisor`` (exact) as it is added, in worker order, which gives
         the bits of :meth:`sum_my_slice` over inputs divided first. (Divide the slots first
         for another divisor.) Barriers as for :meth:`sum_my_slice`.
+
+        ``own``: ``(start, end, tensor)`` pieces of this worker's slice, in order, whose input is
+        ``tensor`` (its own gradients, not yet divided by ``own_divisor``, a power of two)
+        instead of its slot, which the caller left unwritten there (no piece may share memory
+        with the slots): a worker need not copy into the file the part of its gradients that
+        only it reads.
         """
-        if divisor < 1 or divisor & (divisor - 1):
-            raise ValueError(f"divisor={divisor}: only 1 or a power of two is applied exactly while summing; "
-                             "divide the slots first and pass divisor=1")
+        for name, value in (("divisor", divisor), ("own_divisor", own_divisor)):
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name}={value}: only 1 or a power of two is applied exactly while summing; "
+                                 "divide the slots first and pass 1")
         start, end = self.my_slice(slots[0].numel())
         if start == end:
             return
-        first, *others = (slot[start:end] for slot in slots)
         scale = 1.0 / divisor
-        if divisor != 1:
-            first.mul_(scale)
-        for part in others:
-            first.add_(part, alpha=scale)
-        for part in others:
-            part.copy_(first)
+        at = start
+        for lo, hi, tensor in own:
+            if not start <= at <= lo < hi <= end or tensor.numel() != hi - lo:
+                raise ValueError(f"own: the piece [{lo}, {hi}) of {tensor.numel()} elements is not in order "
+                                 f"within this worker's slice [{start}, {end})")
+            self._sum_range(slots, at, lo, scale)
+            self._sum_range(slots, lo, hi, scale, (tensor.view(-1), scale / own_divisor))
+            at = hi
+        self._sum_range(slots, at, end, scale)
+
+    def _sum_range(self, slots: Sequence[torch.Tensor], lo: int, hi: int, scale: float,
+                   mine: tuple[torch.Tensor, float] | None = None) -> None:
+        """``[lo, hi)`` of every slot, each scaled by ``scale`` as it is added in worker order, summed
+        and copied into every slot. ``mine``: this worker's input and its scale, instead of its
+        slot's, which then holds nothing to read: the sum is made there. Else it is made in the
+        first worker's slot (the first input: the only one each step may overwrite before it is read)."""
+        if lo == hi:
+            return
+        me = self._rank
+        terms = [(slot[lo:hi], scale) for slot in slots]
+        into = 0
+        if mine is not None:
+            terms[me], into = mine, me
+        out = terms[into][0] if mine is None else slots[me][lo:hi]
+        _add_in_order(terms, out)
+        for rank, slot in enumerate(slots):
+            if rank != into:
+                slot[lo:hi].copy_(out)
 
     def _use(self, key: tuple[torch.dtype, int]) -> SharedSegment:
         segment = self._segments.pop(key)

@@ -15,10 +15,10 @@ import torch
 
 from unison._collectives.transport.bucket_transports import BucketTransport, GradientBucket
 from unison._gradient_sync.grad_access import grads_of
-from unison._gradient_sync.grads_as_buffer_views import GradSlots, held_beyond
+from unison._gradient_sync.grads_as_buffer_views import GradSlots, fits, held_beyond
 from unison._interpose.torch_private import storage_use_count
 
-__all__ = ["set_flags", "point_grads_at_slots", "fill_from_slots", "copy_sums_out", "hand_out_views",
+__all__ = ["set_flags", "point_grads_at_slots", "fill_from_slots", "fill_around", "copy_sums_out", "hand_out_views",
            "home_held_elsewhere"]
 
 
@@ -79,6 +79,44 @@ def fill_from_slots(bucket: GradientBucket, divisor: int) -> bool:
     bucket.unwritten = tuple(sorted(slots.never_written())) if slots.untouched else ()
     slots.untouched = []
     set_flags(bucket.used, bucket.unwritten)
+    return True
+
+
+def fill_around(bucket: GradientBucket, divisor: int, own: tuple[int, int], sparse: set[int]) -> bool:
+    """Divides the gradients into the bucket's flat except the range ``own`` (the transport reads
+    this worker's part there from the gradients themselves: ``BucketTransport.own_range``), whose
+    pieces go to ``bucket.own_parts``, and sets the flags; False, writing nothing, unless every
+    gradient is a dense tensor of its parameter's shape in memory of its own and ``divisor`` a
+    power of two (the transport then divides those pieces exactly as it adds them).
+    ``sparse``: ids of parameters whose (sparse) gradient was summed apart."""
+    if divisor & (divisor - 1):
+        return False
+    flat = bucket.flat
+    grads = grads_of(bucket.params)
+    storage = flat.untyped_storage().data_ptr()
+    for param, grad, view in zip(bucket.params, grads, bucket.views):
+        if (grad is None or id(param) in sparse or not fits(grad, view) or not grad.is_contiguous()
+                or grad.untyped_storage().data_ptr() == storage):
+            return False
+    start, end = own
+    parts: list[tuple[int, int, torch.Tensor]] = []
+    base = int(flat.storage_offset())
+    for grad, view in zip(grads, bucket.views):
+        assert grad is not None  # checked above
+        first = int(view.storage_offset()) - base
+        last = first + view.numel()
+        source, target = grad.view(-1), view.view(-1)
+        for lo, hi in ((first, min(last, start)), (max(first, end), last)):  # outside this worker's range
+            if lo < hi:
+                if divisor == 1:
+                    target[lo - first:hi - first].copy_(source[lo - first:hi - first])
+                else:
+                    torch.div(source[lo - first:hi - first], divisor, out=target[lo - first:hi - first])
+        lo, hi = max(first, start), min(last, end)
+        if lo < hi:
+            parts.append((lo, hi, source[lo - first:hi - first]))
+    set_flags(bucket.used, ())
+    bucket.own_parts, bucket.own_divisor = parts, divisor
     return True
 
 

@@ -57,6 +57,7 @@ from unison._collectives.transport.flat_buffers import views_of
 from unison._collectives.transport.packing import group_by_size
 from unison._gradient_sync.bucketed.bucket_gradients import (
     copy_sums_out,
+    fill_around,
     fill_from_slots,
     hand_out_views,
     home_held_elsewhere,
@@ -312,11 +313,16 @@ class BucketedGradientSync:
                 transport.leave_home(bucket)
             share = 1 if bucket.undivided else divisor  # else the transport divides as it sums
             if not (self._in_slots and fill_from_slots(bucket, share)):
-                self._fill(bucket, share)
+                self._fill(bucket, share, transport.own_range(bucket))
         transport.launch(bucket, divisor)
 
-    def _fill(self, bucket: GradientBucket, divisor: int) -> None:
-        """Copies (dividing) each gradient into its view of the bucket's flat, and sets the flags."""
+    def _fill(self, bucket: GradientBucket, divisor: int, own: tuple[int, int] | None = None) -> None:
+        """Copies (dividing) each gradient into its view of the bucket's flat, and sets the flags;
+        around ``own``, the range the transport reads from the gradients themselves, where it can."""
+        if own is not None and fill_around(bucket, divisor, own, self._sparse):
+            if self._in_slots:
+                bucket.in_slots_next = False  # few large gradients: see below
+            return
         flat = bucket.flat
         # Few, large gradients (MEAN): divide each straight into its slot, one pass over the
         # bytes instead of a copy and then a division of the whole bucket. Many small ones:
@@ -383,7 +389,7 @@ class BucketedGradientSync:
             self._reduce_buckets()
         finally:
             for bucket in self._buckets:
-                bucket.work, bucket.ready, bucket.launched_from_slots = None, 0, False
+                bucket.work, bucket.ready, bucket.launched_from_slots, bucket.own_parts = None, 0, False, None
             self._next, self._fired = 0, False
             self._sparse.clear()  # this step's: a gradient sparse once may be dense the next step
         if self._observed:
