@@ -153,6 +153,10 @@ def test_own_pieces_out_of_order_or_outside_the_slice_are_refused():
             engine.sum_my_slice_into(slots, 1, own=own)
     with pytest.raises(ValueError, match="own_divisor=3"):
         engine.sum_my_slice_into(slots, 1, own=[], own_divisor=3)
+    empty = shared_memory.SharedMemoryAllReduce(0, 2, barrier=lambda: None, broadcast_ints=lambda v: v,
+                                                agree_min=lambda value: value)  # sums [0, 0) of one element
+    with pytest.raises(ValueError, match=r"slice \[0, 0\)"):
+        empty.sum_my_slice_into([torch.zeros(1), torch.zeros(1)], 1, own=[(0, 1, torch.ones(1))])
 
 
 # -- the protocol, with workers as threads of this process ---------------------------------

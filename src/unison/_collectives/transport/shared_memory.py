@@ -60,7 +60,8 @@ class SharedSegment:
 
 def _add_in_order(terms: Sequence[tuple[torch.Tensor, float]], out: torch.Tensor) -> None:
     """``out = c0 * t0 + c1 * t1 + ...``, added in that order, each ``c`` a power of two (so each
-    product is exact and the bits are those of the terms scaled first); ``out`` may be one of them."""
+    product is exact and the bits are those of the terms scaled first). ``out`` may be the first
+    term, which is the only one written before all of them are read."""
     (first, c_first), *rest = terms
     if not rest:
         if c_first != 1.0:
@@ -277,8 +278,6 @@ class SharedMemoryAllReduce:
                 raise ValueError(f"{name}={value}: only 1 or a power of two is applied exactly while summing; "
                                  "divide the slots first and pass 1")
         start, end = self.my_slice(slots[0].numel())
-        if start == end:
-            return
         scale = 1.0 / divisor
         at = start
         for lo, hi, tensor in own:
