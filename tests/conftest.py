@@ -114,6 +114,21 @@ class _MultiHostCount:
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # not an xdist worker
         config.pluginmanager.register(_MultiHostCount(config.rootpath), "unison-multi-host-count")
+        return
+    _share_the_cores(int(config.workerinput["workercount"]))
+
+
+def _share_the_cores(pytest_workers: int) -> None:
+    """Gives each xdist worker its share of the cores as intra-op threads.
+
+    torch's default is one thread per core in *every* process. Two pytest workers on two
+    cores then run four OpenMP threads that spin while they wait for each other, beside the
+    interpreters the launch tests start: an in-process training test that took 14 s alone
+    took 100 s in the full run (48 s beside one busy process; 21 s with one thread). A test
+    that needs another count sets it and restores it, as before.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // max(1, pytest_workers)))
 
 
 @pytest.fixture(scope="session")
