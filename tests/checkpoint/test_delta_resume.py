@@ -3,50 +3,46 @@ killed between deltas resumes from the full file and its deltas to the weights o
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import unison
+from tests.checkpoint._delta_resume_job import train
+from unison._testing import WorkerResult, run_workers
 
-SCRIPT = Path(__file__).with_name("_delta_resume_script.py")
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _run(out: Path, kill_at: int) -> subprocess.CompletedProcess:
+def _run(out: Path, kill_at: int) -> WorkerResult:
+    """One attempt of the job in a process of its own (forked warm: no interpreter to start)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    env.pop("TF_CONFIG", None)
-    return subprocess.run([sys.executable, str(SCRIPT), str(out), str(kill_at)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    [result] = run_workers(train, 1, args=(str(out), kill_at), timeout=120, env={"TF_CONFIG": None},
+                           allow_failures=True)
+    return result
 
 
 @pytest.mark.timeout(300)
 def test_a_job_killed_between_deltas_resumes_from_full_and_deltas_to_the_same_weights(tmp_path):
     clean = _run(tmp_path / "clean", -1)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert clean.ok, clean.error
     assert not (tmp_path / "clean" / "backup").exists()  # deleted when training finished, table files too
 
     out = tmp_path / "killed"
     killed = _run(out, 38)
-    assert killed.returncode == -9, killed.stdout + killed.stderr
+    assert killed.exitcode == -9, killed.error
     # saves at 5 (full), 10, 15 (deltas), 20 (full), 25, 30 (deltas), 35 (full): the chain at 38 is the full at 35
     # and older files are gone; kill at 33 instead to stand between deltas
     resumed = _run(out, -1)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.ok, resumed.error
     assert (out / "attempts.txt").read_text().split() == ["0", "35"]
     _assert_same(torch.load(out / "final.pt"), torch.load(tmp_path / "clean" / "final.pt"))
 
     between = tmp_path / "between"
     killed = _run(between, 33)
-    assert killed.returncode == -9
+    assert killed.exitcode == -9, killed.error
     assert (between / "killed.txt").read_text().split() == ["tables-20.pt", "tables-25.pt", "tables-30.pt"]
     resumed = _run(between, -1)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.ok, resumed.error
     assert (between / "attempts.txt").read_text().split() == ["0", "30"]
     _assert_same(torch.load(between / "final.pt"), torch.load(tmp_path / "clean" / "final.pt"))
 

@@ -1,8 +1,7 @@
 """A one-process training job of a DynamicEmbedding model backed up with tables by delta, run by
-test_delta_resume.py.
+test_delta_resume.py in a worker process of its own (``run_workers(train, 1, args=(OUT_DIR, KILL_AT_STEP))``).
 
-Usage: python _delta_resume_script.py OUT_DIR KILL_AT_STEP
-SIGKILLs itself after step KILL_AT_STEP when OUT_DIR/killed.txt does not exist yet (-1: never).
+It SIGKILLs itself after step KILL_AT_STEP when OUT_DIR/killed.txt does not exist yet (-1: never).
 Writes the final model state to OUT_DIR/final.pt and "<restored step>" lines to OUT_DIR/attempts.txt.
 """
 
@@ -10,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
 import torch
 from torch import nn
@@ -30,8 +28,8 @@ class Model(nn.Module):
         return self.head(self.emb(ids)).squeeze(1)
 
 
-def main() -> None:
-    out_dir, kill_at = sys.argv[1], int(sys.argv[2])
+def train(rank: int, world_size: int, out_dir: str, kill_at: int) -> None:
+    del rank, world_size  # one process
     torch.set_num_threads(1)
     strategy = unison.get_strategy()
     torch.manual_seed(0)
@@ -57,7 +55,3 @@ def main() -> None:
                     f.write(" ".join(chain))
                 os.kill(os.getpid(), signal.SIGKILL)
     torch.save(model.state_dict(), os.path.join(out_dir, "final.pt"))
-
-
-if __name__ == "__main__":
-    main()
