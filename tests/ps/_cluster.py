@@ -26,6 +26,9 @@ def _serve(job: str, index: int, bind: str, key_hex: str, conn) -> None:
     # Placeholder addresses: only this task's own entry matters, and it binds `bind` instead.
     placeholder = {job: [f"127.0.0.1:{i + 1}" for i in range(index + 1)]}
     server = unison.Server(placeholder, job, index, bind_address=bind)
+    # SIGTERM stops serving, as the chief's shutdown does: `join` returns and the process exits 0
+    # after closing its sessions (a test that never shut its servers down ends them this way).
+    signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
     conn.send(server.address)
     conn.close()
     server.join()
@@ -70,6 +73,8 @@ class Cluster:
         proc.join(10)
 
     def stop(self, timeout: float = 10.0) -> dict[str, int | None]:
+        """Waits for servers told to stop (the coordinator's shutdown); kills one still running
+        after ``timeout`` s. Returns the exit codes."""
         codes = {}
         for name, proc in self.procs.items():
             proc.join(timeout)
@@ -79,10 +84,23 @@ class Cluster:
             codes[name] = proc.exitcode
         return codes
 
+    def end(self, timeout: float = 10.0) -> dict[str, int | None]:
+        """Asks every server still running to stop now (SIGTERM), then as :meth:`stop`.
+
+        For the end of a test: a server nobody shut down (workers of the hybrid strategy never
+        shut their ps tasks down) otherwise cost the test the whole ``timeout`` before it was killed.
+        """
+        for proc in self.procs.values():
+            if proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        return self.stop(timeout)
+
 
 @contextlib.contextmanager
 def ps_cluster(num_workers: int = 2, num_ps: int = 2) -> Iterator[Cluster]:
-    """Starts the servers; on exit every process is ended (killed if still running after 10 s)."""
+    """Starts the servers; on exit every process still running is asked to stop (killed if still
+    running after 10 s)."""
     key_hex = secrets.token_hex(32)
     os.environ["UNISON_AUTHKEY"] = key_hex  # the coordinator's key (the autouse fixture restores os.environ)
     cluster = Cluster(key_hex)
@@ -94,4 +112,4 @@ def ps_cluster(num_workers: int = 2, num_ps: int = 2) -> Iterator[Cluster]:
         cluster.wait_started()
         yield cluster
     finally:
-        cluster.stop()
+        cluster.end()
