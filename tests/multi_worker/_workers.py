@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import unison
+from unison._testing import connect_rendezvous_store
 
 ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]  # never bound: run_workers provides the store
 
@@ -629,9 +630,11 @@ def unfreezing_on_one_worker_only(rank: int, world: int) -> str:
             nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
             opt.step()
     except unison.errors.PeerLostError as e:
-        # Stay alive (heartbeating) while the peer's own wait times out and reads the
+        # Stay alive (heartbeating) until the peer's own wait has timed out and read the
         # heartbeats: a worker that returned at once could be gone by then under load, and
         # the peer would rightly call it missing instead of naming the likely cause.
-        time.sleep(6)
+        store = connect_rendezvous_store(timeout=30)
+        store.set(f"unfreezing-error-{rank}", "1")
+        store.wait([f"unfreezing-error-{(rank + 1) % world}"])
         return str(e)
     return "no error"
