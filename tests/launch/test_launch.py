@@ -230,6 +230,44 @@ def test_ps_left_running_after_the_workers_succeed_is_stopped(write_script, out,
     assert not alive(int((out / "ps-pid").read_text()))
 
 
+_PS_AND_WHEN_IT_IS_STOPPED = """
+    if NAME.startswith("ps"):
+        def stopped(signum, frame):
+            (OUT / "ps-stopped").write_text(str(time.time()))
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stopped)
+        (OUT / "ps-started").write_text("")
+        time.sleep(60)
+    else:
+        wait_for(OUT / "ps-started")
+        (OUT / (NAME + "-done")).write_text(str(time.time()))
+    """
+
+
+@pytest.mark.timeout(60)
+def test_without_a_chief_nothing_tells_the_ps_to_stop_so_the_launcher_stops_it_at_once(write_script, out, capsys):
+    """A hybrid job's ps task holds rows until the launcher ends it: waiting the grace period first
+    only delayed every such job's end by that much."""
+    script = write_script(_PS_AND_WHEN_IT_IS_STOPPED)
+    start = time.monotonic()
+    assert main(["launch", "--workers", "2", "--ps", "1", "--grace-period", "30", str(script), str(out)]) == 0
+    capsys.readouterr()
+    assert time.monotonic() - start < 20
+    last_worker = max(float((out / f"worker:{i}-done").read_text()) for i in range(2))
+    assert float((out / "ps-stopped").read_text()) - last_worker < 10  # not the 30 s grace period
+
+
+@pytest.mark.timeout(60)
+def test_with_a_chief_the_ps_gets_the_grace_period_to_exit_by_itself_first(write_script, out, capsys):
+    """The chief's coordinator shuts the ps tasks down; the launcher gives them time to exit."""
+    script = write_script(_PS_AND_WHEN_IT_IS_STOPPED)
+    assert main(["launch", "--chief", "--workers", "1", "--ps", "1", "--grace-period", "1.5", str(script),
+                 str(out)]) == 0
+    capsys.readouterr()
+    chief_done = float((out / "chief:0-done").read_text())
+    assert float((out / "ps-stopped").read_text()) - chief_done >= 1.4
+
+
 @pytest.mark.timeout(60)
 def test_python_m_unison_launch_and_ctrl_c_stops_every_task(write_script, out):
     script = write_script(

@@ -263,11 +263,15 @@ class LocalCluster:
     def wait(self, stop_when: Callable[[], bool] | None = None) -> Outcome:
         """Waits until every task succeeded or one failed; stops the rest either way.
 
-        ps tasks that still run once every other task succeeded get the grace period
-        to exit, then are stopped; that is success. In a parameter-server job (a chief
-        and ps tasks) the chief is the coordinator: a worker that dies does not end the
-        cluster (the coordinator re-runs its functions elsewhere), and once the chief
-        succeeded the remaining tasks get the grace period too.
+        ps tasks that still run once every other task succeeded are stopped; that is
+        success. In a parameter-server job (a chief and ps tasks) the chief is the
+        coordinator: its shutdown tells the ps tasks to stop, so they get the grace period
+        to exit by themselves first; a worker that dies does not end the cluster (the
+        coordinator re-runs its functions elsewhere), and once the chief succeeded the
+        remaining tasks get the grace period too. Without a chief (the hybrid strategy's
+        workers and ps tasks) nothing tells a ps task to stop: on one node it is stopped at
+        once (waiting the grace period only delayed the job's end); with other nodes
+        (``stop_when``) their tasks may still use it, and it gets the grace period.
         ``stop_when``, if given, is called every 0.2 s while tasks run; when it returns True
         every task is stopped and the outcome says ``stopped`` (multi-node launch: a task on
         another node failed).
@@ -290,7 +294,8 @@ class LocalCluster:
                 chief_done = ps_job and all(r.task.type != "chief" for r in pending.values())
                 if chief_done or all(r.task.type == "ps" for r in pending.values()):
                     if ps_deadline is None:
-                        ps_deadline = time.monotonic() + self._grace
+                        let_ps_exit = ps_job or stop_when is not None  # told by the chief, or other nodes
+                        ps_deadline = time.monotonic() + (self._grace if let_ps_exit else 0.0)
                     try:
                         running = self._exits.get(timeout=max(0.0, ps_deadline - time.monotonic()))
                     except queue.Empty:
