@@ -64,7 +64,8 @@ def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grace-period", type=_seconds, default=5.0, metavar="S",
-        help="seconds between SIGTERM and SIGKILL (default 5)",
+        help="seconds between SIGTERM and SIGKILL, and that a job with a chief gives its ps tasks to exit "
+             "after the chief (default 5)",
     )
     add_multinode_arguments(parser)
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
