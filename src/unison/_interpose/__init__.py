@@ -14,9 +14,7 @@ here and the behaviour stays with its owner:
   ``add_param_group`` shared by several replica threads behave as on one device;
 - ``replica_parameters``: the per-module dicts that answer a replica with its component;
 - ``initial_draws``: the torch-function mode that draws a GPU scope's weights on the CPU;
-- ``torch_private``: the private torch functions the synchronisers read;
-- ``eager_under_compile``: ``torch.compiler.disable`` for the table modules, which marks its
-  wrapper's code for Dynamo to skip through torch's C frame hooks instead of importing Dynamo.
+- ``torch_private``: the private torch functions the synchronisers read.
 
 It sits below the gradient synchronisers, collectives, strategies and ps (which all use
 it) and above the values and contexts (which its handlers for shared objects read).

@@ -82,7 +82,6 @@ from unison._embeddings.tables.distinct_ids import distinct_ids_and_counts
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.initializers import Initializer, normal
 from unison._embeddings.tables.table import Table, TableConfig, TableFactory
-from unison._interpose.eager_under_compile import eager_under_compile
 from unison._strategies.current import get_strategy
 
 __all__ = ["DynamicEmbedding"]
@@ -179,7 +178,7 @@ class DynamicEmbedding(nn.Module):
         """How many rows exist."""
         return self.table.num_rows
 
-    @eager_under_compile
+    @torch.compiler.disable
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); missing rows are made when training.
