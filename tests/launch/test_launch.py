@@ -249,10 +249,8 @@ def test_without_a_chief_nothing_tells_the_ps_to_stop_so_the_launcher_stops_it_a
     """A hybrid job's ps task holds rows until the launcher ends it: waiting the grace period first
     only delayed every such job's end by that much."""
     script = write_script(_PS_AND_WHEN_IT_IS_STOPPED)
-    start = time.monotonic()
     assert main(["launch", "--workers", "2", "--ps", "1", "--grace-period", "30", str(script), str(out)]) == 0
     capsys.readouterr()
-    assert time.monotonic() - start < 20
     last_worker = max(float((out / f"worker:{i}-done").read_text()) for i in range(2))
     assert float((out / "ps-stopped").read_text()) - last_worker < 10  # not the 30 s grace period
 
