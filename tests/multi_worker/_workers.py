@@ -199,6 +199,29 @@ def sparse_embedding(rank: int, world: int):
     return emb.weight.detach().clone()
 
 
+def sparse_embedding_on_one_worker(rank: int, world: int, implementation: str):
+    """A sparse embedding only worker 0 differentiates (worker 1's batch reads its rows
+    detached): worker 1 must still join the sparse all-reduce worker 0 makes."""
+    strategy = strategy_for(rank, world, timeout_seconds=20, implementation=implementation)
+    with strategy.scope():
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 3, sparse=True)
+        head = nn.Linear(3, 1)
+        opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=1.0)
+
+    def step(ids):
+        opt.zero_grad()
+        features = emb(ids) if rank == 0 else emb.weight[ids].detach()
+        head(features).sum().backward()
+        grad = emb.weight.grad
+        opt.step()
+        return grad is not None and grad.is_sparse
+
+    ids = torch.tensor([[1, 2], [3, 4]])[rank]
+    sparse = strategy.run(step, args=(ids,))
+    return emb.weight.detach().clone(), head.weight.detach().clone(), head.bias.detach().clone(), sparse
+
+
 def input_path_training(rank: int, world: int):
     """2 workers fed by experimental_distribute_dataset over the same global batches."""
     strategy = strategy_for(rank, world)

@@ -98,6 +98,27 @@ def test_sparse_gradients_travel_by_all_gather():
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("implementation", ["AUTO", "RING"], ids=["shared_memory", "gloo"])
+def test_a_sparse_gradient_only_one_worker_computed_reaches_both(implementation):
+    """Worker 1 computes no gradient for the sparse embedding this step, worker 0 a sparse one:
+    both join one sparse all-reduce (worker 0's flag says so), and both step with the mean."""
+    results = run_workers(w.sparse_embedding_on_one_worker, 2, args=(implementation,), timeout=60)
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(10, 3), torch.nn.Linear(3, 1)
+    ids = torch.tensor([[1, 2], [3, 4]])
+    loss = (head(emb(ids[0])).sum() + head(emb.weight[ids[1]].detach()).sum()) / 2  # the mean of both workers'
+    loss.backward()
+    with torch.no_grad():
+        for p in (*emb.parameters(), *head.parameters()):
+            p -= p.grad
+    for got_emb, got_weight, got_bias, sparse in results:
+        assert sparse is True  # worker 1 too gets the (sparse) sum, not a dense zero gradient
+        assert torch.allclose(got_emb, emb.weight, atol=1e-6)
+        assert torch.allclose(got_weight, head.weight, atol=1e-6) and torch.allclose(got_bias, head.bias, atol=1e-6)
+    assert torch.equal(results[0][0], results[1][0])
+
+
+@pytest.mark.timeout(90)
 def test_gather_and_all_gather_span_every_worker():
     expected_rows = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(4)])
     for gathered, all_gathered, summed in run_workers(w.gathers, 2, timeout=60):

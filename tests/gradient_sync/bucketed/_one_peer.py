@@ -85,10 +85,15 @@ class Peer:
                 return self._grads[id(param)]
         raise AssertionError("a tensor reduced across workers that is no parameter's gradient")
 
-    def sparse_all_reduce(self, grad: torch.Tensor) -> torch.Tensor:
-        """The synchroniser's ``sparse_all_reduce``: this worker's sparse gradient plus the peer's."""
+    def sparse_all_reduce(self, grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+        """The synchroniser's ``sparse_all_reduce``: this worker's sparse gradient (None: it has
+        none) plus the peer's, for ``param``."""
         self.sparse_calls += 1
-        theirs = self.grad_whose_own_is(grad)
+        theirs = self.grad(param)
+        if theirs is not None and theirs.layout == torch.strided:
+            theirs = None  # a dense one travelled in its bucket
+        if grad is None:
+            return None if theirs is None else theirs.coalesce()
         return grad if theirs is None else (grad + theirs).coalesce()
 
 
@@ -104,10 +109,15 @@ class Launch:
     undivided: bool = False  # the flat holds the gradients undivided (the transport divides)
 
     def flag(self, param: torch.Tensor) -> bool:
-        """Whether this worker's flag for ``param`` says it has a dense gradient for it (not 0:
+        """Whether this worker's flag for ``param`` says it has a dense gradient for it (above 0:
         a bucket of many gradients is divided whole, its flags with it)."""
         assert self.flags is not None
-        return self.flags[self.params.index(id(param))] != 0
+        return self.flags[self.params.index(id(param))] > 0
+
+    def sparse_flag(self, param: torch.Tensor) -> bool:
+        """Whether this worker's flag for ``param`` says its gradient is sparse (below 0)."""
+        assert self.flags is not None
+        return self.flags[self.params.index(id(param))] < 0
 
 
 @typing.final
@@ -212,13 +222,15 @@ class PeerBuckets(BucketTransport):
 
     def _peer_flat(self, bucket: GradientBucket, divisor: int) -> torch.Tensor:
         """What the peer launched: its dense gradients divided, then its flags (a sparse one
-        keeps its slot empty there too)."""
+        keeps its slot empty there too, and flags -1)."""
         flat = torch.zeros_like(bucket.flat)
         for k, (param, view) in enumerate(zip(bucket.params, views_of(flat[:bucket.size], bucket.params))):
             theirs = self.peer.grad(param)
             if theirs is not None and theirs.layout == torch.strided:
                 view.copy_(theirs / divisor)
                 flat[bucket.size + k] = 1
+            elif theirs is not None:
+                flat[bucket.size + k] = -1
         return flat
 
     def sums(self, bucket: GradientBucket) -> torch.Tensor:

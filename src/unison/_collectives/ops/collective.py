@@ -27,6 +27,7 @@ from unison._collectives.transport.packing import TensorPacker
 from unison._devices import canonicalize_all, is_cuda, torch_device
 from unison._reduce import ReduceOp
 from unison._values.values import PerReplica
+from unison.errors import CollectiveMismatchError
 
 __all__ = ["CollectiveAllReduce"]
 
@@ -116,6 +117,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             for i, tensor in enumerate(local):
                 if tensor.layout != torch.strided:
                     summed = self.all_reduce_sparse(tensor)
+                    assert summed is not None  # this worker's own tensor is in the sum
                     reduced[i] = summed / divisor if divisor != 1 else summed
         destinations = pairs[0][1]
         if (len(destinations) == 1 and destinations[0].startswith("cpu") and all(d is destinations for _, d in pairs)
@@ -125,21 +127,59 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     def _all_gather_varying(self, tensor: torch.Tensor, operation: str) -> list[torch.Tensor]:
         """All-gathers tensors whose first dimension differs between workers."""
+        sizes = [s[0] for s in self._control.all_gather_ints([tensor.shape[0]], operation)]
+        return self._all_gather_sized(tensor, sizes, operation)
+
+    def _all_gather_sized(self, tensor: torch.Tensor, sizes: list[int], operation: str) -> list[torch.Tensor]:
+        """All-gathers tensors whose first dimension is ``sizes[rank]`` on each worker (padded to the largest)."""
         control = self._control
-        sizes = [s[0] for s in control.all_gather_ints([tensor.shape[0]], operation)]
         padded = torch.zeros((max(sizes), *tensor.shape[1:]), dtype=tensor.dtype, device=control.device)
         padded[: tensor.shape[0]] = tensor.to(control.device)
         gathered = [torch.empty_like(padded) for _ in sizes]
         control.call(operation, dist.all_gather, gathered, padded)
         return [g[:n] for g, n in zip(gathered, sizes)]
 
-    def all_reduce_sparse(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums a sparse tensor across workers (all-gather of indices and values)."""
-        tensor = tensor.coalesce()
-        indices = self._all_gather_varying(tensor.indices().t().contiguous(), "sparse all-reduce")
-        values = self._all_gather_varying(tensor.values(), "sparse all-reduce")
+    def all_reduce_sparse(self, tensor: torch.Tensor | None, like: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Sums a sparse tensor across workers (all-gather of indices and values).
+
+        ``tensor`` None: this worker has none (a sparse gradient only other workers computed
+        this step); it joins the collective with no entries and gets the sum in the shape,
+        dtype and device of ``like`` -- None where no worker had one.
+
+        Raises:
+            CollectiveMismatchError: when the workers' tensors differ in their number of sparse dimensions.
+        """
+        operation = "sparse all-reduce"
+        if tensor is not None:
+            tensor = tensor.coalesce()
+            header = [tensor._nnz(), tensor.sparse_dim()]
+        elif like is None:
+            raise ValueError("all_reduce_sparse(None) needs `like`: the tensor whose shape, dtype and device "
+                             "the sum takes")
+        else:
+            header = [0, -1]  # no entries, and no say in the sparse dimensions
+        gathered = self._control.all_gather_ints(header, operation)
+        sparse_dims = sorted({dims for _, dims in gathered if dims >= 0})
+        if not sparse_dims:
+            return None
+        if len(sparse_dims) > 1:
+            raise CollectiveMismatchError(
+                f"sparse all-reduce: the workers' tensors have {sparse_dims} sparse dimensions (by rank: "
+                f"{[dims for _, dims in gathered]}); every worker must sum the same kind of sparse tensor"
+            )
+        sizes = [entries for entries, _ in gathered]
+        if tensor is not None:
+            shape, device, indices, values = tensor.shape, tensor.device, tensor.indices(), tensor.values()
+        else:
+            assert like is not None  # checked above
+            sparse_dim = sparse_dims[0]
+            shape, device = like.shape, like.device
+            indices = torch.zeros((sparse_dim, 0), dtype=torch.int64)
+            values = torch.zeros((0, *like.shape[sparse_dim:]), dtype=like.dtype)
+        all_indices = self._all_gather_sized(indices.t().contiguous(), sizes, operation)
+        all_values = self._all_gather_sized(values, sizes, operation)
         return torch.sparse_coo_tensor(
-            torch.cat(indices).t(), torch.cat(values), tensor.shape, device=tensor.device
+            torch.cat(all_indices).t(), torch.cat(all_values), shape, device=device
         ).coalesce()
 
     def _gather(self, value: PerReplica, destinations: Destinations, axis: int) -> Any:

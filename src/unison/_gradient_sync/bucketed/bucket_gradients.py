@@ -4,7 +4,9 @@ The bucket's own part of a synchroniser's step, apart from how it travels: the f
 the gradients that live in flat slots of the bucket (``GradSlots``,
 ``_gradient_sync/grads_as_buffer_views.py``, where the sums are copied out of shared
 memory), and handing the sums out as views or copies. A parameter whose flags sum to
-zero got no gradient on any worker and keeps none.
+zero got no gradient on any worker and keeps none; one whose flags sum below zero has a
+sparse gradient on some worker (``SPARSE_FLAG``), summed apart by the synchroniser once
+the buckets are reduced, where this worker learns of it from the sums.
 """
 
 from __future__ import annotations
@@ -18,15 +20,23 @@ from unison._gradient_sync.grad_access import grads_of
 from unison._gradient_sync.grads_as_buffer_views import GradSlots, fits, held_beyond
 from unison._interpose.torch_private import storage_use_count
 
-__all__ = ["set_flags", "point_grads_at_slots", "fill_from_slots", "fill_around", "copy_sums_out", "hand_out_views",
-           "home_held_elsewhere"]
+__all__ = ["SPARSE_FLAG", "set_flags", "point_grads_at_slots", "fill_from_slots", "fill_around", "copy_sums_out",
+           "hand_out_views", "home_held_elsewhere"]
 
 
-def set_flags(used: torch.Tensor, missing: Sequence[int]) -> None:
-    """This worker's flags: 1 for each parameter of the bucket, 0 for those in ``missing``."""
+SPARSE_FLAG = -1.0
+"""The flag of a parameter whose gradient is sparse here: its slot stays empty, and the sign of the
+flags' sum tells every worker, also one that computed no gradient for it, to join its sparse sum."""
+
+
+def set_flags(used: torch.Tensor, missing: Sequence[int], sparse: Sequence[int] = ()) -> None:
+    """This worker's flags: 1 for each parameter of the bucket, 0 for those in ``missing``,
+    ``SPARSE_FLAG`` for those in ``sparse``."""
     used.fill_(1)
     if missing:
         used[list(missing)] = 0
+    if sparse:
+        used[list(sparse)] = SPARSE_FLAG
 
 
 def point_grads_at_slots(buckets: Sequence[GradientBucket], leave_home: Callable[[GradientBucket], None]) -> None:
@@ -129,7 +139,7 @@ def home_held_elsewhere(bucket: GradientBucket) -> bool:
     return held_beyond(bucket.views, grads_of(bucket.params)) or storage_use_count(bucket.flat) != bucket.home_holders
 
 
-def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> None:
+def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> list[torch.Tensor]:
     """Hands a shared bucket's sums to the parameters' gradients: one foreach copy, or none
     where the sums came back into this worker's home.
 
@@ -138,13 +148,16 @@ def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: se
     Gradients that live in the bucket's own slots take one copy, those in its home
     (this worker's own part of the file, where the sums came back) none. A few large
     gradients become views of the home (no copy); ``home_held_elsewhere`` tells when one
-    was kept. ``sparse``: ids of parameters whose (sparse) gradient was summed apart.
+    was kept. ``sparse``: ids of parameters whose gradient is sparse here (summed apart).
+
+    Returns the parameters without a gradient here that some worker has a sparse gradient for
+    (their sums were left alone: the synchroniser sums them apart).
     """
     if bucket.home is not None and not bucket.wants_slots:
         if bucket.home_holders is None:
             bucket.home_holders = storage_use_count(bucket.flat)
-        hand_out_views(bucket, transport, sparse)
-        return
+        return hand_out_views(bucket, transport, sparse)
+    sparse_elsewhere: list[torch.Tensor] = []
     if bucket.launched_from_slots:  # no user code ran since: the gradients are still the slots
         assert bucket.slots is not None
         (gradients,) = bucket.slots.flats.values()
@@ -154,9 +167,11 @@ def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: se
         if bucket.unwritten:  # slots this worker left unwritten: None again where no worker wrote one
             everywhere = transport.used_sums(bucket)
             for k in bucket.unwritten:
-                if everywhere[k] == 0:
+                if everywhere[k] <= 0:
                     bucket.params[k].grad = None
-        return
+                    if everywhere[k] < 0:
+                        sparse_elsewhere.append(bucket.params[k])
+        return sparse_elsewhere
     targets, sources = [], []
     sums: list[float] | None = None
     for k, (param, result) in enumerate(zip(bucket.params, transport.sum_views(bucket), strict=True)):
@@ -168,7 +183,9 @@ def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: se
                 continue  # frozen: no worker computed one
             if sums is None:
                 sums = transport.used_sums(bucket)
-            if sums[k] != 0:  # else no worker computed one (a head this step skipped)
+            if sums[k] < 0:
+                sparse_elsewhere.append(param)  # summed apart: a peer's gradient is sparse
+            elif sums[k] != 0:  # else no worker computed one (a head this step skipped)
                 param.grad = result.clone()  # no gradient here this step; the peers' mean still applies
         elif grad.is_contiguous() and grad.layout == torch.strided:
             if grad.data_ptr() != result.data_ptr():  # else it lives where its sum came back
@@ -178,11 +195,14 @@ def copy_sums_out(bucket: GradientBucket, transport: BucketTransport, sparse: se
             param.grad = result.clone()
     if targets:
         torch._foreach_copy_(targets, sources)
+    return sparse_elsewhere
 
 
-def hand_out_views(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> None:
-    """Makes each gradient a view of the bucket's reduced flat (the bucket's own memory)."""
+def hand_out_views(bucket: GradientBucket, transport: BucketTransport, sparse: set[int]) -> list[torch.Tensor]:
+    """Makes each gradient a view of the bucket's reduced flat (the bucket's own memory); returns
+    the parameters left without one that some worker has a sparse gradient for (as ``copy_sums_out``)."""
     sums: list[float] | None = None
+    sparse_elsewhere: list[torch.Tensor] = []
     for k, (param, view) in enumerate(zip(bucket.params, bucket.views)):
         # still the view when zero_grad(set_to_none=False) kept it: setting .grad costs more
         grad = param.grad
@@ -195,4 +215,8 @@ def hand_out_views(bucket: GradientBucket, transport: BucketTransport, sparse: s
                 sums = transport.used_sums(bucket)
             if sums[k] == 0:
                 continue  # no worker computed one (a head this step skipped): the optimizer skips it
+            if sums[k] < 0:
+                sparse_elsewhere.append(param)  # summed apart: a peer's gradient is sparse
+                continue
         param.grad = view
+    return sparse_elsewhere

@@ -16,7 +16,10 @@ after its gradients (1 where this worker has one), summed with them: a parameter
 worker computed a gradient for (a frozen layer, a head this step skipped) keeps none, as
 on one device and under DDP's ``find_unused_parameters``, so an optimizer skips it
 (AdamW's decay and moments would move it); one that some worker computed gets the
-workers' mean everywhere.
+workers' mean everywhere. A sparse gradient (``nn.Embedding(sparse=True)``) keeps its
+slot empty and flags -1: once the buckets are reduced, every worker whose flags' sum for
+it is below zero -- also one that computed no gradient for it this step -- joins its
+sparse all-reduce, in bucket order, so the workers make the same calls.
 
 How a bucket travels is its transport's (``_collectives/transport/bucket_transports.py``:
 over the group, compressed, PowerSGD; ``shared_buckets.py``: one host's shared memory, or
@@ -91,18 +94,21 @@ class BucketedGradientSync:
             its shared memory when it has one.
         bucket_bytes: target bucket size in bytes (``<= 0``: DEFAULT_BUCKET_BYTES).
         reduce_op: returns the current gradient ReduceOp (MEAN or SUM).
-        sparse_all_reduce: sums a sparse gradient over workers (by all-gather); sparse
-            gradients (``nn.Embedding(sparse=True)``) are reduced in their hook, in the
-            same order on every worker, and keep their slot in the bucket empty.
+        sparse_all_reduce: ``(gradient or None, parameter)`` -> the sparse gradient summed over
+            the workers (by all-gather; None where no worker had one), called with None by a
+            worker that computed none. Sparse gradients (``nn.Embedding(sparse=True)``) keep
+            their slot in the bucket empty and are summed when the buckets are reduced, on
+            every worker whose flags say some worker has one, in bucket order.
     """
 
     def __init__(self, control: WorkerControl, transport: CrossWorkerTransport, bucket_bytes: int,
-                 reduce_op: Callable[[], ReduceOp], sparse_all_reduce: Callable[[torch.Tensor], torch.Tensor]):
+                 reduce_op: Callable[[], ReduceOp],
+                 sparse_all_reduce: Callable[[torch.Tensor | None, torch.Tensor], torch.Tensor | None]):
         self._control = control
         self._chosen = transport.bucket_transport()  # the way this group moves buckets
         self._transport: BucketTransport = self._chosen  # what carries the current buckets (see finalize)
         self._sparse_all_reduce = sparse_all_reduce
-        self._sparse: set[int] = set()
+        self._sparse: set[int] = set()  # this step's: ids of parameters whose gradient is sparse here
         self._bucket_bytes = bucket_bytes  # <= 0: the default for the transport (see finalize)
         self._overlap_bytes: int | None = None  # see overlap_bucket_bytes
         self._reduce_op = reduce_op
@@ -285,7 +291,7 @@ class BucketedGradientSync:
             # opt.step() (clip_grad_norm_, GradScaler.unscale_, logging) sees reduced gradients.
             queue_end_of_backward(self._finish)
         if param.grad is not None and param.grad.layout != torch.strided:
-            self._reduce_sparse(param)
+            self._sparse.add(id(param))  # summed when the buckets are (_sum_sparse_gradients)
         bucket.ready += 1
         while (self._next < len(self._buckets)
                and self._buckets[self._next].ready == len(self._buckets[self._next].params)):
@@ -293,13 +299,25 @@ class BucketedGradientSync:
             self._next += 1
         self._transport.poll()
 
-    def _reduce_sparse(self, param: torch.Tensor) -> None:
-        """Sums a sparse gradient over the workers now (all-gather); its bucket slot stays empty."""
-        grad = param.grad
-        assert grad is not None  # the callers saw a sparse gradient
-        self._sparse.add(id(param))
-        reduced = self._sparse_all_reduce(grad)
-        param.grad = reduced / self._control.world_size if self._reduce_op() is ReduceOp.MEAN else reduced
+    def _sum_sparse_gradients(self, sparse_elsewhere: list[torch.Tensor]) -> None:
+        """Sums the step's sparse gradients over the workers once the buckets are reduced: this
+        worker's own and those only peers computed (``sparse_elsewhere``: the flags' sums told),
+        in bucket order, so every worker makes the same calls; divided for MEAN."""
+        if not self._sparse and not sparse_elsewhere:
+            return
+        joining = {id(p) for p in sparse_elsewhere}
+        divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
+        for bucket in self._buckets:
+            for param in bucket.params:
+                if id(param) in self._sparse:
+                    grad = param.grad
+                elif id(param) in joining:
+                    grad = None  # none here: this worker joins with no entries
+                else:
+                    continue
+                reduced = self._sparse_all_reduce(grad, param)
+                if reduced is not None:
+                    param.grad = reduced / divisor if divisor != 1 else reduced
 
     def _launch(self, bucket: GradientBucket) -> None:
         """Fills a ready bucket with this worker's gradients (divided for MEAN, unless the transport
@@ -332,13 +350,14 @@ class BucketedGradientSync:
         targets, sources = [], []
         at_end = self._at_end
         missing = []  # parameters without a dense gradient here
+        sparse = []  # parameters whose gradient is sparse here: summed apart
         for k, (param, view) in enumerate(zip(bucket.params, bucket.views)):
             grad = param.grad
-            if at_end and grad is not None and grad.layout != torch.strided:
-                self._reduce_sparse(param)  # not in its hook: only a backward's first gradient has one here
+            if id(param) in self._sparse or (at_end and grad is not None and grad.layout != torch.strided):
+                self._sparse.add(id(param))  # at the end: only a backward's first gradient had a hook call
                 view.zero_()
-                missing.append(k)
-            elif grad is None or id(param) in self._sparse:
+                sparse.append(k)
+            elif grad is None:
                 view.zero_()
                 missing.append(k)
             elif grad.data_ptr() == view.data_ptr():
@@ -351,7 +370,7 @@ class BucketedGradientSync:
                 sources.append(grad)
         if targets:
             torch._foreach_copy_(targets, sources)
-        set_flags(bucket.used, missing)
+        set_flags(bucket.used, missing, sparse)
         if divisor != 1 and not fused:
             flat.div_(divisor)
         if self._in_slots:
@@ -366,10 +385,8 @@ class BucketedGradientSync:
         grads = []
         for param in bucket.params:
             grad = param.grad
-            if grad is not None and grad.layout != torch.strided:
-                self._reduce_sparse(param)  # when backward ends, in bucket order: the same on every worker
-                continue
-            if id(param) in self._sparse:
+            if id(param) in self._sparse or (grad is not None and grad.layout != torch.strided):
+                self._sparse.add(id(param))  # summed after the buckets, in bucket order, as by every worker
                 continue
             if grad is None:
                 if not param.requires_grad:
@@ -386,7 +403,7 @@ class BucketedGradientSync:
             self._launch(self._buckets[self._next])
             self._next += 1
         try:
-            self._reduce_buckets()
+            self._sum_sparse_gradients(self._reduce_buckets())
         finally:
             for bucket in self._buckets:
                 bucket.work, bucket.ready, bucket.launched_from_slots, bucket.own_parts = None, 0, False, None
@@ -416,7 +433,8 @@ class BucketedGradientSync:
             self._enroll(param)
             grad = param.grad
             if grad is not None and grad.layout != torch.strided:
-                reduced = self._sparse_all_reduce(grad)
+                reduced = self._sparse_all_reduce(grad, param)
+                assert reduced is not None  # this worker's own gradient is in the sum
                 param.grad = reduced / divisor if divisor != 1 else reduced
                 continue
             if grad is None:  # none here this step: the peers' mean still applies, as in the buckets
@@ -427,17 +445,20 @@ class BucketedGradientSync:
             param.grad = grad
         self.finalize()
 
-    def _reduce_buckets(self) -> None:
-        """Waits for every launched bucket and hands out (or copies out) the reduced gradients."""
+    def _reduce_buckets(self) -> list[torch.Tensor]:
+        """Waits for every launched bucket and hands out (or copies out) the reduced gradients;
+        returns the parameters without a gradient here that some worker has a sparse one for."""
         transport = self._transport
         transport.finish(self._buckets)
         hand_out = transport.hand_out
+        sparse_elsewhere: list[torch.Tensor] = []
         if hand_out is HandOut.VIEWS:
             for bucket in self._buckets:
-                hand_out_views(bucket, transport, self._sparse)
+                sparse_elsewhere += hand_out_views(bucket, transport, self._sparse)
         elif hand_out is HandOut.COPIES:
             for bucket in self._buckets:
-                copy_sums_out(bucket, transport, self._sparse)
+                sparse_elsewhere += copy_sums_out(bucket, transport, self._sparse)
+        return sparse_elsewhere
 
     def _follow_gradient_order(self) -> None:
         """After the first synchronised backward: buckets follow the order its gradients came in.
