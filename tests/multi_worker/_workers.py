@@ -222,6 +222,29 @@ def sparse_embedding_on_one_worker(rank: int, world: int, implementation: str):
     return emb.weight.detach().clone(), head.weight.detach().clone(), head.bias.detach().clone(), sparse
 
 
+def sparse_sums(rank: int, world: int):
+    """``all_reduce_sparse`` with no tensor on some workers: their sum in ``like``'s shape; None
+    when no worker has one; the workers' sparse dimensions disagreeing: an error on every worker."""
+    strategy = strategy_for(rank, world, timeout_seconds=20)
+    ops = strategy.extended.cross_device_ops
+    like = torch.zeros(4, 3)
+    rows = torch.sparse_coo_tensor([[rank]], torch.ones(1, 3), (4, 3))
+    summed = ops.all_reduce_sparse(rows if rank == 0 else None, like)
+    nothing = ops.all_reduce_sparse(None, like)
+    whole = torch.sparse_coo_tensor([[rank], [0]], [1.0], (4, 3))  # two sparse dimensions, not one
+    try:
+        ops.all_reduce_sparse(rows if rank == 0 else whole, like)
+    except unison.errors.CollectiveMismatchError as exc:
+        mismatch = str(exc)
+    else:
+        mismatch = None
+    try:
+        ops.all_reduce_sparse(None)  # refused before any collective: nothing to take the shape from
+    except ValueError as exc:
+        no_like = str(exc)
+    return summed.to_dense(), summed.sparse_dim(), nothing, mismatch, no_like
+
+
 def input_path_training(rank: int, world: int):
     """2 workers fed by experimental_distribute_dataset over the same global batches."""
     strategy = strategy_for(rank, world)

@@ -119,6 +119,17 @@ def test_a_sparse_gradient_only_one_worker_computed_reaches_both(implementation)
 
 
 @pytest.mark.timeout(90)
+def test_a_sparse_sum_joined_without_a_tensor():
+    expected = torch.zeros(4, 3)
+    expected[0] = 1.0  # worker 0's one row; worker 1 joins with none
+    for dense, sparse_dim, nothing, mismatch, no_like in run_workers(w.sparse_sums, 2, timeout=60):
+        assert torch.equal(dense, expected) and sparse_dim == 1
+        assert nothing is None
+        assert mismatch is not None and "[1, 2] sparse dimensions" in mismatch
+        assert "needs `like`" in no_like
+
+
+@pytest.mark.timeout(90)
 def test_gather_and_all_gather_span_every_worker():
     expected_rows = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(4)])
     for gathered, all_gathered, summed in run_workers(w.gathers, 2, timeout=60):
