@@ -222,6 +222,30 @@ def sparse_embedding_on_one_worker(rank: int, world: int, implementation: str):
     return emb.weight.detach().clone(), head.weight.detach().clone(), head.bias.detach().clone(), sparse
 
 
+def frozen_sparse_embedding_unfrozen(rank: int, world: int):
+    """A sparse embedding made frozen, unfrozen at step 2, which only worker 0 uses in that step:
+    the step that wakes it reduces it on both workers (the sparse sum, worker 1 with no rows)."""
+    strategy = strategy_for(rank, world, timeout_seconds=20)
+    with strategy.scope():
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 3, sparse=True)
+        emb.weight.requires_grad_(False)
+        head = nn.Linear(3, 1)
+        opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=1.0)
+
+    def step(ids, use):
+        opt.zero_grad()
+        features = emb(ids) if use else emb.weight[ids].detach()
+        head(features).sum().backward()
+        opt.step()
+
+    ids = torch.tensor([[1, 2], [3, 4]])[rank]
+    strategy.run(step, args=(ids, True))
+    emb.weight.requires_grad_(True)
+    strategy.run(step, args=(ids, rank == 0))
+    return emb.weight.detach().clone(), head.weight.detach().clone()
+
+
 def sparse_sums(rank: int, world: int):
     """``all_reduce_sparse`` with no tensor on some workers: their sum in ``like``'s shape; None
     when no worker has one; the workers' sparse dimensions disagreeing: an error on every worker."""

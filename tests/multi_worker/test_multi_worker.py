@@ -119,6 +119,24 @@ def test_a_sparse_gradient_only_one_worker_computed_reaches_both(implementation)
 
 
 @pytest.mark.timeout(90)
+def test_a_frozen_sparse_embedding_woken_where_one_worker_uses_it():
+    results = run_workers(w.frozen_sparse_embedding_unfrozen, 2, timeout=60)
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(10, 3), torch.nn.Linear(3, 1)
+    ids = torch.tensor([[1, 2], [3, 4]])
+    for emb_used_by in ((), (0,)):  # step 1: frozen; step 2: trainable, used by worker 0 only
+        emb.zero_grad(), head.zero_grad()
+        loss = sum(head(emb(ids[r]) if r in emb_used_by else emb.weight[ids[r]].detach()).sum() for r in (0, 1)) / 2
+        loss.backward()
+        with torch.no_grad():
+            for p in (*emb.parameters(), *head.parameters()):
+                if p.grad is not None:
+                    p -= p.grad
+    for got_emb, got_head in results:
+        assert torch.allclose(got_emb, emb.weight, atol=1e-6) and torch.allclose(got_head, head.weight, atol=1e-6)
+
+
+@pytest.mark.timeout(90)
 def test_a_sparse_sum_joined_without_a_tensor():
     expected = torch.zeros(4, 3)
     expected[0] = 1.0  # worker 0's one row; worker 1 joins with none

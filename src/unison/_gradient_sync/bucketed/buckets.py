@@ -417,9 +417,10 @@ class BucketedGradientSync:
 
     def _wake_dormant(self, check_late: bool = True) -> None:
         """Parameters made frozen that are trainable now, and late ones used now: this
-        step's gradients are all-reduced one by one (zeros where this worker has none),
-        and from the next step on they are in the buckets. A collective: every worker
-        unfreezes (or copies) the same parameters at the same step, as the same program does."""
+        step's gradients are all-reduced one by one (zeros where this worker has none; a
+        sparse one, on some worker, by the sparse sum on all), and from the next step on
+        they are in the buckets. A collective: every worker unfreezes (or copies) the same
+        parameters at the same step, as the same program does."""
         woken = self._dormant.take_trainable() if self._dormant else []
         # Only a worker that has a gradient for one asks its peers: an EMA copy, never
         # differentiated, costs no collective. (Used on some workers only at its first use,
@@ -429,13 +430,19 @@ class BucketedGradientSync:
         if not woken:
             return
         divisor = self._control.world_size if self._reduce_op() is ReduceOp.MEAN else 1
-        for param in woken:
+        # Which are sparse on some worker: one without a gradient cannot tell, and must join the
+        # same sum (one small agreement, at a wake only)
+        dense_here = [int(p.grad is None or p.grad.layout == torch.strided) for p in woken]
+        agreed = self._control.agree_min_each(dense_here, "woken sparse gradients")
+        for param, dense_everywhere in zip(woken, agreed):
             self._enroll(param)
             grad = param.grad
-            if grad is not None and grad.layout != torch.strided:
+            if not dense_everywhere:
+                if grad is not None and grad.layout == torch.strided:
+                    grad = grad.to_sparse(1)  # sparse elsewhere: this worker's rows join the sum
                 reduced = self._sparse_all_reduce(grad, param)
-                assert reduced is not None  # this worker's own gradient is in the sum
-                param.grad = reduced / divisor if divisor != 1 else reduced
+                if reduced is not None:
+                    param.grad = reduced / divisor if divisor != 1 else reduced
                 continue
             if grad is None:  # none here this step: the peers' mean still applies, as in the buckets
                 grad = torch.zeros_like(param.detach())
