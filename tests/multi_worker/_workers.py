@@ -246,6 +246,29 @@ def frozen_sparse_embedding_unfrozen(rank: int, world: int):
     return emb.weight.detach().clone(), head.weight.detach().clone()
 
 
+def sparse_embedding_on_one_worker_of_two_devices(rank: int, world: int):
+    """As ``sparse_embedding_on_one_worker`` with two local devices per worker: not supported
+    there; the step's error says why and what to do."""
+    strategy = strategy_for(rank, world, devices=["cpu:0", "cpu:1"], timeout_seconds=20)
+    with strategy.scope():
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 3, sparse=True)
+        head = nn.Linear(3, 1)
+        opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=1.0)
+
+    def step(ids):
+        opt.zero_grad()
+        features = emb(ids) if rank == 0 else emb.weight[ids].detach()
+        head(features).sum().backward()
+        opt.step()
+
+    try:
+        strategy.run(step, args=(unison.PerReplica([torch.tensor([1, 2]), torch.tensor([3, 4])]),))
+    except unison.errors.CollectiveMismatchError as exc:
+        return str(exc)
+    return None
+
+
 def sparse_sums(rank: int, world: int):
     """``all_reduce_sparse`` with no tensor on some workers: their sum in ``like``'s shape; None
     when no worker has one; the workers' sparse dimensions disagreeing: an error on every worker."""

@@ -119,6 +119,12 @@ def test_a_sparse_gradient_only_one_worker_computed_reaches_both(implementation)
 
 
 @pytest.mark.timeout(90)
+def test_a_sparse_gradient_one_worker_skips_with_two_local_devices_is_refused_with_the_way_out():
+    for message in run_workers(w.sparse_embedding_on_one_worker_of_two_devices, 2, timeout=60):
+        assert message is not None and "sparse gradient" in message and "one device per worker" in message
+
+
+@pytest.mark.timeout(90)
 def test_a_frozen_sparse_embedding_woken_where_one_worker_uses_it():
     results = run_workers(w.frozen_sparse_embedding_unfrozen, 2, timeout=60)
     torch.manual_seed(0)

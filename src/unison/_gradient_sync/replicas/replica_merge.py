@@ -27,6 +27,7 @@ from unison._reduce import ReduceOp
 from unison._values.storage import MIRRORED, VariableStorage
 from unison._values.values import Mirrored, PerReplica
 from unison._values.variables import DistributedVariable
+from unison.errors import CollectiveMismatchError
 
 __all__ = ["ReplicaGradientMerge"]
 
@@ -154,7 +155,17 @@ class ReplicaGradientMerge:
         if across:  # the same on every worker: the flags go whether or not this one needs them
             flags = [torch.tensor(present[i], dtype=torch.float32, device=devices[i]) for i in range(n)]
             pairs.append((PerReplica(flags), devices))
-        reduced = self._cross_device_ops.batch_reduce(self._reduce_op(), pairs)
+        try:
+            reduced = self._cross_device_ops.batch_reduce(self._reduce_op(), pairs)
+        except CollectiveMismatchError as exc:
+            if across and (made or any(g.layout != torch.strided for grads in per_param for g in grads)):
+                raise CollectiveMismatchError(
+                    f"{exc}. If a sparse gradient (nn.Embedding(sparse=True)) was computed on some workers "
+                    f"only in this step: that is not supported with several local devices per worker (a "
+                    f"worker without one sends dense zeros). Use the embedding on every worker in every "
+                    f"step, or run one device per worker, where it is summed on every worker"
+                ) from exc
+            raise
         nowhere: set[int] = set()
         if across:
             summed = reduced.pop()
