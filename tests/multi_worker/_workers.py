@@ -199,37 +199,15 @@ def sparse_embedding(rank: int, world: int):
     return emb.weight.detach().clone()
 
 
-def sparse_embedding_on_one_worker(rank: int, world: int, implementation: str):
-    """A sparse embedding only worker 0 differentiates (worker 1's batch reads its rows
-    detached): worker 1 must still join the sparse all-reduce worker 0 makes."""
-    strategy = strategy_for(rank, world, timeout_seconds=20, implementation=implementation)
+def _embedding_and_head(strategy: unison.Strategy, frozen: bool = False):
+    """A sparse ``Embedding(10, 3)`` (made frozen if ``frozen``), a ``Linear(3, 1)`` head on its
+    rows and SGD(lr=1) over both, built in ``strategy``'s scope; and ``step(ids, use)``, which
+    differentiates the embedding where ``use`` is true and else reads its rows detached, and
+    returns whether the embedding's gradient after the reduction is sparse."""
     with strategy.scope():
         torch.manual_seed(0)
         emb = nn.Embedding(10, 3, sparse=True)
-        head = nn.Linear(3, 1)
-        opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=1.0)
-
-    def step(ids):
-        opt.zero_grad()
-        features = emb(ids) if rank == 0 else emb.weight[ids].detach()
-        head(features).sum().backward()
-        grad = emb.weight.grad
-        opt.step()
-        return grad is not None and grad.is_sparse
-
-    ids = torch.tensor([[1, 2], [3, 4]])[rank]
-    sparse = strategy.run(step, args=(ids,))
-    return emb.weight.detach().clone(), head.weight.detach().clone(), head.bias.detach().clone(), sparse
-
-
-def frozen_sparse_embedding_unfrozen(rank: int, world: int):
-    """A sparse embedding made frozen, unfrozen at step 2, which only worker 0 uses in that step:
-    the step that wakes it reduces it on both workers (the sparse sum, worker 1 with no rows)."""
-    strategy = strategy_for(rank, world, timeout_seconds=20)
-    with strategy.scope():
-        torch.manual_seed(0)
-        emb = nn.Embedding(10, 3, sparse=True)
-        emb.weight.requires_grad_(False)
+        emb.weight.requires_grad_(not frozen)
         head = nn.Linear(3, 1)
         opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=1.0)
 
@@ -237,8 +215,28 @@ def frozen_sparse_embedding_unfrozen(rank: int, world: int):
         opt.zero_grad()
         features = emb(ids) if use else emb.weight[ids].detach()
         head(features).sum().backward()
+        grad = emb.weight.grad
         opt.step()
+        return grad is not None and grad.is_sparse
 
+    return emb, head, step
+
+
+def sparse_embedding_on_one_worker(rank: int, world: int, implementation: str):
+    """A sparse embedding only worker 0 differentiates (worker 1's batch reads its rows
+    detached): worker 1 must still join the sparse all-reduce worker 0 makes."""
+    strategy = strategy_for(rank, world, timeout_seconds=20, implementation=implementation)
+    emb, head, step = _embedding_and_head(strategy)
+    ids = torch.tensor([[1, 2], [3, 4]])[rank]
+    sparse = strategy.run(step, args=(ids, rank == 0))
+    return emb.weight.detach().clone(), head.weight.detach().clone(), head.bias.detach().clone(), sparse
+
+
+def frozen_sparse_embedding_unfrozen(rank: int, world: int):
+    """A sparse embedding made frozen, unfrozen at step 2, which only worker 0 uses in that step:
+    the step that wakes it reduces it on both workers (the sparse sum, worker 1 with no rows)."""
+    strategy = strategy_for(rank, world, timeout_seconds=20)
+    emb, head, step = _embedding_and_head(strategy, frozen=True)
     ids = torch.tensor([[1, 2], [3, 4]])[rank]
     strategy.run(step, args=(ids, True))
     emb.weight.requires_grad_(True)
@@ -250,20 +248,9 @@ def sparse_embedding_on_one_worker_of_two_devices(rank: int, world: int):
     """As ``sparse_embedding_on_one_worker`` with two local devices per worker: not supported
     there; the step's error says why and what to do."""
     strategy = strategy_for(rank, world, devices=["cpu:0", "cpu:1"], timeout_seconds=20)
-    with strategy.scope():
-        torch.manual_seed(0)
-        emb = nn.Embedding(10, 3, sparse=True)
-        head = nn.Linear(3, 1)
-        opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=1.0)
-
-    def step(ids):
-        opt.zero_grad()
-        features = emb(ids) if rank == 0 else emb.weight[ids].detach()
-        head(features).sum().backward()
-        opt.step()
-
+    _, _, step = _embedding_and_head(strategy)
     try:
-        strategy.run(step, args=(unison.PerReplica([torch.tensor([1, 2]), torch.tensor([3, 4])]),))
+        strategy.run(step, args=(unison.PerReplica([torch.tensor([1, 2]), torch.tensor([3, 4])]), rank == 0))
     except unison.errors.CollectiveMismatchError as exc:
         return str(exc)
     return None
