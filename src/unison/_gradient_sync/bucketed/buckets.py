@@ -348,12 +348,15 @@ class BucketedGradientSync:
         # all-reduce it feeds.
         fused = divisor != 1 and len(bucket.params) <= _FUSED_DIVIDE_MAX_PARAMS
         targets, sources = [], []
+        at_end = self._at_end
         missing = []  # parameters without a dense gradient here
         sparse = []  # parameters whose gradient is sparse here: summed apart
         for k, (param, view) in enumerate(zip(bucket.params, bucket.views)):
             grad = param.grad
-            if id(param) in self._sparse or (grad is not None and grad.layout != torch.strided):
-                self._sparse.add(id(param))  # at the end only a backward's first gradient had a hook call
+            # where buckets leave during backward every hook recorded its sparse gradient; at the
+            # end only a backward's first gradient had a hook call: the layout tells
+            if id(param) in self._sparse or (at_end and grad is not None and grad.layout != torch.strided):
+                self._sparse.add(id(param))
                 view.zero_()
                 sparse.append(k)
             elif grad is None:
