@@ -85,6 +85,9 @@ def main() -> None:
                 shown = {k: round(v, 3) if v < 100 else round(v) for k, v in runs[name][-1].items()}
                 print(f"round {index} {name} (load {load:.2f}, {time.time() - start:.0f} s): {shown}", flush=True)
     for variant in runs["new"][0]:
+        if variant not in runs["old"][0]:  # a variant the old tree's benchmark does not have
+            print(f"{variant}: new tree only, per round {[round(new[variant], 3) for new in runs['new']]}")
+            continue
         ratios = [new[variant] / old[variant] for old, new in zip(runs["old"], runs["new"], strict=True)]
         print(f"{variant}: new/old per round {[round(r, 3) for r in ratios]}, median {statistics.median(ratios):.3f}")
 
