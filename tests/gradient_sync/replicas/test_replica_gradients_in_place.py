@@ -184,3 +184,31 @@ def test_large_gradients_reduced_in_slices_by_every_replica_equal_plain_autograd
         for g, p in zip(got[r], plain):
             torch.testing.assert_close(g, p)
         assert all(torch.equal(a, b) for a, b in zip(got[r], got[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_the_mean_in_place_is_the_sum_divided_bit_for_bit(dtype, replicas):
+    """Every replica's tensor ends as (t0 + t1 + ...) / n, added in replica order, to the bit:
+    with the subnormal, smallest normal and largest values of the dtype, whatever the
+    multiplier the reduction uses for a power of two."""
+    info = torch.finfo(dtype)
+    edges = torch.tensor([info.tiny * f for f in (0.5, 0.25, 0.75, 1.5, 3.0)]
+                         + [info.max / replicas, -info.max / replicas, info.smallest_normal], dtype=dtype)
+    generator = torch.Generator().manual_seed(replicas)
+    per_replica = [[torch.cat([edges, (torch.randn(64, generator=generator) * 2.0 ** -r).to(dtype)]),
+                    (torch.randn(3, 5, generator=generator) * info.tiny * 8).to(dtype)] for r in range(replicas)]
+    expected = []
+    for k in range(2):
+        total = per_replica[0][k].clone()
+        for tensors in per_replica[1:]:
+            total = total + tensors[k]
+        expected.append(total / replicas)
+    reduction = replica_reduction.InPlaceReduction(replicas, mean=True)
+    for k in range(2):
+        reduction.add([tensors[k] for tensors in per_replica])
+    reduction.run()
+    for tensors in per_replica:
+        for got, want in zip(tensors, expected, strict=True):
+            assert got.dtype == dtype
+            assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
