@@ -1,9 +1,12 @@
 """TensorLink: tensors as raw frames beside a pickled header."""
 
 import multiprocessing
+import os
+import pickle
 import socket
 import threading
 
+import pytest
 import torch
 
 from unison._coordinator.channel import Channel
@@ -54,4 +57,64 @@ def test_a_message_larger_than_the_socket_buffer_arrives_whole_in_order():
         assert all(torch.equal(a, b) for a, b in zip(got, tensors))
     thread.join()
     sender.close()
+    receiver.close()
+
+
+def test_the_framing_is_multiprocessing_connections_both_ways():
+    # a ps session opens with the Channel's messages and goes on with the link's: the header's frame must
+    # be the one Connection.send_bytes writes and Connection.recv_bytes reads
+    left, right = multiprocessing.Pipe()
+    sender, receiver = TensorLink(Channel(left, "right"), "right"), TensorLink(Channel(right, "left"), "left")
+    sender.send(("hello", 1))
+    assert pickle.loads(right.recv_bytes()) == (("hello", 1), [])
+    left.send_bytes(pickle.dumps((("plain", 2), [((3,), torch.int64)])))
+    sender._socket.sendall(torch.arange(3).numpy().tobytes())
+    header, (tensor,) = receiver.recv()
+    assert header == ("plain", 2) and torch.equal(tensor, torch.arange(3))
+    sender.close()
+    receiver.close()
+
+
+def test_a_message_of_many_tensors_and_every_dtype_and_shape_arrive_intact():
+    sender, receiver = _pair()
+    g = torch.Generator().manual_seed(5)
+    many = [torch.randn(k % 7 + 1, generator=g) for k in range(1_100)]  # more than a gathered write's 1,024 buffers
+    odd = [torch.tensor(2.5), torch.zeros(0, 4), torch.randn(3, 5, generator=g).to(torch.bfloat16),
+           torch.tensor([True, False]), torch.randint(-9, 9, (4, 2), generator=g, dtype=torch.int8),
+           torch.randn(6, 4, generator=g)[:, 1]]  # not contiguous: sent as a copy
+    thread = threading.Thread(target=lambda: (sender.send(("many",), many), sender.send(("odd",), odd)))
+    thread.start()
+    for name, tensors in (("many", many), ("odd", odd)):
+        header, got = receiver.recv()
+        assert header == (name,) and len(got) == len(tensors)
+        for a, b in zip(got, tensors):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    thread.join()
+    sender.close()
+    receiver.close()
+
+
+def test_a_large_header_between_small_ones_reads_whole():
+    sender, receiver = _pair()
+    big = ("x" * 20_000, list(range(3_000)))
+    thread = threading.Thread(target=lambda: [sender.send(h) for h in (("small",), big, ("small", 2))])
+    thread.start()
+    assert receiver.recv()[0] == ("small",)
+    assert receiver.recv()[0] == big
+    assert receiver.recv()[0] == ("small", 2)
+    thread.join()
+    sender.close()
+    receiver.close()
+
+
+def test_a_peer_that_closes_inside_a_message_is_an_eof_not_a_short_tensor():
+    left, right = multiprocessing.Pipe()
+    receiver = TensorLink(Channel(right, "left"), "left")
+    left.send_bytes(pickle.dumps((("rows",), [((1000,), torch.float32)])))
+    raw = socket.socket(fileno=os.dup(left.fileno()))
+    raw.sendall(b"\0" * 100)  # 100 of the 4,000 bytes, then gone
+    raw.close()
+    left.close()
+    with pytest.raises(EOFError, match="closed the connection"):
+        receiver.recv()
     receiver.close()
