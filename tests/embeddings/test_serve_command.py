@@ -276,7 +276,9 @@ def test_the_command_serves_until_sigterm_exits_0_and_imports_no_training_code(t
             f"code = main(['serve-embeddings', {str(tmp_path)!r}, '--poll-seconds', '0.2'])\n"
             "training = sorted(m for m in sys.modules if m.startswith(('unison._strategies', 'unison._ps', "
             "'unison._embeddings.modules', 'unison._gradient_sync')))\n"
-            "print('training modules:', training)\nsys.exit(code)\n")
+            "print('training modules:', training)\n"
+            # the tables' forward runs eagerly under torch.compile without importing Dynamo (2-3 s) to say so
+            "print('dynamo loaded:', 'torch._dynamo' in sys.modules)\nsys.exit(code)\n")
     paths = [str(Path(unison.__file__).parents[1]), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}  # this tree's unison
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -311,3 +313,4 @@ def test_the_command_serves_until_sigterm_exits_0_and_imports_no_training_code(t
             process.communicate()
     assert process.returncode == 0, err
     assert "EmbeddingServer: applied snapshot 0 (full of chain 0)" in out and "training modules: []" in out, out
+    assert "dynamo loaded: False" in out, out

@@ -14,7 +14,9 @@ here and the behaviour stays with its owner:
   ``add_param_group`` shared by several replica threads behave as on one device;
 - ``replica_parameters``: the per-module dicts that answer a replica with its component;
 - ``initial_draws``: the torch-function mode that draws a GPU scope's weights on the CPU;
-- ``torch_private``: the private torch functions the synchronisers read.
+- ``torch_private``: the private torch functions the synchronisers read;
+- ``eager_under_compile``: the tables' forwards run eagerly under ``torch.compile`` (no change to
+  torch: a decorator that imports Dynamo only once it is in use).
 
 It sits below the gradient synchronisers, collectives, strategies and ps (which all use
 it) and above the values and contexts (which its handlers for shared objects read).

@@ -82,6 +82,7 @@ from unison._embeddings.tables.distinct_ids import distinct_ids_and_counts
 from unison._embeddings.tables.eviction import EvictionPolicy
 from unison._embeddings.tables.initializers import Initializer, normal
 from unison._embeddings.tables.table import Table, TableConfig, TableFactory
+from unison._interpose.eager_under_compile import eager_under_compile
 from unison._strategies.current import get_strategy
 
 __all__ = ["DynamicEmbedding"]
@@ -178,7 +179,7 @@ class DynamicEmbedding(nn.Module):
         """How many rows exist."""
         return self.table.num_rows
 
-    @torch.compiler.disable
+    @eager_under_compile
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); missing rows are made when training.

@@ -26,6 +26,7 @@ from torch import nn
 from unison._embeddings.serving.files import read_export
 from unison._embeddings.tables.distinct_ids import distinct_ids
 from unison._embeddings.tables.id_index import IdIndex
+from unison._interpose.eager_under_compile import eager_under_compile
 
 __all__ = ["ServingEmbedding", "ReadDelta"]
 
@@ -201,7 +202,7 @@ class ServingEmbedding(nn.Module):
             rows[present] = self._rows.index_select(0, slots[present])
         return rows
 
-    @torch.compiler.disable
+    @eager_under_compile
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's row, ``[*ids.shape, dim]``, never pooled whatever ``mode`` (unknown ids read ``default``).
 
@@ -216,7 +217,7 @@ class ServingEmbedding(nn.Module):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"ServingEmbedding: `ids` must be an int64 tensor of feature ids, got {ids!r:.80}")
 
-    @torch.compiler.disable
+    @eager_under_compile
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (or, with ``mode``, one pooled row per bag); unknown ids read ``default``."""
