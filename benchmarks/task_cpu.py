@@ -48,18 +48,19 @@ def _stat(pid: int) -> tuple[int, float, float] | None:
     return int(fields[1]), int(fields[11]) / _TICKS, int(fields[12]) / _TICKS
 
 
-def _label(pid: int) -> str:
-    """The task ``TF_CONFIG`` names (``worker:0``), else the start of the command line."""
+def _label(pid: int) -> tuple[str, bool]:
+    """The task ``TF_CONFIG`` names (``worker:0``) and True, else the start of the command line and
+    False (a process forked but not yet exec'd shows its parent's: read it again later)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         if b"TF_CONFIG" in environ:
             task = json.loads(environ[b"TF_CONFIG"])["task"]
-            return f"{task['type']}:{task['index']}"
+            return f"{task['type']}:{task['index']}", True
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:60]
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:60] or f"pid {pid}", False
     except (OSError, ValueError, KeyError):
-        return f"pid {pid}"
+        return f"pid {pid}", False
 
 
 def _descendants(root: int) -> dict[int, tuple[float, float]]:
@@ -106,11 +107,14 @@ def measure(command: list[str], period: float, phase: str) -> dict[str, Any]:
     reader.start()
     samples: dict[int, list[tuple[float, float, float]]] = {}
     labels: dict[int, str] = {}
+    named: set[int] = set()  # pids whose TF_CONFIG named them: their label is final
     while proc.poll() is None:
         now = time.monotonic() - start
         for pid, (user, system) in _descendants(proc.pid).items():
-            if pid not in labels:
-                labels[pid] = _label(pid)
+            if pid not in named:
+                labels[pid], final = _label(pid)
+                if final:
+                    named.add(pid)
             samples.setdefault(pid, []).append((now, user, system))
         time.sleep(period)
     reader.join(timeout=5)
