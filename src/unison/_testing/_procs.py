@@ -163,8 +163,11 @@ class ChildProcess:
         return data.decode("utf-8", errors="replace")
 
 
-_PRELOAD = ("torch", "torch.distributed", "cloudpickle", "unison._testing._eager_api", "unison._testing._child")
-"""What the fork server imports once, so that a worker starts without importing torch."""
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "unison._testing._eager_api",
+            "unison._testing._child")
+"""What the fork server imports once, so that a worker starts without importing torch. Dynamo too:
+a torch optimizer's constructor imports it (2-3 s on the 2-core VM), and nearly every worker builds
+one (the embedding tables, which imported it at import until issue 45, no longer do)."""
 _start_method_lock = threading.Lock()
 
 
