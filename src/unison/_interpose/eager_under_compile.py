@@ -5,8 +5,8 @@ Dynamo cannot trace: under ``torch.compile`` it must run eagerly (``torch.compil
 a graph break). But ``torch.compiler.disable`` imports ``torch._dynamo`` when it decorates:
 every process that imported the tables paid for it, also one that never compiles nor
 builds a torch optimizer (whose constructor imports Dynamo as well). On the 2-core VM,
-``import unison`` and ``unison.embeddings.ServingEmbedding`` took 5.2 s for a serving
-process, 2.4 s without Dynamo.
+``import unison`` with ``unison.embeddings.ServingEmbedding`` and ``DynamicEmbedding`` took a
+serving process 4.3-5.3 s, and 2.4-2.8 s without Dynamo (``benchmarks/RESULTS.md``).
 
 :func:`eager_under_compile` marks the function instead: it calls it as it is while
 ``torch._dynamo`` is not imported (nothing can be compiling then: ``torch.compile`` imports

@@ -78,7 +78,7 @@ def test_the_framing_is_multiprocessing_connections_both_ways():
 def test_a_message_of_many_tensors_and_every_dtype_and_shape_arrive_intact():
     sender, receiver = _pair()
     g = torch.Generator().manual_seed(5)
-    many = [torch.randn(k % 7 + 1, generator=g) for k in range(1_100)]  # more than a gathered write's 1,024 buffers
+    many = [torch.randn(k % 7 + 1, generator=g) for k in range(1_100)]  # more than one sendmsg takes (1,024)
     odd = [torch.tensor(2.5), torch.zeros(0, 4), torch.randn(3, 5, generator=g).to(torch.bfloat16),
            torch.tensor([True, False]), torch.randint(-9, 9, (4, 2), generator=g, dtype=torch.int8),
            torch.randn(6, 4, generator=g)[:, 1]]  # not contiguous: sent as a copy
