@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info  # noqa: E402
+
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 DEFAULT_PHASE = r"in ([0-9.]+) s \("
 
@@ -132,10 +135,10 @@ def measure(command: list[str], period: float, phase: str) -> dict[str, Any]:
             series = [(t, u + s) for t, u, s in rows]
             task["phase_cpu_s"] = round(_cpu_at(series, phase_end) - _cpu_at(series, phase_end - phase_seconds), 2)
         tasks[name] = task
-    cores = len(os.sched_getaffinity(0))
-    out: dict[str, Any] = {"command": command, "returncode": proc.returncode, "cores": cores,
+    machine = machine_info()  # its load average is the job's own, read as it ends
+    cores = machine["usable_cores"]
+    out: dict[str, Any] = {"command": command, "returncode": proc.returncode, "machine": machine,
                            "wall_s": round(time.monotonic() - start, 1), "tasks": tasks,
-                           "load_average": [round(x, 2) for x in os.getloadavg()],
                            "output_tail": [line.rstrip() for _, line in lines[-4:]]}
     if phase_seconds is not None:
         used = sum(task.get("phase_cpu_s", 0.0) for task in tasks.values())
@@ -154,11 +157,13 @@ def report(result: dict[str, Any]) -> str:
             row += f" {task['phase_cpu_s']:>9.2f} {task['phase_cpu_s'] / max(phase['used_cpu_s'], 1e-9):>6.1%}"
         lines.append(row)
     if phase:
-        lines.append(f"phase: {phase['seconds']} s on {result['cores']} cores = {phase['capacity_cpu_s']} CPU s; "
+        cores = result["machine"]["usable_cores"]
+        lines.append(f"phase: {phase['seconds']} s on {cores} cores = {phase['capacity_cpu_s']} CPU s; "
                      f"the tasks used {phase['used_cpu_s']} ({phase['busy']:.0%} busy)")
     else:
         lines.append("phase: no output line matched --phase; totals only")
-    lines.append(f"wall {result['wall_s']} s, exit {result['returncode']}, load average after {result['load_average']}")
+    load = [round(x, 2) for x in result["machine"]["load_average_1_5_15"] or []]
+    lines.append(f"wall {result['wall_s']} s, exit {result['returncode']}, load average after {load}")
     return "\n".join(lines)
 
 

@@ -28,7 +28,9 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 def eager_under_compile(fn: _Fn) -> _Fn:
     """``fn``, run eagerly under ``torch.compile`` (as ``torch.compiler.disable(fn)``), imported
     without Dynamo: see the module's docstring."""
-    disabled: list[Callable[..., Any]] = []  # torch.compiler.disable(fn), once Dynamo is loaded
+    # torch.compiler.disable(fn), once Dynamo is loaded: a list, not a nonlocal, because Dynamo traces
+    # this wrapper when a compiled caller reaches it and read a rebound closure cell as still None
+    disabled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
