@@ -25,7 +25,7 @@ from unison._ps.wire import protocol as wire
 from unison._ps.wire.links import TensorLink
 from unison._ps.wire.shared_arena import MappedSegments
 
-__all__ = ["accept_session", "serve_ps_session"]
+__all__ = ["accept_session", "serve_ps_session", "new_session", "SessionCore"]
 
 
 def accept_session(channel: Channel, hello: Any) -> bool:
@@ -201,6 +201,19 @@ _HANDLERS: dict[wire.RequestKind, Handler] = {
 """Every request kind's handler: ``handler(session, header, tensors) -> reply tensors``."""
 
 
+def new_session(store: ParameterStore, reuse_pull_buffers: bool = True) -> _Session:
+    """What one peer's requests act on. ``reuse_pull_buffers=False``: every dense pull gets a tensor
+    of its own (an in-process peer keeps it; over a socket it is sent before the next request)."""
+    return _Session(store, store.tables, MappedSegments(), {} if reuse_pull_buffers else _NoBuffers())
+
+
+class _NoBuffers(dict):
+    """A session's pull buffers that keeps none: each pull allocates."""
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
     """Answers one peer's requests (a worker's or the coordinator's) until it disconnects.
 
@@ -210,39 +223,62 @@ def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:
     next request that has a reply, which is not applied (nor any push in between): the peer
     raises the push's error there, before it builds on the push.
     """
-    session = _Session(store, store.tables, MappedSegments(), {})
+    session = new_session(store)
     try:
         _serve(session, link)
     finally:
         session.shared.close()
 
 
-def _serve(session: _Session, link: TensorLink) -> None:
-    ok = wire.Ok()
-    failed: wire.Failed | None = None  # an unanswered push's failure, not reported yet
-    while True:
-        try:
-            header, tensors = link.recv(reuse=True)  # every request is done with them before the next
-        except (EOFError, OSError):
-            return
+class SessionCore:
+    """One peer's requests answered in order: the part of a session that is not its transport.
+
+    A request of ``wire.ANSWERED_ON_FAILURE`` (a row push) gets no answer when it succeeds; when
+    it fails, its ``Failed`` answers the next request that has a reply, which is not applied
+    (nor any push in between). Shared by the socket session (:func:`serve_ps_session`) and
+    the in-process link (:mod:`unison._ps.task.in_process_link`).
+    """
+
+    def __init__(self, session: _Session):
+        self._session = session
+        self._ok = wire.Ok()
+        self._failed: wire.Failed | None = None  # an unanswered push's failure, not reported yet
+
+    def answer(self, header: Any,
+               tensors: list[torch.Tensor]) -> tuple[wire.Ok | wire.Failed, list[torch.Tensor]] | None:
+        """Applies one request; its answer and reply tensors, or None when it has none."""
         quiet = False
         message: wire.Ok | wire.Failed
         try:
             request = wire.check_request(header)
             quiet = request.KIND in wire.ANSWERED_ON_FAILURE
-            if failed is not None:
+            if self._failed is not None:
                 if quiet:
-                    continue
-                message, reply, failed = failed, [], None
+                    return None
+                message, reply, self._failed = self._failed, [], None
             else:
-                reply = _HANDLERS[request.KIND](session, request, tensors)
-                message = ok
+                reply = _HANDLERS[request.KIND](self._session, request, tensors)
+                message = self._ok
         except Exception as e:  # sent back to the requester, which raises it
             message, reply = wire.Failed(e, traceback.format_exc(), earlier=quiet), []
         if quiet:
             if isinstance(message, wire.Failed):
-                failed = message
+                self._failed = message
+            return None
+        return message, reply
+
+
+def _serve(session: _Session, link: TensorLink) -> None:
+    core = SessionCore(session)
+    while True:
+        try:
+            header, tensors = link.recv(reuse=True)  # every request is done with them before the next
+        except (EOFError, OSError):
+            return
+        answer = core.answer(header, tensors)
+        if answer is None:
             continue
+        message, reply = answer
         try:
             link.send(message, reply)
         except (EOFError, OSError):

@@ -7,7 +7,9 @@ first and then collects the replies, so the ps tasks work in parallel.
 A worker's client has a :class:`~unison._ps.wire.shared_arena.SharedArena`: its cached
 parameters live there, and with a ps task on the same host (found out by the first
 request that could use it) dense pulls and pushes name places in it instead of
-carrying the bytes over the socket.
+carrying the bytes over the socket. A ps task served in this very process
+(``unison launch --ps-in-workers``) is reached without a socket at all
+(:mod:`unison._ps.wire.in_process`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from unison._cluster import env
+from unison._ps.wire import in_process
 from unison._ps.wire import protocol as wire
 from unison._ps.wire.links import TensorLink, open_link
 from unison._ps.wire.shared_arena import Place, SharedArena
@@ -47,7 +50,7 @@ class PSClient:
         self._authkey = authkey
         self._timeout = timeout
         self._reply_timeout = reply_timeout
-        self._links: dict[int, TensorLink] = {}
+        self._links: dict[int, TensorLink] = {}  # or an InProcessLink (the same interface)
         self._lock = threading.Lock()
         self.arena: SharedArena | None = SharedArena() if shared and SharedArena.available() else None
         #: per ps task: the arena segments it has mapped, or None once it could not (another host)
@@ -66,8 +69,8 @@ class PSClient:
 
     def _shares(self, index: int) -> bool:
         """Whether ps task ``index`` has mapped every arena segment (asking it to, first)."""
-        if self.arena is None:
-            return False
+        if self.arena is None or in_process.opener_for(self.addresses[index]) is not None:
+            return False  # an in-process ps task copies straight from and into the tensors named
         attached = self._attached.get(index, set())
         if attached is None:
             return False
@@ -118,6 +121,11 @@ class PSClient:
         with self._lock:
             link = self._links.get(index)
             if link is None:
+                opener = in_process.opener_for(self.addresses[index])
+                if opener is not None:  # served by this process: no socket
+                    link = self._links[index] = opener(f"ps:{index}")
+                    self._reached.add(index)
+                    return link
                 try:
                     link = open_link(self.addresses[index], self._authkey, "ps", f"ps:{index}", self._timeout)
                 except AuthenticationError as e:
@@ -154,7 +162,8 @@ class PSClient:
         for i in order:  # one lock order for every caller: no deadlock between threads
             links[i].lock.acquire()
         try:
-            for i in order:
+            # an in-process link applies the request as it is sent: the other ps tasks' go first
+            for i in sorted(order, key=lambda i: getattr(links[i], "in_process", False)):
                 header, tensors, _ = requests[i]
                 try:
                     links[i].send(header, tensors)
