@@ -34,9 +34,10 @@ Inside ``_collectives`` the same rule holds between its homes, top to bottom:
 so the worker group and the transports never import the ops that drive them. Inside
 ``_ps``, by role and by the process that runs the code:
 
-    chief | task_server (the chief's ClusterCoordinator, its queue, remote values and
-                     datasets; the server of a worker or ps task)
+    chief            (the chief's ClusterCoordinator, its queue, remote values and datasets)
     strategy | hybrid_strategy  (the two strategies: a coordinator is made from one)
+    task_server      (the server of a worker or ps task; a hybrid worker starts the ps
+                     tasks it serves with ``--ps-in-workers``)
     worker           (a worker's runtime; the remote table, client half of a dynamic table)
     remote_variables (ps variables as the chief sees them, placement, partitioners)
     task             (the ps process: parameter store, table shards, request dispatch)
@@ -90,8 +91,9 @@ COLLECTIVES = "unison._collectives"
 
 #: The layers inside ``unison._ps``, top to bottom, by role and process.
 PS_LAYERS = (
-    ("chief", "task_server"),
+    ("chief",),
     ("strategy", "hybrid_strategy"),
+    ("task_server",),
     ("worker",),
     ("remote_variables",),
     ("task",),

@@ -94,6 +94,20 @@ def test_two_workers_print_their_task(write_script, out, capsys, no_omp):
 
 
 @pytest.mark.timeout(60)
+def test_ps_in_workers_starts_no_ps_process_and_tells_the_workers(write_script, out, capsys):
+    script = write_script("""
+        (OUT / (NAME + ".json")).write_text(json.dumps({k: os.environ.get(k) for k in ["TF_CONFIG",
+                                                                                       "UNISON_PS_IN_WORKERS"]}))
+    """)
+    assert main(["launch", "--workers", "2", "--ps", "3", "--ps-in-workers", str(script), str(out)]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in out.iterdir()) == ["worker:0.json", "worker:1.json"]
+    reports = [json.loads((out / f"worker:{i}.json").read_text()) for i in range(2)]
+    assert all(r["UNISON_PS_IN_WORKERS"] == "1" for r in reports)
+    assert len(json.loads(reports[0]["TF_CONFIG"])["cluster"]["ps"]) == 3  # their addresses, served by the workers
+
+
+@pytest.mark.timeout(60)
 def test_roles_and_the_users_thread_setting(write_script, out, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     script = write_script("if True:" + ENV_REPORT)
@@ -321,6 +335,11 @@ def test_plan_tasks():
         (["launch", "--workers", "-1", "x.py"], "'-1' is not a non-negative integer"),
         (["launch", "--ps", "two", "x.py"], "'two' is not a non-negative integer"),
         (["launch", "--grace-period", "-1", "x.py"], "not a non-negative number of seconds"),
+        (["launch", "--workers", "2", "--ps-in-workers", "x.py"], "it needs --ps M >= 1 and --workers N >= 1"),
+        (["launch", "--workers", "2", "--ps", "2", "--ps-in-workers", "--max-restarts", "1", "x.py"],
+         "a restart would lose them"),
+        (["launch", "--nnodes", "2", "--master-addr", "127.0.0.1", "--ps", "1", "--ps-in-workers", "x.py"],
+         "--ps-in-workers is for a one-node launch"),
         (["launch"], "the following arguments are required: script"),
         ([], "the following arguments are required: COMMAND"),
     ],

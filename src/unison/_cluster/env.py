@@ -25,6 +25,7 @@ __all__ = [
     "UNISON_PREEMPTION_NOTICES",
     "UNISON_PS_SHARED_MEMORY",
     "UNISON_PS_SCHED_BATCH",
+    "UNISON_PS_IN_WORKERS",
     "UNISON_TERMINAL",
     "MIN_KEY_BYTES",
     "read_authkey",
@@ -34,6 +35,7 @@ __all__ = [
     "thread_setting",
     "ps_shared_memory",
     "ps_sched_batch",
+    "ps_in_workers",
     "terminal_streams",
 ]
 
@@ -66,6 +68,11 @@ UNISON_PS_SHARED_MEMORY = "UNISON_PS_SHARED_MEMORY"
 #: "0" on a ps task keeps its sessions' threads at the default CPU scheduling policy instead of ``SCHED_BATCH``
 #: (``unison._ps.task.scheduling``: a request arriving then never preempts a worker on its host).
 UNISON_PS_SCHED_BATCH = "UNISON_PS_SCHED_BATCH"
+
+#: "1" (set by ``unison launch --ps-in-workers``): no process runs the ps tasks; worker ``i``
+#: serves ps task ``j`` in its own process for every ``j % num_workers == i``
+#: (``unison._ps.task_server``). Unset or "0": the ps tasks are processes of their own.
+UNISON_PS_IN_WORKERS = "UNISON_PS_IN_WORKERS"
 
 #: A directory (set by ``unison launch``) where a task that receives a preemption signal
 #: leaves a file naming itself, so the launcher names the task(s) the notice went to, not
@@ -182,6 +189,19 @@ def ps_shared_memory(environ: Mapping[str, str] | None = None) -> bool:
 def ps_sched_batch(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a ps task's session threads run under ``SCHED_BATCH`` (``UNISON_PS_SCHED_BATCH`` is not "0")."""
     return _environ(environ).get(UNISON_PS_SCHED_BATCH, "1").strip() != "0"
+
+
+def ps_in_workers(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the workers serve the ps tasks in their own processes (``UNISON_PS_IN_WORKERS``: "1"; "0" or unset: no).
+
+    Raises:
+        ValueError: for another value, naming it.
+    """
+    text = _environ(environ).get(UNISON_PS_IN_WORKERS, "0").strip()
+    if text not in ("0", "1", ""):
+        raise ValueError(f"{UNISON_PS_IN_WORKERS}={text!r} is neither '1' (the workers serve the ps tasks) nor "
+                         f"'0'; fix: set it to 1 or 0, or unset it")
+    return text == "1"
 
 
 def terminal_streams(environ: Mapping[str, str] | None = None) -> frozenset[str] | None:

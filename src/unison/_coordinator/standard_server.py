@@ -136,6 +136,11 @@ class StandardServer:
         return format_master_url(self._cluster_spec.task_address(self.task_type, self.task_id), self._rpc_layer)
 
     @property
+    def task_address(self) -> str:
+        """This task's address in the cluster spec (what its peers connect to)."""
+        return self._cluster_spec.task_address(self.task_type, self.task_id)
+
+    @property
     def address(self) -> str:
         """The address actually listened on (after ``start``)."""
         return self._listener.address if self._listener else self._bind_address

@@ -59,6 +59,11 @@ def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ps", type=_count, default=0, metavar="M", help="number of parameter-server tasks")
     parser.add_argument("--evaluator", action="store_true", help="add an evaluator task")
     parser.add_argument(
+        "--ps-in-workers", action="store_true",
+        help="run no ps processes: each worker serves its share of the --ps M tasks in its own process (one host; "
+             "less CPU per step, but a lost worker loses its rows, so not with --max-restarts)",
+    )
+    parser.add_argument(
         "--max-restarts", type=_count, default=0, metavar="K",
         help="restart the whole cluster up to K times after a failure",
     )
@@ -120,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command = [sys.executable, "-m", args.script] if args.module else [sys.executable, args.script]
+    if args.ps_in_workers:
+        _check_ps_in_workers(args, parser)
     if is_multinode(args):
         return launch_nodes(args, parser, command + list(args.script_args))
     if args.workers_per_node is not None or args.node_rank != 0:
@@ -136,7 +143,20 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         authkey=generate_authkey(),
         max_restarts=args.max_restarts,
         grace_period=args.grace_period,
+        ps_in_workers=args.ps_in_workers,
     )
+
+
+def _check_ps_in_workers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--ps-in-workers`` needs ps tasks and workers to serve them, on one node, without restarts."""
+    if args.ps < 1 or args.workers < 1:
+        parser.error(f"--ps-in-workers has the workers serve the ps tasks: it needs --ps M >= 1 and --workers N "
+                     f">= 1, got --ps {args.ps} --workers {args.workers}")
+    if args.max_restarts:
+        parser.error(f"--ps-in-workers keeps the rows in the workers' processes, so a restart would lose them; "
+                     f"--max-restarts {args.max_restarts} needs ps tasks of their own: drop one of the two flags")
+    if is_multinode(args):
+        parser.error("--ps-in-workers is for a one-node launch; with --nnodes run the ps tasks as their own processes")
 
 
 def _server(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

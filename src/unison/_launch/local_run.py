@@ -11,6 +11,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from unison._cluster import env
 from unison._launch.interrupts import install_signal_handlers, restore_signal_handlers
 from unison._launch.kept_ps import keeps_ps_tasks, run_keeping_ps_tasks
 from unison._launch.one_run import run_once
@@ -30,8 +31,12 @@ def run_local_cluster(
     base_env: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    ps_in_workers: bool = False,
 ) -> int:
     """Runs ``command`` once per task until the cluster succeeds or runs out of restarts.
+
+    ``ps_in_workers``: the ps tasks keep their addresses in ``TF_CONFIG`` but get no process;
+    the workers serve them (``UNISON_PS_IN_WORKERS=1``, :mod:`unison._ps.task_server`).
 
     Ctrl-C (SIGINT) and SIGTERM stop every task. Returns 0 on success; the failed task's
     exit code (128 + N for signal N) on failure; 130 / 143 when interrupted.
@@ -39,6 +44,8 @@ def run_local_cluster(
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     base = dict(os.environ if base_env is None else base_env)
+    if ps_in_workers:
+        base[env.UNISON_PS_IN_WORKERS] = "1"
     previous = install_signal_handlers()
     try:
         if max_restarts and keeps_ps_tasks(tasks):
@@ -46,6 +53,8 @@ def run_local_cluster(
                                         grace_period=grace_period, base=base, stdout=stdout, stderr=stderr)
         for attempt in range(max_restarts + 1):
             environments = cluster_environments(tasks, authkey=authkey, restart=attempt, base=base)
+            if ps_in_workers:
+                environments = {task: task_env for task, task_env in environments.items() if task.type != "ps"}
             cluster = LocalCluster(command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr)
             outcome = run_once(cluster)
             if isinstance(outcome, int):
@@ -54,7 +63,7 @@ def run_local_cluster(
                 return 0
             code = exit_code(outcome.returncode)
             failure = outcome.describe_failure()
-            cluster.message(f"{failure}; stopped the other {len(tasks) - 1} task(s)")
+            cluster.message(f"{failure}; stopped the other {len(environments) - 1} task(s)")
             if attempt < max_restarts:
                 cluster.message(f"restarting the cluster (restart {attempt + 1} of {max_restarts})")
                 continue

@@ -39,7 +39,10 @@ Semantics:
   A lost ps task raises ``ParameterServerError`` naming ``ps:K`` within the timeout.
 
 Run it with ``unison launch --workers N --ps M train.py``: ps tasks call
-``unison.Server(resolver).join()``, workers build the strategy.
+``unison.Server(resolver).join()``, workers build the strategy. On one host,
+``--ps-in-workers`` runs no ps processes: each worker serves its share of the ps tasks in its
+own process and reaches its own without a socket (``unison._ps.task_server``; less CPU a
+step, but a lost worker loses its rows).
 
 tf.distribute equivalent: none in core TensorFlow (users combine Horovod with PS by
 hand; Persia's hybrid design). Fixed-size ``nn.Embedding``/``nn.EmbeddingBag`` tables
@@ -50,6 +53,7 @@ to the ps tasks as a ``DynamicEmbedding`` with the same rows.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import typing
 from collections.abc import Sequence
@@ -62,6 +66,7 @@ from unison._collectives.ops.collective import CollectiveAllReduce
 from unison._collectives.options import CommunicationOptions
 from unison._coordinator.channel import require_authkey
 from unison._devices import canonicalize_all
+from unison._ps.task_server import HostedPS
 from unison._ps.wire.client import PSClient
 from unison._ps.worker.remote_table import RemoteTables
 from unison._reduce import ReduceOp
@@ -117,6 +122,11 @@ class HybridParameterServerStrategy(Strategy):
         self._timeout = float(timeout_seconds)
         self._authkey = authkey
         self._client: PSClient | None = None
+        # first: the other workers may reach the ps tasks served here as soon as they are up
+        self._hosted = HostedPS.for_task(jobs, cluster.task_type, cluster.task_id, require_authkey(authkey))
+        if self._hosted is not None:
+            trainers = len(jobs.get("chief", ())) + len(jobs.get("worker", ()))
+            atexit.register(self._stop_hosting, trainers - 1)
         options = communication_options or CommunicationOptions()
         chosen = canonicalize_all(devices) if devices is not None else default_devices(cluster)
         tables = RemoteTables(len(self._ps_addresses), self._ps_client, prefix="hybrid:",
@@ -139,6 +149,14 @@ class HybridParameterServerStrategy(Strategy):
             self._client = PSClient(self._ps_addresses, require_authkey(self._authkey), timeout=self._timeout,
                                     reply_timeout=self._timeout)
         return self._client
+
+    def _stop_hosting(self, peers: int) -> None:
+        """At exit, a worker serving ps tasks: closes its own connections, then serves on until
+        every other trainer is done with its ps tasks (``unison._ps.task_server``)."""
+        if self._client is not None:
+            self._client.close()
+        assert self._hosted is not None
+        self._hosted.stop_after_peers(peers, self._timeout)
 
     def _row_grad_scale(self) -> float:
         if self.extended.gradient_reduce_op == ReduceOp.MEAN:

@@ -7,6 +7,20 @@ distribute coordinator uses (:class:`~unison._coordinator.standard_server.Standa
 nothing is unpickled before the key check. ``join()`` returns when the coordinator
 shuts the cluster down.
 
+**Workers that serve the ps tasks** (:class:`HostedPS`, ``unison launch --ps-in-workers``).
+On one host, a hybrid job's ps tasks are processes beside the workers: every pull and push
+crosses a socket and wakes another process, and the ps tasks' CPU competes with the
+workers' (the hybrid DLRM on 2 cores ran four busy processes). With
+``UNISON_PS_IN_WORKERS=1`` no process runs the ps tasks: worker ``i`` serves ps task ``j``
+for each ``j % num_workers == i``, on ps task ``j``'s cluster address. The other workers
+reach it as before, over its socket; worker ``i``'s own requests to it are applied in its
+own thread, without a socket (:mod:`unison._ps.task.in_process_link`). The rows, the table
+policies and the semantics are those of separate ps tasks.
+
+The trade: a ps task lives as long as the worker that serves it. A lost worker takes its
+rows with it (the job restores its last checkpoint), where separate ps tasks keep them
+while ``--max-restarts`` restarts the workers; the launcher refuses the two together.
+
 tf.distribute equivalent: ``tf.distribute.Server``.
 """
 
@@ -16,17 +30,20 @@ import os
 import socket
 import threading
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from unison._cluster.env import ps_shared_memory
+from unison._cluster.env import ps_in_workers, ps_shared_memory
 from unison._coordinator.channel import Channel, require_authkey
 from unison._coordinator.standard_server import StandardServer
 from unison._gradient_sync.step_hooks import install_step_hooks
+from unison._ps.task.in_process_link import InProcessLink
 from unison._ps.task.malloc_settings import release_large_buffers
 from unison._ps.task.parameter_store import ParameterStore
 from unison._ps.task.scheduling import serve_at_batch_priority
 from unison._ps.task.sessions import accept_session, serve_ps_session
+from unison._ps.wire import in_process
 from unison._ps.wire import protocol as wire
 from unison._ps.wire.client import PSClient
 from unison._ps.wire.links import TensorLink, set_nodelay
@@ -34,7 +51,12 @@ from unison._ps.wire.worker_references import loads_on_worker
 from unison._ps.worker.runtime import RUNTIME, WorkerRuntime, build_dataset
 from unison.errors import ParameterServerError
 
-__all__ = ["Server"]
+__all__ = ["Server", "HostedPS", "hosted_ps_indices"]
+
+
+def _jobs(cluster: Any) -> dict[str, Any]:
+    """A ClusterSpec's or a dict's jobs, as a dict of address lists."""
+    return dict(cluster.as_dict()) if hasattr(cluster, "as_dict") else dict(cluster)
 
 
 def _resolve(cluster: Any, job_name: str | None, task_index: int | None) -> tuple[Any, str, int]:
@@ -65,23 +87,36 @@ class Server:
         authkey: the cluster's key (default: ``UNISON_AUTHKEY``/``UNISON_AUTHKEY_FILE``).
         bind_address: where to listen instead of the task's address (``"127.0.0.1:0"``
             picks a free port; read ``address``).
+        in_process: a ps task served inside a worker's process (``unison launch
+            --ps-in-workers``): that process's own requests to it skip the socket
+            (:mod:`unison._ps.task.in_process_link`), and the process's memory settings
+            stay a worker's.
 
     Raises:
         ValueError: if the task is not in the cluster or no key is set.
     """
 
     def __init__(self, cluster_resolver_or_spec: Any, job_name: str | None = None, task_index: int | None = None,
-                 *, start: bool = True, authkey: bytes | None = None, bind_address: str | None = None):
+                 *, start: bool = True, authkey: bytes | None = None, bind_address: str | None = None,
+                 in_process: bool = False):
         cluster, job_name, task_index = _resolve(cluster_resolver_or_spec, job_name, task_index)
         self._authkey = require_authkey(authkey)
         self._store = ParameterStore(task_index) if job_name == "ps" else None
-        if self._store is not None:
+        if self._store is not None and not in_process:
             release_large_buffers()  # a ps task's batch buffers go back when freed (not a worker's: page faults)
         self._session_lock = threading.Lock()
         self._sessions: dict[threading.Thread, Channel] = {}
         self._sessions_lock = threading.Lock()
+        self._ps_sessions = threading.Condition()
+        self._ps_sessions_opened = self._ps_sessions_open = 0
         self._server = StandardServer(cluster, job_name, task_index, authkey=self._authkey, bind_address=bind_address,
                                       sessions={"ps": self._ps_session, "worker": self._worker_session})
+        self._hosted: HostedPS | None = None
+        if job_name == "worker":  # under UNISON_PS_IN_WORKERS=1 it serves its share of the ps tasks
+            self._hosted = HostedPS.for_task(_jobs(cluster), job_name, task_index, self._authkey)
+        self._in_process_address: str | None = None
+        if in_process and self._store is not None:
+            self._in_process_address = self._server.task_address
         if start:
             self.start()
 
@@ -98,7 +133,26 @@ class Server:
     def start(self) -> Server:
         """Starts serving in background threads."""
         self._server.start()
+        if self._in_process_address is not None:
+            in_process.register(self._in_process_address, self._open_in_process)
         return self
+
+    def _open_in_process(self, peer: str) -> InProcessLink:
+        assert self._store is not None
+        return InProcessLink(self._store, peer)
+
+    def wait_for_ps_sessions(self, peers: int, connect_timeout: float) -> bool:
+        """Blocks until ``peers`` ps sessions have opened (or none has for ``connect_timeout``
+        seconds) and every open one has closed; returns whether ``peers`` opened.
+
+        A worker that serves ps tasks calls it before it exits, once its own requests are
+        done: the other workers may still read the rows it serves (an evaluation after
+        training), and a worker that is gone closes its sessions.
+        """
+        with self._ps_sessions:
+            opened = self._ps_sessions.wait_for(lambda: self._ps_sessions_opened >= peers, connect_timeout)
+            self._ps_sessions.wait_for(lambda: self._ps_sessions_open == 0)
+        return opened
 
     def join(self, timeout: float | None = None) -> bool:
         """Blocks until the coordinator shuts the cluster down; returns whether it did.
@@ -109,6 +163,8 @@ class Server:
         if not self._server.join(timeout):
             return False
         self._close_sessions()
+        if self._hosted is not None:  # the coordinator is done with every ps task
+            self._hosted.stop()
         return True
 
     def _close_sessions(self, wait: float = 10.0) -> None:
@@ -135,7 +191,11 @@ class Server:
             self._sessions.pop(threading.current_thread(), None)
 
     def stop(self) -> None:
-        """Stops serving."""
+        """Stops serving (and the ps tasks this worker serves, if any)."""
+        if self._hosted is not None:
+            self._hosted.stop()
+        if self._in_process_address is not None:
+            in_process.unregister(self._in_process_address, self._open_in_process)
         self._server.stop()
 
     # -- sessions -----------------------------------------------------------------------
@@ -147,11 +207,17 @@ class Server:
             channel.close()
             return
         self._track(channel)
+        with self._ps_sessions:
+            self._ps_sessions_opened += 1
+            self._ps_sessions_open += 1
         serve_at_batch_priority()  # this session's thread: its wakeups do not preempt a worker on this host
         try:
             serve_ps_session(self._store, TensorLink(channel, channel.peer))
         finally:
             self._untrack()
+            with self._ps_sessions:
+                self._ps_sessions_open -= 1
+                self._ps_sessions.notify_all()
 
     def _worker_session(self, channel: Channel, message: Any) -> None:
         """Runs the coordinator's functions, one at a time, until it disconnects."""
@@ -219,3 +285,56 @@ _WORKER_REQUESTS: dict[type, Callable[[WorkerRuntime, dict, Any], wire.FunctionR
     wire.RunFunction: _run_function,
 }
 """What a worker task does for each request of the chief's session (one handler per message type)."""
+
+
+def hosted_ps_indices(num_ps: int, num_workers: int, worker_index: int) -> list[int]:
+    """The ps tasks worker ``worker_index`` of ``num_workers`` serves: every ``j % num_workers == worker_index``."""
+    return [j for j in range(num_ps) if num_workers and j % num_workers == worker_index]
+
+
+class HostedPS:
+    """The ps tasks this worker serves in its own process, serving from construction on.
+
+    Args:
+        jobs: the cluster's jobs (``{"worker": [...], "ps": [...]}``).
+        worker_index: this worker's index.
+        authkey: the cluster's key.
+    """
+
+    def __init__(self, jobs: Mapping[str, Any], worker_index: int, authkey: bytes):
+        self.indices = hosted_ps_indices(len(jobs.get("ps", ())), len(jobs.get("worker", ())), worker_index)
+        self.servers: list[Server] = []
+        try:
+            for j in self.indices:
+                self.servers.append(Server(dict(jobs), "ps", j, authkey=authkey, in_process=True))
+        except BaseException:
+            self.stop()
+            raise
+
+    @classmethod
+    def for_task(cls, jobs: Mapping[str, Any], task_type: str | None, task_index: int | None,
+                 authkey: bytes, environ: Mapping[str, str] | None = None) -> HostedPS | None:
+        """The ps tasks a ``task_type:task_index`` task serves under ``UNISON_PS_IN_WORKERS=1``; None
+        when it serves none (the variable unset, a chief or ps task, a cluster without ps tasks)."""
+        if task_type != "worker" or not jobs.get("ps") or not ps_in_workers(environ):
+            return None
+        hosted = cls(jobs, task_index or 0, authkey)
+        return hosted if hosted.servers else None
+
+    def stop_after_peers(self, peers: int, connect_timeout: float) -> None:
+        """Serves until ``peers`` other tasks have come and gone from every ps task here, then stops.
+
+        The caller's own requests are done (its client closed); the other workers may still
+        read rows here (an evaluation after training). A peer that never comes is given up
+        after ``connect_timeout`` seconds, with a warning.
+        """
+        for j, server in zip(self.indices, self.servers):
+            if not server.wait_for_ps_sessions(peers, connect_timeout):
+                warnings.warn(f"ps:{j}, served by this worker, stopped before all {peers} other tasks reached it "
+                              f"(none came for {connect_timeout:g} s)", RuntimeWarning, stacklevel=2)
+        self.stop()
+
+    def stop(self) -> None:
+        """Stops serving at once."""
+        for server in self.servers:
+            server.stop()
