@@ -12,6 +12,8 @@ samples (seed 1):
   one thread (what the two cores do for two workers with no communication and no ps);
 - ``unison_hybrid``: ``unison launch --workers 2 --ps 2 examples/ctr.py`` (dense layers
   all-reduced, rows on the ps tasks; batch 256 per worker);
+- ``unison_hybrid_ps_in_workers``: the same with ``--ps-in-workers`` (no ps processes: each
+  worker serves one ps task in its own process and reaches it without a socket);
 - ``unison_ps``: ``unison launch --chief --workers 2 --ps 2 examples/ctr.py --strategy ps``
   (asynchronous; batch 256 per step);
 - ``tensorflow_pss``: ``_tf_dlrm.py``, TensorFlow's ParameterServerStrategy with the
@@ -117,6 +119,8 @@ def variants(args: argparse.Namespace) -> dict[str, Any]:
         "floor_two_alone": lambda: _two_alone(common),
         "unison_hybrid": lambda: _run_json([py, "-m", "unison.launch", "--workers", "2", "--ps", "2", str(EXAMPLE),
                                             *common]),
+        "unison_hybrid_ps_in_workers": lambda: _run_json([py, "-m", "unison.launch", "--workers", "2", "--ps", "2",
+                                                          "--ps-in-workers", str(EXAMPLE), *common]),
         "unison_ps": lambda: _run_json([py, "-m", "unison.launch", "--chief", "--workers", "2", "--ps", "2",
                                         str(EXAMPLE), "--strategy", "ps", *common]),
         "tensorflow_pss": lambda: _run_json([py, str(HERE / "_tf_dlrm.py"), *peer_args, "--num-ps", "2"],
@@ -156,13 +160,16 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             errors = [r["results"].get(name, {}).get("error", "") for r in rounds]
             table[name] = {"error": next((e for e in errors if e), "no result")}
     ratios: dict[str, Any] = {}
-    for peer in ("tensorflow_pss", "torchrec_cpu"):
-        per_round = [r["results"]["unison_hybrid"]["samples_per_s"] / r["results"][peer]["samples_per_s"]
-                     for r in rounds if "samples_per_s" in r["results"].get("unison_hybrid", {})
+    pairs = [("hybrid", "unison_hybrid", peer) for peer in ("tensorflow_pss", "torchrec_cpu", "floor_two_alone")]
+    pairs += [("hybrid_ps_in_workers", "unison_hybrid_ps_in_workers", peer)
+              for peer in ("torchrec_cpu", "floor_two_alone", "unison_hybrid")]
+    for label, ours, peer in pairs:  # round by round: the two ran minutes apart at most
+        per_round = [r["results"][ours]["samples_per_s"] / r["results"][peer]["samples_per_s"]
+                     for r in rounds if "samples_per_s" in r["results"].get(ours, {})
                      and "samples_per_s" in r["results"].get(peer, {})]
         if per_round:
-            ratios[f"hybrid_vs_{peer}"] = {"per_round": [round(x, 3) for x in per_round],
-                                           "median": round(statistics.median(per_round), 3)}
+            ratios[f"{label}_vs_{peer}"] = {"per_round": [round(x, 3) for x in per_round],
+                                            "median": round(statistics.median(per_round), 3)}
     for name in POLICY_VARIANTS:  # against the hybrid job without a policy, round by round
         pairs = [(r["results"][name], r["results"]["unison_hybrid"]) for r in rounds
                  if "samples_per_s" in r["results"].get(name, {})

@@ -9,12 +9,14 @@ import time
 import pytest
 import torch
 
+import unison
 from tests.ps import _hybrid_workers as hw
 from tests.ps.test_hybrid import _reference
 from unison._cluster.env import UNISON_PS_IN_WORKERS, ps_in_workers
 from unison._coordinator.channel import generate_authkey
 from unison._launch.procs import reserve_ports
 from unison._ps.task_server import HostedPS, hosted_ps_indices
+from unison._ps.wire import in_process
 from unison._testing import run_workers
 
 IN_WORKERS = {UNISON_PS_IN_WORKERS: "1"}
@@ -85,3 +87,17 @@ def test_a_bad_setting_is_named_with_its_fix():
         UNISON_PS_IN_WORKERS: "0"})
     with pytest.raises(ValueError, match=r"UNISON_PS_IN_WORKERS='yes' is neither '1'.*fix: set it to 1 or 0"):
         ps_in_workers({UNISON_PS_IN_WORKERS: "yes"})
+
+
+def test_a_worker_server_serves_its_ps_tasks_until_it_stops(monkeypatch):
+    # the asynchronous ParameterServerStrategy: workers run unison.Server, which serves their ps tasks too
+    monkeypatch.setenv(UNISON_PS_IN_WORKERS, "1")
+    addresses = _free_addresses(4)
+    jobs = {"worker": addresses[:2], "ps": addresses[2:]}
+    server = unison.Server(jobs, "worker", 1, authkey=generate_authkey())
+    try:
+        assert in_process.opener_for(addresses[3]) is not None  # ps:1 (1 % 2 == 1), here
+        assert in_process.opener_for(addresses[2]) is None  # ps:0 is worker 0's
+    finally:
+        server.stop()
+    assert in_process.opener_for(addresses[3]) is None
