@@ -502,3 +502,10 @@ def test_a_signal_before_a_tasks_output_pumps_start_still_stops_every_task(monke
     assert time.monotonic() - started < 5.0  # ended by SIGTERM, not by the grace period's SIGKILL
     (running,) = cluster._running
     assert running.process.returncode == -signal.SIGTERM
+
+
+def test_run_local_cluster_refuses_ps_in_workers_with_restarts():
+    from unison._launch.local_run import run_local_cluster
+
+    with pytest.raises(ValueError, match="a restart would lose them"):
+        run_local_cluster(["true"], plan_tasks(1, ps=1), authkey=b"k" * 32, max_restarts=1, ps_in_workers=True)

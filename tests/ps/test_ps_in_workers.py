@@ -101,3 +101,16 @@ def test_a_worker_server_serves_its_ps_tasks_until_it_stops(monkeypatch):
     finally:
         server.stop()
     assert in_process.opener_for(addresses[3]) is None
+
+
+def test_a_worker_server_made_without_starting_serves_nothing_yet(monkeypatch):
+    monkeypatch.setenv(UNISON_PS_IN_WORKERS, "1")
+    addresses = _free_addresses(2)
+    server = unison.Server({"worker": addresses[:1], "ps": addresses[1:]}, "worker", 0, authkey=generate_authkey(),
+                           start=False)
+    assert in_process.opener_for(addresses[1]) is None
+    server.start()
+    try:
+        assert in_process.opener_for(addresses[1]) is not None
+    finally:
+        server.stop()

@@ -40,7 +40,13 @@ def run_local_cluster(
 
     Ctrl-C (SIGINT) and SIGTERM stop every task. Returns 0 on success; the failed task's
     exit code (128 + N for signal N) on failure; 130 / 143 when interrupted.
+
+    Raises:
+        ValueError: for ``ps_in_workers`` with ``max_restarts`` (a restart would lose the rows).
     """
+    if ps_in_workers and max_restarts:
+        raise ValueError(f"ps_in_workers keeps the rows in the workers' processes, so a restart would lose them; "
+                         f"max_restarts={max_restarts} needs ps tasks of their own: pass one of the two")
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     base = dict(os.environ if base_env is None else base_env)

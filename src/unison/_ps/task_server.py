@@ -112,8 +112,8 @@ class Server:
         self._server = StandardServer(cluster, job_name, task_index, authkey=self._authkey, bind_address=bind_address,
                                       sessions={"ps": self._ps_session, "worker": self._worker_session})
         self._hosted: HostedPS | None = None
-        if job_name == "worker":  # under UNISON_PS_IN_WORKERS=1 it serves its share of the ps tasks
-            self._hosted = HostedPS.for_task(_jobs(cluster), job_name, task_index, self._authkey)
+        # a worker under UNISON_PS_IN_WORKERS=1 serves its share of the ps tasks, from start() on
+        self._hosts_ps = (_jobs(cluster), task_index) if job_name == "worker" else None
         self._in_process_address: str | None = None
         if in_process and self._store is not None:
             self._in_process_address = self._server.task_address
@@ -132,7 +132,15 @@ class Server:
 
     def start(self) -> Server:
         """Starts serving in background threads."""
-        self._server.start()
+        if self._hosts_ps is not None and self._hosted is None:
+            self._hosted = HostedPS.for_task(self._hosts_ps[0], "worker", self._hosts_ps[1], self._authkey)
+        try:
+            self._server.start()
+        except BaseException:
+            if self._hosted is not None:
+                self._hosted.stop()
+                self._hosted = None
+            raise
         if self._in_process_address is not None:
             in_process.register(self._in_process_address, self._open_in_process)
         return self

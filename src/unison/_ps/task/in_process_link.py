@@ -84,4 +84,3 @@ class InProcessLink:
         self._closed = True
         self._answer = None
         self._session.shared.close()
-
