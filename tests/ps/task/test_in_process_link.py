@@ -103,10 +103,11 @@ def test_waiting_for_peers_gives_up_on_one_that_never_comes():
 
 
 @pytest.mark.timeout(60)
-def test_the_client_sends_to_other_processes_before_applying_in_process():
-    # An in-process request is applied as it is sent: sent first, it would keep the other
-    # ps tasks idle while it runs.
-    sent: list[str] = []
+def test_the_client_applies_in_process_after_the_other_ps_tasks_replied():
+    # An in-process request is applied as it is sent. Sent first, it would keep the other ps
+    # tasks idle while it runs; applied before their replies, it would hold its shard's lock
+    # while the other workers' requests to that shard wait. Pushes (no reply) go last too.
+    events: list[str] = []
 
     class _Recording:
         def __init__(self, name, in_process_link):
@@ -114,13 +115,19 @@ def test_the_client_sends_to_other_processes_before_applying_in_process():
             self.lock = threading.Lock()
 
         def send(self, header, tensors=()):
-            sent.append(self.name)
+            events.append(f"send {self.name}")
 
         def recv(self, into=None, timeout=None, reuse=False):
+            events.append(f"recv {self.name}")
             return wire.Ok(), []
 
     client = PSClient(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], generate_authkey())
     client._links = {0: _Recording("in-process", True), 1: _Recording("socket-1", False),
                      2: _Recording("socket-2", False)}
     client.exchange({i: (wire.Ping(), (), None) for i in range(3)})
-    assert sent == ["socket-1", "socket-2", "in-process"]
+    assert events == ["send socket-1", "send socket-2", "recv socket-1", "recv socket-2", "send in-process",
+                      "recv in-process"]
+    events.clear()
+    push = wire.TablePush("t", RowSGD(lr=1.0), None)
+    client.exchange({i: (push, (), None) for i in range(3)}, wait=False)
+    assert events == ["send socket-1", "send socket-2", "send in-process"]

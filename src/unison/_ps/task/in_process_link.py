@@ -5,8 +5,10 @@ A worker that serves ps tasks itself (``unison launch --ps-in-workers``,
 pickled header, no copy through the kernel, no thread woken. ``send`` applies the request
 at once, in the caller's thread, through the same :class:`~unison._ps.task.sessions.SessionCore`
 a socket session uses (so a failed row push answers the next request, as over a socket);
-``recv`` hands back its answer. ``PSClient`` sends to in-process links after the others, so
-the ps tasks of other processes work on their requests meanwhile.
+``recv`` hands back its answer. ``PSClient`` sends to in-process links after the others (so
+the ps tasks of other processes work on their requests meanwhile), and a request with a
+reply only once the others have replied: meanwhile this process serves the other workers'
+requests to its shards, which would otherwise queue on a shard's lock behind this thread's.
 
 The request's tensors are the caller's own: every handler reads them and keeps copies only
 (over a socket they are buffers reused by the next request). Dense pulls get tensors of
