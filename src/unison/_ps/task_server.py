@@ -150,8 +150,8 @@ class Server:
         return InProcessLink(self._store, peer)
 
     def wait_for_ps_sessions(self, peers: int, connect_timeout: float) -> bool:
-        """Blocks until ``peers`` ps sessions have opened (or none has for ``connect_timeout``
-        seconds) and every open one has closed; returns whether ``peers`` opened.
+        """Blocks until ``peers`` ps sessions have opened (waiting at most ``connect_timeout``
+        seconds for them) and every open one has closed; returns whether ``peers`` opened.
 
         A worker that serves ps tasks calls it before it exits, once its own requests are
         done: the other workers may still read the rows it serves (an evaluation after
@@ -334,7 +334,7 @@ class HostedPS:
 
         The caller's own requests are done (its client closed); the other workers may still
         read rows here (an evaluation after training). A peer that never comes is given up
-        after ``connect_timeout`` seconds, with a warning.
+        after ``connect_timeout`` seconds in all, with a warning.
         """
         for j, server in zip(self.indices, self.servers):
             if not server.wait_for_ps_sessions(peers, connect_timeout):
