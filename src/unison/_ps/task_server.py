@@ -339,7 +339,7 @@ class HostedPS:
         for j, server in zip(self.indices, self.servers):
             if not server.wait_for_ps_sessions(peers, connect_timeout):
                 warnings.warn(f"ps:{j}, served by this worker, stopped before all {peers} other tasks reached it "
-                              f"(none came for {connect_timeout:g} s)", RuntimeWarning, stacklevel=2)
+                              f"(not all came within {connect_timeout:g} s)", RuntimeWarning, stacklevel=2)
         self.stop()
 
     def stop(self) -> None:
