@@ -4,7 +4,8 @@ Run (hybrid: dense layers all-reduced every step, embedding rows on the ps tasks
 
     unison launch --workers 2 --ps 2 examples/ctr.py
 
-or asynchronous parameter servers (a chief schedules steps onto the workers)::
+(on one host, ``--ps-in-workers`` has each worker serve one ps task in its own process: no
+ps processes, less CPU a step), or asynchronous parameter servers (a chief schedules steps onto the workers)::
 
     unison launch --chief --workers 2 --ps 2 examples/ctr.py --strategy ps
 
