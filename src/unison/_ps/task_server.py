@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from unison._cluster.env import ps_in_workers, ps_shared_memory
+from unison._cluster.multi_worker_util import normalize_cluster_spec
 from unison._coordinator.channel import Channel, require_authkey
 from unison._coordinator.standard_server import StandardServer
 from unison._gradient_sync.step_hooks import install_step_hooks
@@ -52,11 +53,6 @@ from unison._ps.worker.runtime import RUNTIME, WorkerRuntime, build_dataset
 from unison.errors import ParameterServerError
 
 __all__ = ["Server", "HostedPS", "hosted_ps_indices"]
-
-
-def _jobs(cluster: Any) -> dict[str, Any]:
-    """A ClusterSpec's or a dict's jobs, as a dict of address lists."""
-    return dict(cluster.as_dict()) if hasattr(cluster, "as_dict") else dict(cluster)
 
 
 def _resolve(cluster: Any, job_name: str | None, task_index: int | None) -> tuple[Any, str, int]:
@@ -113,7 +109,7 @@ class Server:
                                       sessions={"ps": self._ps_session, "worker": self._worker_session})
         self._hosted: HostedPS | None = None
         # a worker under UNISON_PS_IN_WORKERS=1 serves its share of the ps tasks, from start() on
-        self._hosts_ps = (_jobs(cluster), task_index) if job_name == "worker" else None
+        self._hosts_ps = (normalize_cluster_spec(cluster).as_dict(), task_index) if job_name == "worker" else None
         self._in_process_address: str | None = None
         if in_process and self._store is not None:
             self._in_process_address = self._server.task_address

@@ -48,6 +48,7 @@ class _Session:
     tables: TableShards
     shared: MappedSegments
     pulled: dict[int, torch.Tensor]  # pull buffers, reused: each is sent before the next request
+    reuse_pulls: bool = True  # False for an in-process peer, which keeps what it pulled
 
 
 Handler = Callable[[_Session, Any, list[torch.Tensor]], list[torch.Tensor]]
@@ -61,7 +62,8 @@ def _create(s: _Session, h: wire.Create, tensors: list[torch.Tensor]) -> list[to
 
 def _pull(s: _Session, h: wire.Pull, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     reply = [s.store.read_into(k, s.pulled.get(i)) for i, k in enumerate(h.keys)]
-    s.pulled.update(enumerate(reply))
+    if s.reuse_pulls:
+        s.pulled.update(enumerate(reply))
     return reply
 
 
@@ -204,14 +206,7 @@ _HANDLERS: dict[wire.RequestKind, Handler] = {
 def new_session(store: ParameterStore, reuse_pull_buffers: bool = True) -> _Session:
     """What one peer's requests act on. ``reuse_pull_buffers=False``: every dense pull gets a tensor
     of its own (an in-process peer keeps it; over a socket it is sent before the next request)."""
-    return _Session(store, store.tables, MappedSegments(), {} if reuse_pull_buffers else _NoBuffers())
-
-
-class _NoBuffers(dict):
-    """A session's pull buffers that keeps none: each pull allocates."""
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    return _Session(store, store.tables, MappedSegments(), {}, reuse_pull_buffers)
 
 
 def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:

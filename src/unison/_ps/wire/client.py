@@ -167,7 +167,7 @@ class PSClient:
             # (a lookup): while this thread waits, its process serves the other workers' requests
             # to the same shard without queueing on the shard's lock behind this thread's own
             # (the hybrid DLRM ran 1.03-1.15x faster so, 6 pairs: benchmarks/RESULTS.md).
-            in_proc = [i for i in order if getattr(links[i], "in_process", False)]
+            in_proc = [i for i in order if links[i].in_process]
             others = [i for i in order if i not in in_proc]
             phases = [others, in_proc] if wait else [others + in_proc]
             replies: dict[int, list[torch.Tensor]] = {}

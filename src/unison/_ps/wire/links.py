@@ -56,6 +56,9 @@ class TensorLink:
     its reply.
     """
 
+    in_process = False
+    """A socket to another process (``InProcessLink`` is the one link for which this is True)."""
+
     def __init__(self, channel: Channel, peer: str):
         self.channel = channel
         self.peer = peer
