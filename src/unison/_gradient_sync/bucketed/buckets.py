@@ -79,6 +79,12 @@ __all__ = ["BucketedGradientSync", "DEFAULT_BUCKET_BYTES"]
 # Up to this many gradients a bucket divides each into place (MEAN); above it, a bucket of
 # dense gradients gets flat slots of its own on the shared-memory path.
 _FUSED_DIVIDE_MAX_PARAMS = 16
+_PER_GRADIENT_FILL_MIN_BYTES = 1 << 20
+"""From this size a bucket of few gradients is filled gradient by gradient (each divided straight into
+its slot, or around the range its owner reads from the gradients): a pass over the bytes saved is worth
+a call per gradient. A smaller bucket is one foreach copy and one division: the calls cost more than
+the bytes there (the hybrid DLRM's 110 KB bucket of 10 gradients took 0.36 ms a step filled around its
+owner's range inside the job; ``benchmarks/RESULTS.md``)."""
 _OPERATION = "gradient all-reduce"
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -337,16 +343,17 @@ class BucketedGradientSync:
     def _fill(self, bucket: GradientBucket, divisor: int, own: tuple[int, int] | None = None) -> None:
         """Copies (dividing) each gradient into its view of the bucket's flat, and sets the flags;
         around ``own``, the range the transport reads from the gradients themselves, where it can."""
-        if own is not None and fill_around(bucket, divisor, own, self._sparse):
+        flat = bucket.flat
+        large = flat.numel() * flat.element_size() >= _PER_GRADIENT_FILL_MIN_BYTES
+        if own is not None and large and fill_around(bucket, divisor, own, self._sparse):
             if self._in_slots:
                 bucket.in_slots_next = False  # few large gradients: see below
             return
-        flat = bucket.flat
         # Few, large gradients (MEAN): divide each straight into its slot, one pass over the
-        # bytes instead of a copy and then a division of the whole bucket. Many small ones:
+        # bytes instead of a copy and then a division of the whole bucket. Many or small ones:
         # one foreach copy, since a Python-level op per gradient costs more than the
         # all-reduce it feeds.
-        fused = divisor != 1 and len(bucket.params) <= _FUSED_DIVIDE_MAX_PARAMS
+        fused = divisor != 1 and large and len(bucket.params) <= _FUSED_DIVIDE_MAX_PARAMS
         targets, sources = [], []
         at_end = self._at_end
         missing = []  # parameters without a dense gradient here
