@@ -29,15 +29,16 @@ class Ranker(nn.Module):
         return self.head(torch.relu(self.rows(ids) + self.dense(features))).squeeze(1)
 
 
-def global_batches(steps: int, workers: int, per_worker: int = 4, seed: int = 0):
+def global_batches(steps: int, workers: int, per_worker: int = 4, seed: int = 0, shared: bool = False):
     """Per step: ids, features, targets of the global batch; worker ``r`` takes rows ``r::workers``,
-    and its ids come from a pool of its own (no row is pushed by two workers)."""
+    and its ids come from a pool of its own (no row is pushed by two workers), or with ``shared``
+    from one pool (a row is pushed by several workers in the same step)."""
     g = torch.Generator().manual_seed(seed)
     pools = [torch.randint(-2**63, 2**63 - 1, (12,), generator=g, dtype=torch.int64) for _ in range(workers)]
     out = []
     for _ in range(steps):
         n = per_worker * workers
-        owner = torch.arange(n) % workers
+        owner = torch.zeros(n, dtype=torch.int64) if shared else torch.arange(n) % workers
         ids = torch.stack([pools[int(o)][torch.randint(0, 12, (3,), generator=g)] for o in owner])
         out.append((ids, torch.randn(n, 3, generator=g), torch.randn(n, generator=g)))
     return out
@@ -59,12 +60,12 @@ def _build(strategy):
     return model, opt
 
 
-def train(rank: int, world: int, ps: list[str], key_hex: str, steps: int):
+def train(rank: int, world: int, ps: list[str], key_hex: str, steps: int, shared: bool = False):
     """Trains on this worker's share; returns the dense parameters after every step and the table."""
     strategy = strategy_for(rank, world, ps, key_hex)
     model, opt = _build(strategy)
     dense_after = []
-    for ids, features, target in global_batches(steps, world):
+    for ids, features, target in global_batches(steps, world, shared=shared):
         mine = slice(rank, None, world)
         loss = F.mse_loss(model(ids[mine], features[mine]), target[mine])
         opt.zero_grad()

@@ -14,12 +14,12 @@ def _ps_addresses(cluster, count):
     return [cluster.addresses[f"ps:{i}"] for i in range(count)]
 
 
-def _reference(steps, world):
+def _reference(steps, world, shared=False):
     """One device on the global batches (mean loss over all workers' samples)."""
     torch.manual_seed(0)
     model = hw.Ranker()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.2)
-    for ids, features, target in hw.global_batches(steps, world):
+    for ids, features, target in hw.global_batches(steps, world, shared=shared):
         loss = F.mse_loss(model(ids, features), target)
         opt.zero_grad()
         loss.backward()
@@ -48,6 +48,24 @@ def test_dense_is_bit_equal_on_every_worker_rows_match_one_device_and_survive_a_
         again = run_workers(hw.rejoin, 2, args=(ps, cluster.key_hex), timeout=60)
         for ids, rows in again:
             assert torch.equal(ids, state0["rows.ids"]) and torch.equal(rows, state0["rows.rows"])
+
+
+def assert_rows_of_one_device(state, steps, world, shared):
+    reference = _reference(steps, world, shared).state_dict()
+    assert torch.equal(state["rows.ids"], reference["rows.ids"])
+    for key in ("rows.rows", "rows.state.sum", "dense.weight", "head.weight", "head.bias"):
+        torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.timeout(120)
+def test_rows_both_workers_push_in_a_step_take_one_step_with_the_global_batchs_gradient():
+    # each ps task sums the workers' pushes of a step and applies them once, and each pull waits for
+    # the step before: Adagrad's state and the rows are one device's (two steps of the halves differ)
+    steps = 6
+    with ps_cluster(0, 2) as cluster:
+        (_, state, _), _ = run_workers(hw.train, 2, args=(_ps_addresses(cluster, 2), cluster.key_hex, steps, True),
+                                       timeout=90)
+    assert_rows_of_one_device(state, steps, 2, shared=True)
 
 
 @pytest.mark.timeout(120)

@@ -126,20 +126,20 @@ def _table_create(s: _Session, h: wire.TableCreate, tensors: list[torch.Tensor])
 
 
 def _table_rows(s: _Session, h: wire.TableRows, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [s.tables.rows(h.key, tensors[0], tensors[1], h.create)]
+    return [s.tables.rows(h.key, tensors[0], tensors[1], h.create, h.after_step, h.wait_s)]
 
 
 def _table_push(s: _Session, h: wire.TablePush, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    s.tables.push(h.key, tensors[0], tensors[1], h.optimizer, h.at_step)
+    s.tables.push(h.key, tensors[0], tensors[1], h.optimizer, h.at_step, h.pushers)
     return []
 
 
 def _table_pool(s: _Session, h: wire.TablePool, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [s.tables.pool(h.key, tensors[0], tensors[1], tensors[2], h.num_bags, h.create)]
+    return [s.tables.pool(h.key, tensors[0], tensors[1], tensors[2], h.num_bags, h.create, h.after_step, h.wait_s)]
 
 
 def _table_push_bags(s: _Session, h: wire.TablePushBags, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    s.tables.push_bags(h.key, tensors[0], tensors[1], tensors[2], tensors[3], h.optimizer, h.at_step)
+    s.tables.push_bags(h.key, tensors[0], tensors[1], tensors[2], tensors[3], h.optimizer, h.at_step, h.pushers)
     return []
 
 

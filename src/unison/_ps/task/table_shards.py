@@ -11,12 +11,19 @@ SparseAdam's step count ``t``) advances with the optimizer steps, as the one-dev
 
 Each table has its own lock: requests on different tables, or from different workers,
 interleave, and each is applied whole.
+
+A synchronous job (the hybrid strategy: every worker pushes once per global step, naming
+it, and says how many workers push) gets one device's update on the global batch: the shard
+holds a step's pushes until every worker's has come, and applies their sum once (a row two
+workers touched takes one optimizer step with both gradients, not two steps one after the
+other, which Adagrad's or Adam's state would tell apart). A lookup that names the steps its
+worker pushed waits until the shard applied them, so it reads every worker's update of them.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -24,16 +31,33 @@ from unison._embeddings.optim.row_optimizers import RowOptimizer
 from unison._embeddings.tables.bag_layout import BagLayout
 from unison._embeddings.tables.table import TableConfig
 
+if TYPE_CHECKING:
+    from unison._embeddings.tables.disk.tiered_table import TieredTable
+    from unison._embeddings.tables.local_table import LocalTable
+
 __all__ = ["TableShards"]
 
 
+class _Push(NamedTuple):
+    """One worker's push of a global step, held until every worker's has come."""
+
+    ids: torch.Tensor
+    grads: torch.Tensor
+    slots: torch.Tensor | None  # the ids' slots from the same session's lookup, in ``generation``
+    generation: int
+
+
 class _Entry:
-    __slots__ = ("config", "place", "table", "lock")
+    __slots__ = ("config", "place", "table", "lock", "applied", "pending")
 
     def __init__(self, config: TableConfig, place: str):
         self.config, self.place = config, place
         self.table = config.new_table(place)
         self.lock = threading.Lock()
+        self.applied = threading.Condition(self.lock)
+        """Notified whenever the table's clock moves (a lookup may wait for a global step)."""
+        self.pending: dict[int, list[_Push]] = {}
+        """Synchronous pushes by global step, not applied yet: some worker's has not come."""
 
 
 class TableShards:
@@ -70,14 +94,17 @@ class TableShards:
                 raise ValueError(f"dynamic table {key!r} exists on this ps task with {entry.config.describe()}, "
                                  f"asked for {config.describe()}; every worker must build the same model")
 
-    def rows(self, key: str, ids: torch.Tensor, occurrences: torch.Tensor, create: bool) -> torch.Tensor:
-        """Rows of distinct ``ids`` (made, and counted by ``occurrences``, when ``create``).
+    def rows(self, key: str, ids: torch.Tensor, occurrences: torch.Tensor, create: bool, after_step: int = 0,
+             wait_s: float = 0.0) -> torch.Tensor:
+        """Rows of distinct ``ids`` (made, and counted by ``occurrences``, when ``create``), once the shard
+        applied global step ``after_step`` (waiting up to ``wait_s`` for the other workers' pushes of it).
 
         A training lookup remembers the ids' slots for this session: the push that
         follows from the same worker (the same ids, as a rule) skips finding them again.
         """
         entry = self._entry(key)
         with entry.lock:
+            self._wait_for_step(entry, key, after_step, wait_s)
             if not create:
                 return entry.table.lookup(ids, create=False)
             rows, slots = entry.table.lookup_distinct(ids, occurrences)
@@ -85,36 +112,68 @@ class TableShards:
             return rows
 
     def push(self, key: str, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
-             at_step: int | None = None) -> None:
+             at_step: int | None = None, pushers: int = 1) -> None:
         """Applies row gradients, then advances the shard's clock and evicts (one optimizer step;
-        ``at_step``: a synchronous job's global step, ``LocalTable.push``)."""
+        ``at_step``: a synchronous job's global step, ``LocalTable.push``). With ``pushers`` > 1
+        (every one of them pushes each global step) the step's pushes are held until all have
+        come, then applied once, summed: one device's update on the global batch."""
         entry = self._entry(key)
         recent = self._recent.__dict__.pop(key, None)
         with entry.lock:
             table = entry.table
+            slots = None
             if (recent is not None and recent[2] == table.generation and recent[0].shape == ids.shape
                     and torch.equal(recent[0], ids)):
-                table.apply_to_slots(recent[1], grads, optimizer, at_step)  # the ids this session just read
-                if at_step is None:
-                    table.step()
-                else:
-                    table.advance_to(at_step)
-                table.evict()
+                slots = recent[1]  # the ids this session just read
+            push = _Push(ids, grads, slots, table.generation)
+            if at_step is None or pushers <= 1 or at_step <= table.current_step:
+                # one push a step; or one of a step the clock has passed (workers restarted without a
+                # checkpoint count their steps from 0 again): applied on its own, as it comes
+                _apply(table, [push], optimizer, at_step)
+                entry.applied.notify_all()
                 return
-            table.push(ids, grads, optimizer, at_step)
+            held = entry.pending.setdefault(at_step, [])
+            if at_step != table.current_step + 1 or len(held) + 1 < pushers:
+                # kept past this request: a session receives the next one into the same buffers
+                push = push._replace(ids=ids.clone(), grads=grads.clone())
+            held.append(push)
+            while len(entry.pending.get(table.current_step + 1, ())) >= pushers:
+                step = table.current_step + 1
+                _apply(table, entry.pending.pop(step), optimizer, step)
+                entry.applied.notify_all()
+
+    def _wait_for_step(self, entry: _Entry, key: str, step: int, wait_s: float) -> None:
+        """Waits (holding ``entry.lock``) until the shard applied global ``step``.
+
+        Raises:
+            TimeoutError: naming the step and how many workers' pushes of it came, after ``wait_s``.
+        """
+        if step <= entry.table.current_step:
+            return
+        if not entry.applied.wait_for(lambda: step <= entry.table.current_step, timeout=wait_s):
+            waiting = entry.table.current_step + 1
+            raise TimeoutError(
+                f"dynamic table {key!r}: a lookup waited {wait_s:g} s for global step {step} to be applied on this "
+                f"ps task, but only step {entry.table.current_step} is: {len(entry.pending.get(waiting, ()))} "
+                f"worker(s) pushed step {waiting} so far. Every worker must push once per global step (call "
+                f"optimizer.step() on every worker, every step); a worker that stopped ends the job")
 
     def pool(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor, num_bags: int,
-             create: bool) -> torch.Tensor:
-        """``[num_bags, dim]``: the weighted sum of the rows of ``ids`` (repeats counted) per bag."""
+             create: bool, after_step: int = 0, wait_s: float = 0.0) -> torch.Tensor:
+        """``[num_bags, dim]``: the weighted sum of the rows of ``ids`` (repeats counted) per bag
+        (``after_step``, ``wait_s``: as for :meth:`rows`)."""
         entry = self._entry(key)
         with entry.lock:
+            self._wait_for_step(entry, key, after_step, wait_s)
             rows = entry.table.lookup(ids, create=create)
         return BagLayout(ids, bags, weights, num_bags).pool(rows)
 
     def push_bags(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor,
-                  bag_grads: torch.Tensor, optimizer: RowOptimizer, at_step: int | None = None) -> None:
+                  bag_grads: torch.Tensor, optimizer: RowOptimizer, at_step: int | None = None,
+                  pushers: int = 1) -> None:
         """:meth:`push` with each id's gradient made here from its bag's: ``bag_grads[bags] * weights``."""
-        self.push(key, ids, BagLayout(ids, bags, weights, bag_grads.shape[0]).expand(bag_grads), optimizer, at_step)
+        self.push(key, ids, BagLayout(ids, bags, weights, bag_grads.shape[0]).expand(bag_grads), optimizer, at_step,
+                  pushers)
 
     def export(self, key: str) -> dict[str, Any]:
         """The shard's rows (a checkpoint's part)."""
@@ -128,6 +187,8 @@ class TableShards:
         entry = self._entry(key)
         with entry.lock:
             entry.table.load(export, shard=shard, num_shards=num_shards)
+            entry.pending.clear()  # pushes of steps before the checkpoint's clock, or of a run that ended
+            entry.applied.notify_all()
 
     def save_point(self, key: str) -> dict[str, Any]:
         """Where the shard's delta and serving chains stand."""
@@ -147,6 +208,8 @@ class TableShards:
         entry = self._entry(key)
         with entry.lock:
             entry.table.apply_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
+            entry.pending.clear()
+            entry.applied.notify_all()
 
     def serving_export(self, key: str, delta: bool, export_id: str, number: int) -> dict[str, Any]:
         """The shard's ids and rows for serving: all, or those changed since export ``number``."""
@@ -168,3 +231,28 @@ class TableShards:
 def _directory_name(key: str) -> str:
     """A table key as one directory name (keys hold ``:``; ``/`` would nest)."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+
+
+def _apply(table: LocalTable | TieredTable, pushes: list[_Push], optimizer: RowOptimizer, at_step: int | None) -> None:
+    """One optimizer step of the table with the sum of ``pushes`` (one, or every worker's of a global
+    step), then the clock and eviction. Through the slots the lookups found where every push has
+    them from the current generation (no second search of the index), else through the ids."""
+    found = [p.slots for p in pushes if p.slots is not None and p.generation == table.generation]
+    if len(found) == len(pushes):
+        if len(found) == 1:
+            slots, grads = found[0], pushes[0].grads
+        else:  # a row two workers touched: its gradients summed, in the order the pushes came
+            slots, inverse = torch.unique(torch.cat(found), return_inverse=True)
+            every = torch.cat([p.grads for p in pushes])
+            grads = every.new_zeros(slots.numel(), every.shape[1]).index_add_(0, inverse, every)
+        table.apply_to_slots(slots, grads, optimizer, at_step)
+        if at_step is None:
+            table.step()
+        else:
+            table.advance_to(at_step)
+        table.evict()
+        return
+    if len(pushes) == 1:
+        table.push(pushes[0].ids, pushes[0].grads, optimizer, at_step)
+    else:  # the table sums the gradients of an id repeated in ``ids``
+        table.push(torch.cat([p.ids for p in pushes]), torch.cat([p.grads for p in pushes]), optimizer, at_step)

@@ -69,13 +69,14 @@ __all__ = [
     "FunctionFailed", "WorkerRequest",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1; 3: a table
 export carries its policy parts, and ``TableCreate``'s config its admission and capacity; 4: delta
 checkpoints and serving exports of a table, and an export's ``removed`` ids; 5: a table config's disk tier, ``storage``,
 which an older ps task would drop, keeping every row in memory; 6: a table push's ``at_step``,
 the global step of a synchronous job's push; 7: row pushes have no reply unless they fail, and
-``Failed.earlier``)."""
+``Failed.earlier``; 8: a synchronous push's ``pushers`` (the shard sums a global step's pushes and
+applies them once) and a lookup's ``after_step`` and ``wait_s``)."""
 
 
 class ProtocolError(ValueError):
@@ -322,6 +323,8 @@ class TableRows(Request):
     KIND = RequestKind.TABLE_ROWS
     key: str
     create: bool
+    after_step: int = 0  # answered once the shard applied this global step (the worker's pushes so far)...
+    wait_s: float = 0.0  # ...waiting at most this long for the other workers' pushes of it
 
 
 @_message
@@ -330,6 +333,7 @@ class TablePush(Request):
     key: str
     optimizer: Any
     at_step: int | None  # a synchronous job's global step (the hybrid strategy), else None: one per push
+    pushers: int = 1  # synchronous: the workers that push every global step, whose pushes the shard sums
 
 
 @_message
@@ -338,6 +342,8 @@ class TablePool(Request):
     key: str
     create: bool
     num_bags: int
+    after_step: int = 0
+    wait_s: float = 0.0
 
 
 @_message
@@ -346,6 +352,7 @@ class TablePushBags(Request):
     key: str
     optimizer: Any
     at_step: int | None
+    pushers: int = 1
 
 
 @_message

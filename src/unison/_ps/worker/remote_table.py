@@ -58,18 +58,25 @@ class RemoteTable:
             push names its global step, so a shard steps once per global step however many
             workers push it (SparseAdam's t, last-seen steps), as one device does. Counted
             here, from the step of the last checkpoint loaded. False: each push is a step.
+        pushers: synchronous: how many workers push every global step. Each shard sums their
+            pushes of a step and applies the sum once (one device's update on the global batch),
+            and a lookup waits until the shards applied every step this worker pushed, at most
+            ``step_wait_s`` (then ``TimeoutError`` names the step and the pushes that came).
     """
 
     def __init__(self, key: str, num_shards: int, config: TableConfig,
                  client: Callable[[], PSClient], *,
                  grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
-                 writer: Callable[[], bool] | None = None, synchronous: bool = False):
+                 writer: Callable[[], bool] | None = None, synchronous: bool = False, pushers: int = 1,
+                 step_wait_s: float = 30.0):
         self.key, self.num_shards, self.config = key, num_shards, config
         self._client_source = client
         self._grad_scale = grad_scale
         self._after_load = after_load
         self._writer = writer
         self._synchronous = synchronous
+        self._pushers = pushers if synchronous else 1
+        self._step_wait_s = step_wait_s
         self._global_step = 0  # synchronous: the global steps pushed so far
         self.traffic = {"rows": 0, "pooled": 0}
         """Lookups made here so far, by kind: distinct rows pulled, or bags pooled on the ps tasks."""
@@ -78,7 +85,7 @@ class RemoteTable:
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": WORKER_CLIENT,
                 "_grad_scale": None, "_after_load": None, "_writer": None, "traffic": {"rows": 0, "pooled": 0},
-                "_last_split": None, "_synchronous": False, "_global_step": 0}
+                "_last_split": None, "_synchronous": False, "_global_step": 0, "_pushers": 1, "_step_wait_s": 30.0}
 
     @property
     def embedding_dim(self) -> int:
@@ -121,7 +128,7 @@ class RemoteTable:
         positions = self._split(ids)
         asked = {k: where for k, where in enumerate(positions) if where.numel()}
         # index_select / index_copy_, not advanced indexing: 2-4x less per call on these sizes
-        replies = self._client().exchange({k: (wire.TableRows(self.key, create),
+        replies = self._client().exchange({k: (wire.TableRows(self.key, create, *self._after_pushes()),
                                                [ids.index_select(0, where), occurrences.index_select(0, where)],
                                                None) for k, where in asked.items()})
         rows = torch.empty(ids.numel(), self.config.embedding_dim, dtype=self.config.dtype)
@@ -137,7 +144,7 @@ class RemoteTable:
             if where.numel():
                 touched, local = distinct_ids(layout.bags.index_select(0, where))
                 touched_bags[k] = touched
-                requests[k] = (wire.TablePool(self.key, create, touched.numel()),
+                requests[k] = (wire.TablePool(self.key, create, touched.numel(), *self._after_pushes()),
                                [layout.ids.index_select(0, where), local, layout.weights.index_select(0, where)], None)
         self.traffic["pooled"] += 1
         replies = self._client().exchange(requests)
@@ -155,7 +162,7 @@ class RemoteTable:
         requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]] = {}
         for k, where in enumerate(self._split(layout.ids)):
             touched, local = distinct_ids(layout.bags.index_select(0, where))
-            requests[k] = (wire.TablePushBags(self.key, optimizer, at_step),
+            requests[k] = (wire.TablePushBags(self.key, optimizer, at_step, self._pushers),
                            [layout.ids.index_select(0, where), local, layout.weights.index_select(0, where),
                             grads.index_select(0, touched)], None)
         self._client().exchange(requests, wait=False)
@@ -172,9 +179,16 @@ class RemoteTable:
             grads = grads * self._grad_scale()
         positions = self._split(ids)
         at_step = self._next_step()
-        self._client().exchange({k: (wire.TablePush(self.key, optimizer, at_step),
+        self._client().exchange({k: (wire.TablePush(self.key, optimizer, at_step, self._pushers),
                                      [ids.index_select(0, where), grads.index_select(0, where)], None)
                                  for k, where in enumerate(positions)}, wait=False)
+
+    def _after_pushes(self) -> tuple[int, float]:
+        """A lookup's ``after_step`` and ``wait_s``: the shards answer once they applied every global
+        step this worker pushed (the other workers' pushes of them too), when they sum a step's pushes."""
+        if self._pushers <= 1:
+            return 0, 0.0
+        return self._global_step, self._step_wait_s
 
     def _next_step(self) -> int | None:
         """This push's global step (synchronous), else None: the shard counts pushes."""
@@ -320,16 +334,17 @@ class RemoteTables:
 
     def __init__(self, num_shards: int, client: Callable[[], PSClient], *, prefix: str = "",
                  grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
-                 writer: Callable[[], bool] | None = None, synchronous: bool = False):
+                 writer: Callable[[], bool] | None = None, synchronous: bool = False, pushers: int = 1,
+                 step_wait_s: float = 30.0):
         self._num_shards, self._client, self._prefix = num_shards, client, prefix
         self._grad_scale, self._after_load, self._writer = grad_scale, after_load, writer
-        self._synchronous = synchronous
+        self._synchronous, self._pushers, self._step_wait_s = synchronous, pushers, step_wait_s
         self._ids = itertools.count()
 
     def create_table(self, config: TableConfig) -> RemoteTable:
         """A table on every ps task, made there now or found there (the same key on every worker)."""
         table = RemoteTable(f"{self._prefix}{next(self._ids)}:dynamic_table", self._num_shards, config, self._client,
                             grad_scale=self._grad_scale, after_load=self._after_load, writer=self._writer,
-                            synchronous=self._synchronous)
+                            synchronous=self._synchronous, pushers=self._pushers, step_wait_s=self._step_wait_s)
         table.create()
         return table
