@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 import torch.nn.functional as F
@@ -142,3 +143,31 @@ def train_fixed(rank: int, world: int, ps: list[str], key_hex: str, steps: int):
     strategy.join_pushes()
     state = model.state_dict()
     return moved, {k: v for k, v in state.items() if not isinstance(v, dict)}
+
+
+def skip_a_push(rank: int, world: int, ps: list[str], key_hex: str):
+    """Worker 1 computes step 2's gradients but never steps (no push of step 2): worker 0's pull of
+    step 3 waits for it, then fails naming the step; worker 1 stays until then."""
+    strategy = strategy_for(rank, world, ps, key_hex, timeout=2.5)
+    model, opt = _build(strategy)
+    batches = global_batches(3, world, shared=True)
+    mine = slice(rank, None, world)
+
+    def backward(ids, features, target):
+        loss = F.mse_loss(model(ids[mine], features[mine]), target[mine])
+        opt.zero_grad()
+        loss.backward()
+
+    backward(*batches[0])
+    opt.step()
+    backward(*batches[1])  # the dense all-reduce of step 2: both workers are here
+    if rank == 1:
+        time.sleep(4.5)  # alive, its connections open: only its push is missing
+        return "skipped"
+    opt.step()
+    start = time.monotonic()
+    try:
+        backward(*batches[2])
+    except TimeoutError as e:
+        return f"{time.monotonic() - start:.1f} s: {e}"
+    return "no error"

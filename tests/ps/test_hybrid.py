@@ -69,6 +69,17 @@ def test_rows_both_workers_push_in_a_step_take_one_step_with_the_global_batchs_g
 
 
 @pytest.mark.timeout(120)
+def test_a_pull_waiting_for_a_push_that_never_comes_names_the_step_within_the_timeout():
+    with ps_cluster(0, 2) as cluster:
+        message, skipped = run_workers(hw.skip_a_push, 2, args=(_ps_addresses(cluster, 2), cluster.key_hex),
+                                       timeout=90)
+    assert skipped == "skipped"
+    seconds, _, text = message.partition(" s: ")
+    assert 1.5 < float(seconds) < 4.5, message  # 0.8 of the strategy's 2.5 s timeout, not the client's
+    assert "global step 2" in text and "1 worker(s) pushed step 2" in text, message
+
+
+@pytest.mark.timeout(120)
 def test_a_lost_ps_task_is_named_on_every_worker_within_the_timeout():
     with ps_cluster(0, 2) as cluster:
         ps = _ps_addresses(cluster, 2)
