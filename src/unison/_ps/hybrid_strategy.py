@@ -16,7 +16,7 @@ Semantics:
   pushes until every worker's has come and applies their sum once, so a row that several
   workers touched takes one optimizer step with the gradient of the global batch, as on one
   device (applied one after the other, two Adagrad steps differ from one: measured on the
-  DLRM example, 0.003-0.006 of held-out AUC). A worker's pull at step ``t`` waits until the
+  DLRM example, 0.0015-0.0064 of held-out AUC). A worker's pull at step ``t`` waits until the
   ps task applied step ``t - 1``, so it sees every worker's pushes before it: the rows are
   one device's on the global batch, up to the order of floating-point sums (the wait is
   short: the dense all-reduce of step ``t - 1`` has every worker's push of it under way).
