@@ -48,7 +48,9 @@ def _exact_sum(world: int, scale: int = 1) -> list[torch.Tensor]:
 
 
 def _unison_files() -> set[str]:
-    return {name for name in os.listdir(shared_memory.SHARED_MEMORY_DIR) if name.startswith("unison-")}
+    """The shared-memory files this process created (worker 0 creates a group's): other tests running
+    at the same time create theirs in the same directory."""
+    return {name for name in os.listdir(shared_memory.SHARED_MEMORY_DIR) if name.startswith(f"unison-{os.getpid()}-")}
 
 
 def sums_means_and_reuse(rank: int, world: int):
