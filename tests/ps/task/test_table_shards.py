@@ -161,3 +161,16 @@ def test_a_load_drops_the_pushes_held_for_steps_after_it():
     shards.load("t", export, 0, 1)
     assert not shards._entries["t"].pending
     torch.testing.assert_close(_rows(shards, ids), export["rows"])
+
+
+def test_a_step_whose_sum_fails_to_apply_fails_the_lookups_waiting_for_it_at_once():
+    ids = torch.tensor([1, 2])
+    shards = _shards_with_rows(ids)
+    shards.push("t", ids, torch.ones(2, DIM + 1), ADAGRAD, at_step=1, pushers=2)  # a malformed push, held
+    with pytest.raises(RuntimeError):  # the push that completes the step raises the sum's error
+        shards.push("t", ids, torch.ones(2, DIM), ADAGRAD, at_step=1, pushers=2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"pushes of global step 1 failed to apply on this ps task .*global step 1 "
+                                           r"never will"):
+        shards.rows("t", ids, torch.ones_like(ids), True, after_step=1, wait_s=30.0)
+    assert time.monotonic() - start < 5  # not after the wait's 30 s

@@ -48,7 +48,7 @@ class _Push(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("config", "place", "table", "lock", "applied", "pending")
+    __slots__ = ("config", "place", "table", "lock", "applied", "pending", "failed")
 
     def __init__(self, config: TableConfig, place: str):
         self.config, self.place = config, place
@@ -58,6 +58,8 @@ class _Entry:
         """Notified whenever the table's clock moves (a lookup may wait for a global step)."""
         self.pending: dict[int, list[_Push]] = {}
         """Synchronous pushes by global step, not applied yet: some worker's has not come."""
+        self.failed: tuple[int, BaseException] | None = None
+        """The global step whose summed pushes failed to apply, and why: lookups waiting for it raise."""
 
 
 class TableShards:
@@ -139,8 +141,13 @@ class TableShards:
             held.append(push)
             while len(entry.pending.get(table.current_step + 1, ())) >= pushers:
                 step = table.current_step + 1
-                _apply(table, entry.pending.pop(step), optimizer, step)
-                entry.applied.notify_all()
+                try:
+                    _apply(table, entry.pending.pop(step), optimizer, step)
+                except Exception as e:
+                    entry.failed = (step, e)  # every worker's lookup waiting for the step learns why
+                    raise
+                finally:
+                    entry.applied.notify_all()
 
     def _wait_for_step(self, entry: _Entry, key: str, step: int, wait_s: float) -> None:
         """Waits (holding ``entry.lock``) until the shard applied global ``step``.
@@ -150,13 +157,19 @@ class TableShards:
         """
         if step <= entry.table.current_step:
             return
-        if not entry.applied.wait_for(lambda: step <= entry.table.current_step, timeout=wait_s):
+        if not entry.applied.wait_for(lambda: step <= entry.table.current_step or _failed_by(entry, step),
+                                      timeout=wait_s):
             waiting = entry.table.current_step + 1
             raise TimeoutError(
                 f"dynamic table {key!r}: a lookup waited {wait_s:g} s for global step {step} to be applied on this "
                 f"ps task, but only step {entry.table.current_step} is: {len(entry.pending.get(waiting, ()))} "
                 f"worker(s) pushed step {waiting} so far. Every worker must push once per global step (call "
                 f"optimizer.step() on every worker, every step); a worker that stopped ends the job")
+        if entry.failed is not None and step > entry.table.current_step:
+            failed, cause = entry.failed
+            raise RuntimeError(f"dynamic table {key!r}: the pushes of global step {failed} failed to apply on this "
+                               f"ps task ({type(cause).__name__}: {cause}), so global step {step} never will; the "
+                               f"worker whose push completed the step raised the error") from cause
 
     def pool(self, key: str, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor, num_bags: int,
              create: bool, after_step: int = 0, wait_s: float = 0.0) -> torch.Tensor:
@@ -188,6 +201,7 @@ class TableShards:
         with entry.lock:
             entry.table.load(export, shard=shard, num_shards=num_shards)
             entry.pending.clear()  # pushes of steps before the checkpoint's clock, or of a run that ended
+            entry.failed = None
             entry.applied.notify_all()
 
     def save_point(self, key: str) -> dict[str, Any]:
@@ -209,6 +223,7 @@ class TableShards:
         with entry.lock:
             entry.table.apply_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
             entry.pending.clear()
+            entry.failed = None
             entry.applied.notify_all()
 
     def serving_export(self, key: str, delta: bool, export_id: str, number: int) -> dict[str, Any]:
@@ -231,6 +246,11 @@ class TableShards:
 def _directory_name(key: str) -> str:
     """A table key as one directory name (keys hold ``:``; ``/`` would nest)."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+
+
+def _failed_by(entry: _Entry, step: int) -> bool:
+    """Whether global ``step`` will never be applied: the sum of an earlier or the same step failed."""
+    return entry.failed is not None and entry.failed[0] <= step
 
 
 def _apply(table: LocalTable | TieredTable, pushes: list[_Push], optimizer: RowOptimizer, at_step: int | None) -> None:
