@@ -33,9 +33,9 @@ header                        tensors sent                               tensors
 ``LoadOptimizerStates(...)``  the pickled states                         none
 ``Ping()``                    none                                       none
 ``TableCreate(key, config)``  none                                       none
-``TableRows(key, create)``    distinct ids, their occurrences            rows
-``TablePush(key, optimizer)`` ids, grads                                 (no reply)
-``TablePool(key, create, n)`` ids, bag of each id, weights               a partial row per bag
+``TableRows(key, create..)``  distinct ids, their occurrences            rows
+``TablePush(key, opt..)``     ids, grads                                 (no reply)
+``TablePool(key, create..)``  ids, bag of each id, weights               a partial row per bag
 ``TablePushBags(...)``        ids, bag of each id, weights, bag grads    (no reply)
 ``TableExport(key)``          none                                       the export's tensors
 ``TableLoad(key, shard, n)``  an export's tensors                        none
