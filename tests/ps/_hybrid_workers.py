@@ -165,9 +165,8 @@ def skip_a_push(rank: int, world: int, ps: list[str], key_hex: str):
         time.sleep(4.5)  # alive, its connections open: only its push is missing
         return "skipped"
     opt.step()
-    start = time.monotonic()
     try:
         backward(*batches[2])
     except TimeoutError as e:
-        return f"{time.monotonic() - start:.1f} s: {e}"
+        return str(e)
     return "no error"

@@ -73,10 +73,9 @@ def test_a_pull_waiting_for_a_push_that_never_comes_names_the_step_within_the_ti
     with ps_cluster(0, 2) as cluster:
         message, skipped = run_workers(hw.skip_a_push, 2, args=(_ps_addresses(cluster, 2), cluster.key_hex),
                                        timeout=90)
-    assert skipped == "skipped" and " s: " in message, message  # worker 0's pull failed, worker 1 stayed
-    seconds, _, text = message.partition(" s: ")
-    assert 1.5 < float(seconds) < 4.5, message  # 0.8 of the strategy's 2.5 s timeout, not the client's
-    assert "global step 2" in text and "1 worker(s) pushed step 2" in text, message
+    assert skipped == "skipped", skipped  # worker 1 stayed, its connections open
+    # the ps task's wait, 0.8 of the strategy's 2.5 s timeout, ended it: not the client giving up on the ps task
+    assert "waited 2 s for global step 2" in message and "1 worker(s) pushed step 2" in message, message
 
 
 @pytest.mark.timeout(120)

@@ -154,6 +154,7 @@ class TableShards:
 
         Raises:
             TimeoutError: naming the step and how many workers' pushes of it came, after ``wait_s``.
+            RuntimeError: at once, where the sum of an earlier or the same step failed to apply.
         """
         if step <= entry.table.current_step:
             return
@@ -165,7 +166,7 @@ class TableShards:
                 f"ps task, but only step {entry.table.current_step} is: {len(entry.pending.get(waiting, ()))} "
                 f"worker(s) pushed step {waiting} so far. Every worker must push once per global step (call "
                 f"optimizer.step() on every worker, every step); a worker that stopped ends the job")
-        if entry.failed is not None and step > entry.table.current_step:
+        if entry.failed is not None and step > entry.table.current_step:  # woken by a step that failed
             failed, cause = entry.failed
             raise RuntimeError(f"dynamic table {key!r}: the pushes of global step {failed} failed to apply on this "
                                f"ps task ({type(cause).__name__}: {cause}), so global step {step} never will; the "
