@@ -109,7 +109,8 @@ def _example(cls: type):
         "reason": "why", "error": ValueError("bad"), "traceback": "tb", "earlier": True, "payload": b"x",
         "dataset_id": 1, "dataset_fn": len, "value": 7, "lost_ps": False, "place": None, "has_ids": True,
         "hyper": {"lr": 0.1},
-        "full": False, "at_step": 5, "pushers": 2, "after_step": 4, "wait_s": 1.5, "sequence": 3, "table_id": "0f3a",
+        "full": False, "at_step": 5, "pushers": 2, "after_step": 4, "wait_s": 1.5, "lookers": 2, "sequence": 3,
+        "table_id": "0f3a",
         "delta": True, "export_id": "9c1d", "number": 2,
     }
     return cls(*(values[name] for name in cls.__slots__))

@@ -18,6 +18,9 @@ holds a step's pushes until every worker's has come, and applies their sum once 
 workers touched takes one optimizer step with both gradients, not two steps one after the
 other, which Adagrad's or Adam's state would tell apart). A lookup that names the steps its
 worker pushed waits until the shard applied them, so it reads every worker's update of them.
+Its training lookups are gathered the same way: the workers' lookups of a global step are
+made as one lookup of their ids together (as one device looks up the global batch), which
+costs one call's fixed cost instead of one per worker (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ if TYPE_CHECKING:
 
 __all__ = ["TableShards"]
 
+_GATHER_S = 0.05
+"""How long a training lookup waits for the other workers' lookups of its global step before it goes
+alone. In step they come within a few milliseconds (the dense all-reduce keeps the workers
+together); a lookup only one worker makes (a model that looks the table up a varying number of
+times) costs this once."""
+_GATHER_MISSES_OFF = 3
+"""Gathers in a row that time out, after which a shard's lookups go alone for ``_GATHER_PAUSE``
+lookups: a job whose workers' lookups do not pair up pays the wait a few times, not every step."""
+_GATHER_PAUSE = 1000
+
 
 class _Push(NamedTuple):
     """One worker's push of a global step, held until every worker's has come."""
@@ -47,8 +60,29 @@ class _Push(NamedTuple):
     generation: int
 
 
+class _Looked(NamedTuple):
+    """One lookup's answer: its rows, and their slots in the table's ``generation`` (for its push)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    generation: int
+
+
+class _Gathering:
+    """The training lookups of one global step on one shard, until every worker's has come."""
+
+    __slots__ = ("came", "asks", "answers", "failed")
+
+    def __init__(self, came: int = 0) -> None:
+        self.came = came  # lookups of the step that came, gathered or gone alone
+        self.asks: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # waiting; None: gave up, went alone
+        self.answers: list[_Looked] | None = None
+        self.failed = False  # the lookup together raised: each looks up alone, for its own error
+
+
 class _Entry:
-    __slots__ = ("config", "place", "table", "lock", "applied", "pending", "failed")
+    __slots__ = ("config", "place", "table", "lock", "applied", "pending", "failed", "gathering", "gather_misses",
+                 "gather_paused")
 
     def __init__(self, config: TableConfig, place: str):
         self.config, self.place = config, place
@@ -60,6 +94,10 @@ class _Entry:
         """Synchronous pushes by global step, not applied yet: some worker's has not come."""
         self.failed: tuple[int, BaseException] | None = None
         """The global step whose summed pushes failed to apply, and why: lookups waiting for it raise."""
+        self.gathering: dict[int, _Gathering] = {}
+        """Training lookups by the global step they follow, until every worker's has come."""
+        self.gather_misses = 0  # gathers in a row that timed out
+        self.gather_paused = 0  # lookups left to go alone after ``_GATHER_MISSES_OFF`` misses
 
 
 class TableShards:
@@ -97,9 +135,18 @@ class TableShards:
                                  f"asked for {config.describe()}; every worker must build the same model")
 
     def rows(self, key: str, ids: torch.Tensor, occurrences: torch.Tensor, create: bool, after_step: int = 0,
-             wait_s: float = 0.0) -> torch.Tensor:
+             wait_s: float = 0.0, lookers: int = 1, gather_wait: bool = True) -> torch.Tensor:
         """Rows of distinct ``ids`` (made, and counted by ``occurrences``, when ``create``), once the shard
         applied global step ``after_step`` (waiting up to ``wait_s`` for the other workers' pushes of it).
+
+        ``lookers`` > 1 (a synchronous job's training lookup: every one of that many workers looks
+        up after the same global step): the workers' lookups of the step are gathered, and the
+        shard looks up all of their ids at once. The same rows, counts and optimizer state as one
+        after the other (new rows are made from their ids alone), for one call's fixed cost
+        instead of one per worker. A lookup waits for the others (up to ``_GATHER_S``) only where
+        ``gather_wait``: a session thread, whose wait costs no one's CPU. A worker's lookup of
+        the ps task in its own process never waits (its core would idle): it takes the lookups
+        waiting, or goes alone.
 
         A training lookup remembers the ids' slots for this session: the push that
         follows from the same worker (the same ids, as a rule) skips finding them again.
@@ -109,9 +156,12 @@ class TableShards:
             self._wait_for_step(entry, key, after_step, wait_s)
             if not create:
                 return entry.table.lookup(ids, create=False)
-            rows, slots = entry.table.lookup_distinct(ids, occurrences)
-            self._recent.__dict__[key] = (ids.clone(), slots, entry.table.generation)
-            return rows
+            if lookers > 1:
+                looked = _gathered(entry, ids, occurrences, after_step, lookers, gather_wait)
+            else:
+                looked = _Looked(*entry.table.lookup_distinct(ids, occurrences), entry.table.generation)
+            self._recent.__dict__[key] = (ids.clone(), looked.slots, looked.generation)
+            return looked.rows
 
     def push(self, key: str, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
              at_step: int | None = None, pushers: int = 1) -> None:
@@ -252,6 +302,78 @@ def _directory_name(key: str) -> str:
 def _failed_by(entry: _Entry, step: int) -> bool:
     """Whether global ``step`` will never be applied: the sum of an earlier or the same step failed."""
     return entry.failed is not None and entry.failed[0] <= step
+
+
+def _gathered(entry: _Entry, ids: torch.Tensor, occurrences: torch.Tensor, step: int, lookers: int,
+              may_wait: bool) -> _Looked:
+    """This lookup's part of one lookup of the workers' ids after global ``step`` (holding ``entry.lock``).
+
+    The last of the ``lookers`` to come looks up its ids with those of the lookups waiting; a
+    lookup that ``may_wait`` waits for it, and goes alone if it does not come within ``_GATHER_S``
+    (or the lookup together fails: each then meets its own error); one that may not goes alone
+    at once when no lookup waits and it is not the last."""
+    table = entry.table
+    if entry.gather_paused > 0:
+        entry.gather_paused -= 1
+        return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
+    group = entry.gathering.get(step)
+    if group is None:
+        for old in [s for s in entry.gathering if s < step]:  # steps whose lookups will not all come
+            del entry.gathering[old]
+        group = entry.gathering[step] = _Gathering()
+    group.came += 1
+    waiting = any(ask is not None for ask in group.asks)
+    if group.came >= lookers or (waiting and not may_wait):
+        if group.came >= lookers:
+            del entry.gathering[step]
+        if not waiting:
+            return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
+        if group.came < lookers:  # the lookups still to come gather apart from these
+            entry.gathering[step] = _Gathering(group.came)
+        group.asks.append((ids, occurrences))
+        entry.gather_misses = 0
+        try:
+            group.answers = _looked_up_together(table, group.asks)
+            return group.answers[-1]
+        except Exception:
+            group.failed = True
+        finally:
+            entry.applied.notify_all()
+        return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
+    if not may_wait:
+        return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
+    me = len(group.asks)
+    group.asks.append((ids, occurrences))
+    if entry.applied.wait_for(lambda: group.answers is not None or group.failed, timeout=_GATHER_S):
+        if group.answers is not None:
+            return group.answers[me]
+    else:  # the others' lookups did not come: this one goes alone
+        group.asks[me] = None
+        entry.gather_misses += 1
+        if entry.gather_misses >= _GATHER_MISSES_OFF:
+            entry.gather_misses, entry.gather_paused = 0, _GATHER_PAUSE
+    return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
+
+
+def _looked_up_together(table: LocalTable | TieredTable,
+                        asks: list[tuple[torch.Tensor, torch.Tensor] | None]) -> list[_Looked]:
+    """Each ask's rows and slots, from one lookup of all their ids (an id several asked for counted
+    with all of their occurrences). The ids are made in sorted order, whichever lookup came first."""
+    present = [ask for ask in asks if ask is not None]
+    ids, inverse = torch.unique(torch.cat([ask[0] for ask in present]), return_inverse=True)
+    occurrences = torch.cat([ask[1].to(torch.int64) for ask in present])
+    counts = torch.zeros(ids.numel(), dtype=torch.int64).index_add_(0, inverse, occurrences)
+    rows, slots = table.lookup_distinct(ids, counts)
+    generation = table.generation
+    answers, start = [], 0
+    for ask in asks:
+        if ask is None:
+            answers.append(_Looked(rows[:0], slots[:0], generation))  # went alone: never read
+            continue
+        where = inverse[start:start + ask[0].numel()]
+        start += ask[0].numel()
+        answers.append(_Looked(rows.index_select(0, where), slots.index_select(0, where), generation))
+    return answers
 
 
 def _apply(table: LocalTable | TieredTable, pushes: list[_Push], optimizer: RowOptimizer, at_step: int | None) -> None:

@@ -139,13 +139,18 @@ class PSClient:
             return link
 
     def exchange(self, requests: dict[int, tuple[Any, Sequence[torch.Tensor], Any]], *,
-                 wait: bool = True) -> dict[int, list[torch.Tensor]]:
+                 wait: bool = True, gathered: bool = False) -> dict[int, list[torch.Tensor]]:
         """Sends each ps task its request, then returns each reply's tensors.
 
         With ``wait=False`` (row pushes only: ``wire.ANSWERED_ON_FAILURE``) it returns once the
         requests are sent: a ps task answers such a request only if it fails, and then at this
         client's next request to it that has a reply, which raises the push's error.
         :meth:`settle` waits until they are applied.
+
+        ``gathered``: each ps task answers once every worker's request of the same kind came (a
+        synchronous job's training lookups, ``TableShards.rows``), so a request to a ps task
+        in this process is applied before the others' replies are read: theirs wait for this
+        worker's as this one waits for theirs.
 
         Raises:
             ParameterServerError: naming ``ps:K`` if it is gone or does not answer.
@@ -166,10 +171,11 @@ class PSClient:
             # others: their ps tasks work meanwhile. Applied after their replies when it has one
             # (a lookup): while this thread waits, its process serves the other workers' requests
             # to the same shard without queueing on the shard's lock behind this thread's own
-            # (the hybrid DLRM ran 1.03-1.15x faster so, 6 pairs: benchmarks/RESULTS.md).
+            # (the hybrid DLRM ran 1.03-1.15x faster so, 6 pairs: benchmarks/RESULTS.md), unless
+            # the requests are gathered.
             in_proc = [i for i in order if links[i].in_process]
             others = [i for i in order if i not in in_proc]
-            phases = [others, in_proc] if wait else [others + in_proc]
+            phases = [others, in_proc] if wait and not gathered else [others + in_proc]
             replies: dict[int, list[torch.Tensor]] = {}
             error: BaseException | None = None
             for phase in phases:

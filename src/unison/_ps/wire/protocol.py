@@ -69,14 +69,15 @@ __all__ = [
     "FunctionFailed", "WorkerRequest",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1; 3: a table
 export carries its policy parts, and ``TableCreate``'s config its admission and capacity; 4: delta
 checkpoints and serving exports of a table, and an export's ``removed`` ids; 5: a table config's disk tier, ``storage``,
 which an older ps task would drop, keeping every row in memory; 6: a table push's ``at_step``,
 the global step of a synchronous job's push; 7: row pushes have no reply unless they fail, and
 ``Failed.earlier``; 8: a synchronous push's ``pushers`` (the shard sums a global step's pushes and
-applies them once) and a lookup's ``after_step`` and ``wait_s``)."""
+applies them once) and a lookup's ``after_step`` and ``wait_s``; 9: a lookup's ``lookers``, whose lookups of
+a global step the shard makes as one)."""
 
 
 class ProtocolError(ValueError):
@@ -325,6 +326,7 @@ class TableRows(Request):
     create: bool
     after_step: int = 0  # answered once the shard applied this global step (the worker's pushes so far)...
     wait_s: float = 0.0  # ...waiting at most this long for the other workers' pushes of it
+    lookers: int = 1  # synchronous training: the workers whose lookups after that step the shard makes as one
 
 
 @_message

@@ -62,6 +62,8 @@ class RemoteTable:
             pushes of a step and applies the sum once (one device's update on the global batch),
             and a lookup waits until the shards applied every step this worker pushed, at most
             ``step_wait_s`` (then ``TimeoutError`` names the step and the pushes that came).
+            A training lookup asks every shard, and each shard makes the workers' lookups of a
+            step as one (one call's fixed cost instead of one per worker).
     """
 
     def __init__(self, key: str, num_shards: int, config: TableConfig,
@@ -126,11 +128,14 @@ class RemoteTable:
             occurrences = torch.ones_like(ids)
         self.traffic["rows"] += 1
         positions = self._split(ids)
-        asked = {k: where for k, where in enumerate(positions) if where.numel()}
+        # A synchronous job's training lookup asks every shard, with its ids there or none: each
+        # shard gathers every worker's lookup of the step and makes them as one (``TableShards.rows``)
+        lookers = self._pushers if create else 1
+        asked = {k: where for k, where in enumerate(positions) if where.numel() or lookers > 1}
         # index_select / index_copy_, not advanced indexing: 2-4x less per call on these sizes
-        replies = self._client().exchange({k: (wire.TableRows(self.key, create, *self._after_pushes()),
+        replies = self._client().exchange({k: (wire.TableRows(self.key, create, *self._after_pushes(), lookers),
                                                [ids.index_select(0, where), occurrences.index_select(0, where)],
-                                               None) for k, where in asked.items()})
+                                               None) for k, where in asked.items()}, gathered=lookers > 1)
         rows = torch.empty(ids.numel(), self.config.embedding_dim, dtype=self.config.dtype)
         for k, where in asked.items():
             rows.index_copy_(0, where, replies[k][0])
