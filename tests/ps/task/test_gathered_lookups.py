@@ -1,6 +1,7 @@
 """A ps task's table shard gathers a synchronous job's training lookups of a global step: the
 workers' lookups are made as one lookup of their ids together, with the rows, counts and slots
-each would have got alone; a lookup whose partners do not come goes alone."""
+each would have got alone; a lookup whose partners do not come goes alone. A worker's table
+asks every shard, so that no shard waits for a lookup that is not coming."""
 
 from __future__ import annotations
 
@@ -119,27 +120,6 @@ def test_each_worker_pushes_through_the_slots_its_part_of_the_lookup_found():
     torch.testing.assert_close(shards.rows("t", every, torch.ones(3, dtype=torch.int64), False), weight.detach())
 
 
-def test_a_worker_lookup_in_its_own_process_never_waits(calls):
-    # served in the worker's own thread: it takes the lookups waiting, or goes alone at once
-    shards = _shards()
-    own, other = torch.tensor([1, 2]), torch.tensor([2, 3])
-    shards.rows("t", own, torch.ones_like(own), True, lookers=2, gather_wait=False)
-    assert calls == [2]  # alone: no lookup waited
-    shards.rows("t", other, torch.ones_like(other), True, lookers=2)  # the step's last: alone, no wait
-    assert calls == [2, 2]
-    entry = shards._entries["t"]
-    assert entry.gather_misses == 0 and not entry.gathering
-
-    waiting, got = _in_thread(shards.rows, "t", other, torch.ones_like(other), True, after_step=0, lookers=2)
-    # the next global step's lookups: the other worker's comes first and waits for this one
-    _wait_until(lambda: _waiting(shards), "the session's lookup waits")
-    rows = shards.rows("t", own, torch.ones_like(own), True, lookers=2, gather_wait=False)
-    waiting.join(10)
-    assert calls == [2, 2, 3]
-    torch.testing.assert_close(rows, _made(own))
-    torch.testing.assert_close(got["value"], _made(other))
-
-
 def test_a_lookup_whose_partners_never_come_goes_alone_and_gathering_pauses_after_a_few(calls, monkeypatch):
     monkeypatch.setattr(table_shards, "_GATHER_S", 0.05)
     shards = _shards()
@@ -207,7 +187,8 @@ def test_a_synchronous_training_lookup_asks_every_shard_and_an_evaluation_one_on
     table.lookup(on_zero, create=False)
     asked, gathered = client.calls[-1]
     assert sorted(asked) == [0] and not gathered and asked[0][0].lookers == 1
-    alone = RemoteTable("u", 2, CONFIG, lambda: client)  # asynchronous: lookups are never gathered
-    alone.lookup(on_zero)
-    asked, gathered = client.calls[-1]
-    assert sorted(asked) == [0] and not gathered and asked[0][0].lookers == 1
+    for alone in (RemoteTable("u", 2, CONFIG, lambda: client),  # asynchronous: lookups are never gathered
+                  RemoteTable("v", 2, CONFIG, lambda: client, synchronous=True, pushers=3, gather_lookups=False)):
+        alone.lookup(on_zero)
+        asked, gathered = client.calls[-1]
+        assert sorted(asked) == [0] and not gathered and asked[0][0].lookers == 1

@@ -9,13 +9,10 @@ a socket session uses (so a failed row push answers the next request, as over a 
 the ps tasks of other processes work on their requests meanwhile), and a request with a
 reply only once the others have replied: meanwhile this process serves the other workers'
 requests to its shards, which would otherwise queue on a shard's lock behind this thread's.
-A synchronous job's training lookups are the exception: each shard gathers the workers'
-lookups of a step (``TableShards.rows``), so this worker's is applied before the others'
-replies are read, and takes the lookups waiting on its shard or goes alone, never waiting.
 
 The request's tensors are the caller's own: every handler reads them and keeps copies only
 (over a socket they are buffers reused by the next request). Dense pulls get tensors of
-their own (``new_session(in_process=True)``).
+their own (``new_session(reuse_pull_buffers=False)``).
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ class InProcessLink:
     def __init__(self, store: ParameterStore, peer: str):
         self.peer = peer
         self.lock = threading.Lock()
-        self._session = new_session(store, in_process=True)
+        self._session = new_session(store, reuse_pull_buffers=False)
         self._core = SessionCore(self._session)
         self._answer: tuple[Any, list[torch.Tensor]] | None = None
         self._closed = False

@@ -48,8 +48,7 @@ class _Session:
     tables: TableShards
     shared: MappedSegments
     pulled: dict[int, torch.Tensor]  # pull buffers, reused: each is sent before the next request
-    in_process: bool = False  # the peer is this process's own worker: it keeps what it pulled, and
-    # its training lookups never wait on a shard for the other workers' (``TableShards.rows``)
+    reuse_pulls: bool = True  # False for an in-process peer, which keeps what it pulled
 
 
 Handler = Callable[[_Session, Any, list[torch.Tensor]], list[torch.Tensor]]
@@ -63,7 +62,7 @@ def _create(s: _Session, h: wire.Create, tensors: list[torch.Tensor]) -> list[to
 
 def _pull(s: _Session, h: wire.Pull, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     reply = [s.store.read_into(k, s.pulled.get(i)) for i, k in enumerate(h.keys)]
-    if not s.in_process:
+    if s.reuse_pulls:
         s.pulled.update(enumerate(reply))
     return reply
 
@@ -127,8 +126,7 @@ def _table_create(s: _Session, h: wire.TableCreate, tensors: list[torch.Tensor])
 
 
 def _table_rows(s: _Session, h: wire.TableRows, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [s.tables.rows(h.key, tensors[0], tensors[1], h.create, h.after_step, h.wait_s, h.lookers,
-                          gather_wait=not s.in_process)]
+    return [s.tables.rows(h.key, tensors[0], tensors[1], h.create, h.after_step, h.wait_s, h.lookers)]
 
 
 def _table_push(s: _Session, h: wire.TablePush, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -205,11 +203,10 @@ _HANDLERS: dict[wire.RequestKind, Handler] = {
 """Every request kind's handler: ``handler(session, header, tensors) -> reply tensors``."""
 
 
-def new_session(store: ParameterStore, in_process: bool = False) -> _Session:
-    """What one peer's requests act on. ``in_process``: the peer is a worker in this process (every
-    dense pull gets a tensor of its own, which it keeps; over a socket one is sent before the next
-    request), whose thread is the one that would wait (``TableShards.rows``)."""
-    return _Session(store, store.tables, MappedSegments(), {}, in_process)
+def new_session(store: ParameterStore, reuse_pull_buffers: bool = True) -> _Session:
+    """What one peer's requests act on. ``reuse_pull_buffers=False``: every dense pull gets a tensor
+    of its own (an in-process peer keeps it; over a socket it is sent before the next request)."""
+    return _Session(store, store.tables, MappedSegments(), {}, reuse_pull_buffers)
 
 
 def serve_ps_session(store: ParameterStore, link: TensorLink) -> None:

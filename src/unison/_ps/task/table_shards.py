@@ -73,8 +73,8 @@ class _Gathering:
 
     __slots__ = ("came", "asks", "answers", "failed")
 
-    def __init__(self, came: int = 0) -> None:
-        self.came = came  # lookups of the step that came, gathered or gone alone
+    def __init__(self) -> None:
+        self.came = 0  # lookups of the step that came, gathered or gone alone
         self.asks: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # waiting; None: gave up, went alone
         self.answers: list[_Looked] | None = None
         self.failed = False  # the lookup together raised: each looks up alone, for its own error
@@ -135,7 +135,7 @@ class TableShards:
                                  f"asked for {config.describe()}; every worker must build the same model")
 
     def rows(self, key: str, ids: torch.Tensor, occurrences: torch.Tensor, create: bool, after_step: int = 0,
-             wait_s: float = 0.0, lookers: int = 1, gather_wait: bool = True) -> torch.Tensor:
+             wait_s: float = 0.0, lookers: int = 1) -> torch.Tensor:
         """Rows of distinct ``ids`` (made, and counted by ``occurrences``, when ``create``), once the shard
         applied global step ``after_step`` (waiting up to ``wait_s`` for the other workers' pushes of it).
 
@@ -143,10 +143,8 @@ class TableShards:
         up after the same global step): the workers' lookups of the step are gathered, and the
         shard looks up all of their ids at once. The same rows, counts and optimizer state as one
         after the other (new rows are made from their ids alone), for one call's fixed cost
-        instead of one per worker. A lookup waits for the others (up to ``_GATHER_S``) only where
-        ``gather_wait``: a session thread, whose wait costs no one's CPU. A worker's lookup of
-        the ps task in its own process never waits (its core would idle): it takes the lookups
-        waiting, or goes alone.
+        instead of one per worker. A lookup waits for the others up to ``_GATHER_S``, then goes
+        alone.
 
         A training lookup remembers the ids' slots for this session: the push that
         follows from the same worker (the same ids, as a rule) skips finding them again.
@@ -157,7 +155,7 @@ class TableShards:
             if not create:
                 return entry.table.lookup(ids, create=False)
             if lookers > 1:
-                looked = _gathered(entry, ids, occurrences, after_step, lookers, gather_wait)
+                looked = _gathered(entry, ids, occurrences, after_step, lookers)
             else:
                 looked = _Looked(*entry.table.lookup_distinct(ids, occurrences), entry.table.generation)
             self._recent.__dict__[key] = (ids.clone(), looked.slots, looked.generation)
@@ -304,14 +302,12 @@ def _failed_by(entry: _Entry, step: int) -> bool:
     return entry.failed is not None and entry.failed[0] <= step
 
 
-def _gathered(entry: _Entry, ids: torch.Tensor, occurrences: torch.Tensor, step: int, lookers: int,
-              may_wait: bool) -> _Looked:
+def _gathered(entry: _Entry, ids: torch.Tensor, occurrences: torch.Tensor, step: int, lookers: int) -> _Looked:
     """This lookup's part of one lookup of the workers' ids after global ``step`` (holding ``entry.lock``).
 
-    The last of the ``lookers`` to come looks up its ids with those of the lookups waiting; a
-    lookup that ``may_wait`` waits for it, and goes alone if it does not come within ``_GATHER_S``
-    (or the lookup together fails: each then meets its own error); one that may not goes alone
-    at once when no lookup waits and it is not the last."""
+    The last of the ``lookers`` to come looks up its ids with those of the lookups waiting; the
+    others wait for it, and go alone if it does not come within ``_GATHER_S`` (or the lookup
+    together fails: each then meets its own error)."""
     table = entry.table
     if entry.gather_paused > 0:
         entry.gather_paused -= 1
@@ -322,14 +318,10 @@ def _gathered(entry: _Entry, ids: torch.Tensor, occurrences: torch.Tensor, step:
             del entry.gathering[old]
         group = entry.gathering[step] = _Gathering()
     group.came += 1
-    waiting = any(ask is not None for ask in group.asks)
-    if group.came >= lookers or (waiting and not may_wait):
-        if group.came >= lookers:
-            del entry.gathering[step]
-        if not waiting:
+    if group.came >= lookers:
+        del entry.gathering[step]
+        if not any(ask is not None for ask in group.asks):  # the others went alone
             return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
-        if group.came < lookers:  # the lookups still to come gather apart from these
-            entry.gathering[step] = _Gathering(group.came)
         group.asks.append((ids, occurrences))
         entry.gather_misses = 0
         try:
@@ -339,8 +331,6 @@ def _gathered(entry: _Entry, ids: torch.Tensor, occurrences: torch.Tensor, step:
             group.failed = True
         finally:
             entry.applied.notify_all()
-        return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
-    if not may_wait:
         return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
     me = len(group.asks)
     group.asks.append((ids, occurrences))
