@@ -20,12 +20,11 @@ Semantics:
   ps task applied step ``t - 1``, so it sees every worker's pushes before it: the rows are
   one device's on the global batch, up to the order of floating-point sums (the wait is
   short: the dense all-reduce of step ``t - 1`` has every worker's push of it under way).
-  With ps tasks in processes of their own, each ps task also gathers the workers' pulls of a
-  step and looks up their ids as one lookup (one device's lookup of the global batch, which
-  costs one call's fixed cost instead of one per worker; in processes of their own, the
-  waiting costs no worker's CPU). Under ``--ps-in-workers`` a worker's pull of the ps task in
-  its own process is served after the others' replies, which gathering could not keep, so
-  the pulls go one by one there (measured: ``benchmarks/RESULTS.md``).
+  Each ps task gathers the workers' pulls of a step and looks their ids up as one lookup (as
+  one device looks up the global batch: one call's fixed cost instead of one per worker).
+  Under ``--ps-in-workers`` a worker posts its pull of the ps task in its own process before
+  it waits for the others' replies and takes its rows after them, so its process's session
+  threads look it up with the other workers' pulls meanwhile.
   ``join_pushes()`` waits for every worker's pushes (before a checkpoint or evaluation).
   The shard's clock moves once per global step: eviction's steps, last-seen steps and
   SparseAdam's step count ``t`` are one device's on the global batch. A worker that stops
@@ -73,7 +72,6 @@ import torch
 
 from unison._cluster.base import ClusterResolver
 from unison._cluster.detect import detect_cluster_resolver
-from unison._cluster.env import ps_in_workers
 from unison._collectives.ops.collective import CollectiveAllReduce
 from unison._collectives.options import CommunicationOptions
 from unison._coordinator.channel import require_authkey
@@ -148,8 +146,7 @@ class HybridParameterServerStrategy(Strategy):
         tables = RemoteTables(len(self._ps_addresses), self._ps_client, prefix="hybrid:",
                               grad_scale=self._row_grad_scale, after_load=self._barrier,
                               writer=lambda: self.extended.components.cluster.is_chief, synchronous=True,
-                              pushers=trainers, step_wait_s=_STEP_WAIT_SHARE * self._timeout,
-                              gather_lookups=not ps_in_workers())
+                              pushers=trainers, step_wait_s=_STEP_WAIT_SHARE * self._timeout)
         super().__init__(dataclasses.replace(collective_components(self, cluster, chosen, options), tables=tables))
 
     @property

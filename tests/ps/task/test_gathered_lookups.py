@@ -1,7 +1,8 @@
 """A ps task's table shard gathers a synchronous job's training lookups of a global step: the
 workers' lookups are made as one lookup of their ids together, with the rows, counts and slots
 each would have got alone; a lookup whose partners do not come goes alone. A worker's table
-asks every shard, so that no shard waits for a lookup that is not coming."""
+asks every shard, so that no shard waits for a lookup that is not coming; a worker's lookup of
+the ps task in its own process is posted, and taken after the other ps tasks' replies."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ from collections import Counter
 import pytest
 import torch
 
-from unison._embeddings.optim.row_optimizers import RowAdagrad
+from unison._embeddings.optim.row_optimizers import RowAdagrad, RowSGD
+from unison._embeddings.tables.id_hashing import shard_of
 from unison._embeddings.tables.initializers import Uniform
 from unison._embeddings.tables.local_table import LocalTable
 from unison._embeddings.tables.table import TableConfig
 from unison._ps.task import table_shards
+from unison._ps.task.in_process_link import InProcessLink
+from unison._ps.task.parameter_store import ParameterStore
 from unison._ps.task.table_shards import TableShards
+from unison._ps.wire import protocol as wire
+from unison._ps.worker.remote_table import RemoteTable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,9 +178,6 @@ class _RecordingClient:
 
 
 def test_a_synchronous_training_lookup_asks_every_shard_and_an_evaluation_one_only_those_it_needs():
-    from unison._embeddings.tables.id_hashing import shard_of
-    from unison._ps.worker.remote_table import RemoteTable
-
     client = _RecordingClient()
     table = RemoteTable("t", 2, CONFIG, lambda: client, synchronous=True, pushers=3)
     candidates = torch.arange(100)
@@ -187,8 +190,65 @@ def test_a_synchronous_training_lookup_asks_every_shard_and_an_evaluation_one_on
     table.lookup(on_zero, create=False)
     asked, gathered = client.calls[-1]
     assert sorted(asked) == [0] and not gathered and asked[0][0].lookers == 1
-    for alone in (RemoteTable("u", 2, CONFIG, lambda: client),  # asynchronous: lookups are never gathered
-                  RemoteTable("v", 2, CONFIG, lambda: client, synchronous=True, pushers=3, gather_lookups=False)):
-        alone.lookup(on_zero)
-        asked, gathered = client.calls[-1]
-        assert sorted(asked) == [0] and not gathered and asked[0][0].lookers == 1
+    alone = RemoteTable("u", 2, CONFIG, lambda: client)  # asynchronous: lookups are never gathered
+    alone.lookup(on_zero)
+    asked, gathered = client.calls[-1]
+    assert sorted(asked) == [0] and not gathered and asked[0][0].lookers == 1
+
+
+def test_a_lookup_posted_before_the_others_come_is_looked_up_with_theirs_and_taken_after(calls):
+    # a worker that serves this ps task in its own process posts its lookup, waits for the other
+    # ps tasks' replies, then takes it; meanwhile another worker's lookup came and took it along
+    shards = _shards()
+    mine, theirs = torch.tensor([1, 2]), torch.tensor([2, 3])
+    posted = shards.post_rows("t", mine, torch.tensor([1, 4]), 0, 1.0, 2)
+    assert calls == []  # posted: nothing looked up yet
+    rows = shards.rows("t", theirs, torch.tensor([1, 1]), True, lookers=2)  # the step's last: both, at once
+    assert calls == [3]
+    torch.testing.assert_close(rows, _made(theirs))
+    torch.testing.assert_close(shards.take_rows(posted), _made(mine))
+    assert calls == [3]
+    assert shards.export("t")["counts"].tolist() == [1, 4 + 1, 1]
+
+
+def test_a_lookup_posted_last_looks_up_the_waiting_ones_at_once(calls):
+    shards = _shards()
+    mine, theirs = torch.tensor([4]), torch.tensor([4, 5])
+    waiting, got = _in_thread(shards.rows, "t", theirs, torch.ones(2, dtype=torch.int64), True, lookers=2)
+    _wait_until(lambda: _waiting(shards), "the other worker's lookup waits")
+    posted = shards.post_rows("t", mine, torch.ones(1, dtype=torch.int64), 0, 1.0, 2)
+    waiting.join(10)
+    assert calls == [2]
+    torch.testing.assert_close(got["value"], _made(theirs))
+    torch.testing.assert_close(shards.take_rows(posted), _made(mine))
+    assert calls == [2]
+
+
+def test_a_posted_lookup_whose_partner_is_late_is_taken_alone_and_the_partner_does_not_wait(calls):
+    shards = _shards()
+    mine, theirs = torch.tensor([1]), torch.tensor([2])
+    posted = shards.post_rows("t", mine, torch.ones(1, dtype=torch.int64), 0, 1.0, 2)
+    torch.testing.assert_close(shards.take_rows(posted), _made(mine))  # the other's has not come
+    shards.rows("t", theirs, torch.ones(1, dtype=torch.int64), True, lookers=2)  # the last: alone, no wait
+    assert calls == [1, 1]
+    entry = shards._entries["t"]
+    assert entry.gather_misses == 0 and not entry.gathering
+
+
+def test_the_in_process_link_posts_a_gathered_lookup_at_send_and_takes_it_at_recv(calls):
+    store = ParameterStore()
+    link = InProcessLink(store, "ps:0")
+    link.request(wire.TableCreate("t", CONFIG))
+    mine, theirs = torch.tensor([1, 2]), torch.tensor([2, 3])
+    link.send(wire.TableRows("t", True, 0, 1.0, 2), [mine, torch.ones(2, dtype=torch.int64)])
+    assert calls == []
+    store.tables.rows("t", theirs, torch.ones(2, dtype=torch.int64), True, lookers=2)  # another worker's
+    header, (rows,) = link.recv()
+    assert isinstance(header, wire.Ok) and calls == [3]
+    torch.testing.assert_close(rows, _made(mine))
+    # a push that failed is still reported at the next request with a reply, which is not applied
+    link.send(wire.TablePush("t", RowSGD(lr=1.0), None), [torch.tensor([1]), torch.ones(3, 4)])  # bad shapes
+    link.send(wire.TableRows("t", True, 0, 1.0, 2), [torch.tensor([7]), torch.ones(1, dtype=torch.int64)])
+    header, _ = link.recv()
+    assert isinstance(header, wire.Failed) and header.earlier
+    assert 7 not in store.tables.export("t")["ids"].tolist()

@@ -18,7 +18,7 @@ their own (``new_session(reuse_pull_buffers=False)``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ class InProcessLink:
         self._session = new_session(store, reuse_pull_buffers=False)
         self._core = SessionCore(self._session)
         self._answer: tuple[Any, list[torch.Tensor]] | None = None
+        self._later: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None  # a posted lookup's answer
         self._closed = False
 
     def send(self, header: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
@@ -54,7 +55,11 @@ class InProcessLink:
         """
         if self._closed:
             raise EOFError(f"{self.peer} is no longer served in this process")
-        answer = self._core.answer(header, [t.detach() for t in tensors])
+        tensors = [t.detach() for t in tensors]
+        self._later = self._core.post(header, tensors)  # a gathered lookup: taken in recv
+        if self._later is not None:
+            return
+        answer = self._core.answer(header, tensors)
         if answer is not None:
             self._answer = answer
 
@@ -65,6 +70,8 @@ class InProcessLink:
         Raises:
             EOFError: if no request is waiting for its answer (the link was closed).
         """
+        if self._later is not None:
+            self._answer, self._later = self._later(), None
         if self._answer is None:
             raise EOFError(f"{self.peer}: no answer is waiting on this in-process link")
         header, tensors = self._answer
@@ -84,5 +91,5 @@ class InProcessLink:
     def close(self) -> None:
         """Ends the link: later requests raise EOFError (as a closed socket's)."""
         self._closed = True
-        self._answer = None
+        self._answer = self._later = None
         self._session.shared.close()

@@ -239,6 +239,27 @@ class SessionCore:
         self._ok = wire.Ok()
         self._failed: wire.Failed | None = None  # an unanswered push's failure, not reported yet
 
+    def post(self, header: Any,
+             tensors: list[torch.Tensor]) -> Callable[[], tuple[wire.Ok | wire.Failed, list[torch.Tensor]]] | None:
+        """A gathered training lookup (``TableRows`` with ``lookers`` > 1) posted to its shard now
+        (``TableShards.post_rows``), and a call that takes its answer later; None for any other
+        request, or while a push's failure waits to be reported (:meth:`answer` it)."""
+        if type(header) is not wire.TableRows or not header.create or header.lookers <= 1 or self._failed is not None:
+            return None
+        try:
+            posted = self._session.tables.post_rows(header.key, tensors[0], tensors[1], header.after_step,
+                                                    header.wait_s, header.lookers)
+        except Exception as e:  # as answer() would: the requester raises it
+            failed: tuple[wire.Failed, list[torch.Tensor]] = (wire.Failed(e, traceback.format_exc()), [])
+            return lambda: failed
+
+        def take() -> tuple[wire.Ok | wire.Failed, list[torch.Tensor]]:
+            try:
+                return self._ok, [self._session.tables.take_rows(posted)]
+            except Exception as e:
+                return wire.Failed(e, traceback.format_exc()), []
+        return take
+
     def answer(self, header: Any,
                tensors: list[torch.Tensor]) -> tuple[wire.Ok | wire.Failed, list[torch.Tensor]] | None:
         """Applies one request; its answer and reply tensors, or None when it has none."""

@@ -80,6 +80,18 @@ class _Gathering:
         self.failed = False  # the lookup together raised: each looks up alone, for its own error
 
 
+class _Posted(NamedTuple):
+    """A training lookup posted to its shard (:meth:`TableShards.post_rows`), to be taken later."""
+
+    key: str
+    ids: torch.Tensor
+    occurrences: torch.Tensor
+    after_step: int
+    wait_s: float
+    group: _Gathering | None  # where it waits to be looked up with the others; None: not gathered
+    place: int  # its place in ``group.asks``
+
+
 class _Entry:
     __slots__ = ("config", "place", "table", "lock", "applied", "pending", "failed", "gathering", "gather_misses",
                  "gather_paused")
@@ -159,6 +171,50 @@ class TableShards:
             else:
                 looked = _Looked(*entry.table.lookup_distinct(ids, occurrences), entry.table.generation)
             self._recent.__dict__[key] = (ids.clone(), looked.slots, looked.generation)
+            return looked.rows
+
+    def post_rows(self, key: str, ids: torch.Tensor, occurrences: torch.Tensor, after_step: int, wait_s: float,
+                  lookers: int) -> _Posted:
+        """A training lookup of ``lookers`` > 1 (as :meth:`rows`), posted without waiting: the other
+        workers' lookups of the step look its ids up with theirs when they come, and
+        :meth:`take_rows` hands its rows out later. A worker that serves this ps task in its
+        own process posts its lookup here before it waits for the other ps tasks' replies, and
+        takes it after them: meanwhile this process's session threads serve the other workers'
+        lookups, and with them its own. One it posts last is looked up at once, with theirs.
+        """
+        entry = self._entry(key)
+        with entry.lock:
+            if entry.gather_paused > 0:
+                return _Posted(key, ids, occurrences, after_step, wait_s, None, -1)
+            group = _group(entry, after_step)
+            group.came += 1
+            group.asks.append((ids, occurrences))
+            if group.came >= lookers:
+                del entry.gathering[after_step]
+                try:
+                    self._wait_for_step(entry, key, after_step, wait_s)
+                except BaseException:
+                    group.failed = True  # the lookups waiting go alone, and meet the same error
+                    entry.applied.notify_all()
+                    raise
+                _look_up_gathered(entry, group)
+            return _Posted(key, ids, occurrences, after_step, wait_s, group, len(group.asks) - 1)
+
+    def take_rows(self, posted: _Posted) -> torch.Tensor:
+        """The rows of a lookup :meth:`post_rows` posted: from the lookup of the step's lookups together
+        where it was made, else looked up alone now (the others' lookups have not come: they go
+        alone too, without waiting for it)."""
+        entry = self._entry(posted.key)
+        with entry.lock:
+            group = posted.group
+            if group is not None and group.answers is not None:
+                looked = group.answers[posted.place]
+            else:
+                if group is not None:
+                    group.asks[posted.place] = None
+                self._wait_for_step(entry, posted.key, posted.after_step, posted.wait_s)
+                looked = _Looked(*entry.table.lookup_distinct(posted.ids, posted.occurrences), entry.table.generation)
+            self._recent.__dict__[posted.key] = (posted.ids.clone(), looked.slots, looked.generation)
             return looked.rows
 
     def push(self, key: str, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
@@ -302,6 +358,29 @@ def _failed_by(entry: _Entry, step: int) -> bool:
     return entry.failed is not None and entry.failed[0] <= step
 
 
+def _group(entry: _Entry, step: int) -> _Gathering:
+    """The gathering of the lookups after global ``step`` (those of earlier steps dropped: they will
+    not all come)."""
+    group = entry.gathering.get(step)
+    if group is None:
+        for old in [s for s in entry.gathering if s < step]:
+            del entry.gathering[old]
+        group = entry.gathering[step] = _Gathering()
+    return group
+
+
+def _look_up_gathered(entry: _Entry, group: _Gathering) -> None:
+    """Looks up the asks of a complete gathering together (alone where only one is left), and wakes
+    those waiting; on an error each of them looks up alone, to meet its own."""
+    entry.gather_misses = 0
+    try:
+        group.answers = _looked_up_together(entry.table, group.asks)
+    except Exception:
+        group.failed = True
+    finally:
+        entry.applied.notify_all()
+
+
 def _gathered(entry: _Entry, ids: torch.Tensor, occurrences: torch.Tensor, step: int, lookers: int) -> _Looked:
     """This lookup's part of one lookup of the workers' ids after global ``step`` (holding ``entry.lock``).
 
@@ -312,36 +391,20 @@ def _gathered(entry: _Entry, ids: torch.Tensor, occurrences: torch.Tensor, step:
     if entry.gather_paused > 0:
         entry.gather_paused -= 1
         return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
-    group = entry.gathering.get(step)
-    if group is None:
-        for old in [s for s in entry.gathering if s < step]:  # steps whose lookups will not all come
-            del entry.gathering[old]
-        group = entry.gathering[step] = _Gathering()
+    group = _group(entry, step)
     group.came += 1
-    if group.came >= lookers:
-        del entry.gathering[step]
-        if not any(ask is not None for ask in group.asks):  # the others went alone
-            return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
-        group.asks.append((ids, occurrences))
-        entry.gather_misses = 0
-        try:
-            group.answers = _looked_up_together(table, group.asks)
-            return group.answers[-1]
-        except Exception:
-            group.failed = True
-        finally:
-            entry.applied.notify_all()
-        return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
     me = len(group.asks)
     group.asks.append((ids, occurrences))
-    if entry.applied.wait_for(lambda: group.answers is not None or group.failed, timeout=_GATHER_S):
-        if group.answers is not None:
-            return group.answers[me]
-    else:  # the others' lookups did not come: this one goes alone
-        group.asks[me] = None
+    if group.came >= lookers:
+        del entry.gathering[step]
+        _look_up_gathered(entry, group)
+    elif not entry.applied.wait_for(lambda: group.answers is not None or group.failed, timeout=_GATHER_S):
+        group.asks[me] = None  # the others' lookups did not come: this one goes alone
         entry.gather_misses += 1
         if entry.gather_misses >= _GATHER_MISSES_OFF:
             entry.gather_misses, entry.gather_paused = 0, _GATHER_PAUSE
+    if group.answers is not None:
+        return group.answers[me]
     return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
 
 

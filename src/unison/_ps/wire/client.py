@@ -147,10 +147,10 @@ class PSClient:
         client's next request to it that has a reply, which raises the push's error.
         :meth:`settle` waits until they are applied.
 
-        ``gathered``: each ps task answers once every worker's request of the same kind came (a
-        synchronous job's training lookups, ``TableShards.rows``), so a request to a ps task
-        in this process is applied before the others' replies are read: theirs wait for this
-        worker's as this one waits for theirs.
+        ``gathered``: each ps task looks up every worker's request of the step together (a
+        synchronous job's training lookups, ``TableShards.rows``), so a request to a ps task in
+        this process is posted there before the others' replies are read (the other workers'
+        requests to it wait for it) and taken after them (``TableShards.post_rows``).
 
         Raises:
             ParameterServerError: naming ``ps:K`` if it is gone or does not answer.
@@ -171,8 +171,8 @@ class PSClient:
             # others: their ps tasks work meanwhile. Applied after their replies when it has one
             # (a lookup): while this thread waits, its process serves the other workers' requests
             # to the same shard without queueing on the shard's lock behind this thread's own
-            # (the hybrid DLRM ran 1.03-1.15x faster so, 6 pairs: benchmarks/RESULTS.md), unless
-            # the requests are gathered.
+            # (the hybrid DLRM ran 1.03-1.15x faster so, 6 pairs: benchmarks/RESULTS.md). A gathered
+            # lookup is posted as it is sent, and taken after the others' replies, the same way.
             in_proc = [i for i in order if links[i].in_process]
             others = [i for i in order if i not in in_proc]
             phases = [others, in_proc] if wait and not gathered else [others + in_proc]

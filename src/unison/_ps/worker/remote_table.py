@@ -62,16 +62,15 @@ class RemoteTable:
             pushes of a step and applies the sum once (one device's update on the global batch),
             and a lookup waits until the shards applied every step this worker pushed, at most
             ``step_wait_s`` (then ``TimeoutError`` names the step and the pushes that came).
-        gather_lookups: synchronous: a training lookup asks every shard, and each shard makes
-            the workers' lookups of a step as one (one call's fixed cost instead of one per
-            worker). Every worker of a job must agree on it.
+            A training lookup asks every shard, and each shard makes the workers' lookups of a
+            step as one (one call's fixed cost instead of one per worker).
     """
 
     def __init__(self, key: str, num_shards: int, config: TableConfig,
                  client: Callable[[], PSClient], *,
                  grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
                  writer: Callable[[], bool] | None = None, synchronous: bool = False, pushers: int = 1,
-                 step_wait_s: float = 30.0, gather_lookups: bool = True):
+                 step_wait_s: float = 30.0):
         self.key, self.num_shards, self.config = key, num_shards, config
         self._client_source = client
         self._grad_scale = grad_scale
@@ -80,7 +79,6 @@ class RemoteTable:
         self._synchronous = synchronous
         self._pushers = pushers if synchronous else 1
         self._step_wait_s = step_wait_s
-        self._lookers = self._pushers if gather_lookups else 1  # a training lookup's ``TableRows.lookers``
         self._global_step = 0  # synchronous: the global steps pushed so far
         self.traffic = {"rows": 0, "pooled": 0}
         """Lookups made here so far, by kind: distinct rows pulled, or bags pooled on the ps tasks."""
@@ -89,8 +87,7 @@ class RemoteTable:
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "num_shards": self.num_shards, "config": self.config, "_client_source": WORKER_CLIENT,
                 "_grad_scale": None, "_after_load": None, "_writer": None, "traffic": {"rows": 0, "pooled": 0},
-                "_last_split": None, "_synchronous": False, "_global_step": 0, "_pushers": 1, "_step_wait_s": 30.0,
-                "_lookers": 1}
+                "_last_split": None, "_synchronous": False, "_global_step": 0, "_pushers": 1, "_step_wait_s": 30.0}
 
     @property
     def embedding_dim(self) -> int:
@@ -133,7 +130,7 @@ class RemoteTable:
         positions = self._split(ids)
         # A synchronous job's training lookup asks every shard, with its ids there or none: each
         # shard gathers every worker's lookup of the step and makes them as one (``TableShards.rows``)
-        lookers = self._lookers if create else 1
+        lookers = self._pushers if create else 1
         asked = {k: where for k, where in enumerate(positions) if where.numel() or lookers > 1}
         # index_select / index_copy_, not advanced indexing: 2-4x less per call on these sizes
         replies = self._client().exchange({k: (wire.TableRows(self.key, create, *self._after_pushes(), lookers),
@@ -343,18 +340,16 @@ class RemoteTables:
     def __init__(self, num_shards: int, client: Callable[[], PSClient], *, prefix: str = "",
                  grad_scale: Callable[[], float] | None = None, after_load: Callable[[], None] | None = None,
                  writer: Callable[[], bool] | None = None, synchronous: bool = False, pushers: int = 1,
-                 step_wait_s: float = 30.0, gather_lookups: bool = True):
+                 step_wait_s: float = 30.0):
         self._num_shards, self._client, self._prefix = num_shards, client, prefix
         self._grad_scale, self._after_load, self._writer = grad_scale, after_load, writer
         self._synchronous, self._pushers, self._step_wait_s = synchronous, pushers, step_wait_s
-        self._gather_lookups = gather_lookups
         self._ids = itertools.count()
 
     def create_table(self, config: TableConfig) -> RemoteTable:
         """A table on every ps task, made there now or found there (the same key on every worker)."""
         table = RemoteTable(f"{self._prefix}{next(self._ids)}:dynamic_table", self._num_shards, config, self._client,
                             grad_scale=self._grad_scale, after_load=self._after_load, writer=self._writer,
-                            synchronous=self._synchronous, pushers=self._pushers, step_wait_s=self._step_wait_s,
-                            gather_lookups=self._gather_lookups)
+                            synchronous=self._synchronous, pushers=self._pushers, step_wait_s=self._step_wait_s)
         table.create()
         return table
