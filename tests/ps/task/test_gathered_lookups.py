@@ -252,3 +252,18 @@ def test_the_in_process_link_posts_a_gathered_lookup_at_send_and_takes_it_at_rec
     header, _ = link.recv()
     assert isinstance(header, wire.Failed) and header.earlier
     assert 7 not in store.tables.export("t")["ids"].tolist()
+
+
+def test_a_load_drops_the_lookups_gathered_before_it(calls):
+    # a lookup posted and never taken (its request failed on another ps task) must not be counted
+    # again by a lookup of the same step number after a restore
+    shards = _shards()
+    ids = torch.tensor([1, 2])
+    shards.rows("t", ids, torch.ones_like(ids), True)
+    export = shards.export("t")
+    shards.post_rows("t", ids, torch.tensor([5, 5]), 0, 1.0, 2)  # never taken
+    shards.load("t", export, 0, 1)
+    calls.clear()
+    shards.post_rows("t", ids, torch.ones_like(ids), 0, 1.0, 2)
+    assert calls == [] and shards._entries["t"].gathering[0].came == 1
+    assert shards.export("t")["counts"].tolist() == export["counts"].tolist()

@@ -9,6 +9,9 @@ a socket session uses (so a failed row push answers the next request, as over a 
 the ps tasks of other processes work on their requests meanwhile), and a request with a
 reply only once the others have replied: meanwhile this process serves the other workers'
 requests to its shards, which would otherwise queue on a shard's lock behind this thread's.
+A synchronous job's training lookup (``TableRows.lookers`` > 1) is posted to its shard at
+``send`` and taken at ``recv`` (``TableShards.post_rows``): meanwhile the session threads of
+this process look it up with the other workers' lookups of the step.
 
 The request's tensors are the caller's own: every handler reads them and keeps copies only
 (over a socket they are buffers reused by the next request). Dense pulls get tensors of

@@ -306,6 +306,7 @@ class TableShards:
         with entry.lock:
             entry.table.load(export, shard=shard, num_shards=num_shards)
             entry.pending.clear()  # pushes of steps before the checkpoint's clock, or of a run that ended
+            entry.gathering.clear()  # and lookups (the steps count from the checkpoint's now)
             entry.failed = None
             entry.applied.notify_all()
 
@@ -328,6 +329,7 @@ class TableShards:
         with entry.lock:
             entry.table.apply_delta(delta, shard=shard, num_shards=num_shards, expect=expect)
             entry.pending.clear()
+            entry.gathering.clear()
             entry.failed = None
             entry.applied.notify_all()
 
