@@ -203,6 +203,23 @@ _HANDLERS: dict[wire.RequestKind, Handler] = {
 """Every request kind's handler: ``handler(session, header, tensors) -> reply tensors``."""
 
 
+def _post_table_rows(s: _Session, h: wire.TableRows,
+                     tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]] | None:
+    if not h.create or h.lookers <= 1:
+        return None  # not gathered: answered as it comes
+    posted = s.tables.post_rows(h.key, tensors[0], tensors[1], h.after_step, h.wait_s, h.lookers)
+    return lambda: [s.tables.take_rows(posted)]
+
+
+_POSTERS: dict[wire.RequestKind, Callable[[_Session, Any, list[torch.Tensor]],
+                                          Callable[[], list[torch.Tensor]] | None]] = {
+    wire.RequestKind.TABLE_ROWS: _post_table_rows,
+}
+"""Request kinds an in-process peer may post (``SessionCore.post``): ``poster(session, header, tensors)``
+posts the request and returns a call that takes its reply tensors later, or None where this request
+is answered as it comes."""
+
+
 def new_session(store: ParameterStore, reuse_pull_buffers: bool = True) -> _Session:
     """What one peer's requests act on. ``reuse_pull_buffers=False``: every dense pull gets a tensor
     of its own (an in-process peer keeps it; over a socket it is sent before the next request)."""
@@ -241,24 +258,32 @@ class SessionCore:
 
     def post(self, header: Any,
              tensors: list[torch.Tensor]) -> Callable[[], tuple[wire.Ok | wire.Failed, list[torch.Tensor]]] | None:
-        """A gathered training lookup (``TableRows`` with ``lookers`` > 1) posted to its shard now
-        (``TableShards.post_rows``), and a call that takes its answer later; None for any other
-        request, or while a push's failure waits to be reported (:meth:`answer` it)."""
-        if type(header) is not wire.TableRows or not header.create or header.lookers <= 1 or self._failed is not None:
+        """A request its kind's poster (``_POSTERS``: a gathered training lookup) posts to its shard now,
+        and a call that takes its answer later; None for any other request, or while a push's
+        failure waits to be reported (:meth:`answer` it)."""
+        if self._failed is not None:
             return None
         try:
-            posted = self._session.tables.post_rows(header.key, tensors[0], tensors[1], header.after_step,
-                                                    header.wait_s, header.lookers)
+            request = wire.check_request(header)
+        except wire.ProtocolError:
+            return None  # answer() reports what came
+        poster = _POSTERS.get(request.KIND)
+        if poster is None:
+            return None
+        try:
+            take = poster(self._session, request, tensors)
         except Exception as e:  # as answer() would: the requester raises it
             failed: tuple[wire.Failed, list[torch.Tensor]] = (wire.Failed(e, traceback.format_exc()), [])
             return lambda: failed
+        if take is None:
+            return None
 
-        def take() -> tuple[wire.Ok | wire.Failed, list[torch.Tensor]]:
+        def answer_later() -> tuple[wire.Ok | wire.Failed, list[torch.Tensor]]:
             try:
-                return self._ok, [self._session.tables.take_rows(posted)]
+                return self._ok, take()
             except Exception as e:
                 return wire.Failed(e, traceback.format_exc()), []
-        return take
+        return answer_later
 
     def answer(self, header: Any,
                tensors: list[torch.Tensor]) -> tuple[wire.Ok | wire.Failed, list[torch.Tensor]] | None:

@@ -89,7 +89,7 @@ class _Posted(NamedTuple):
     after_step: int
     wait_s: float
     group: _Gathering | None  # where it waits to be looked up with the others; None: not gathered
-    place: int  # its place in ``group.asks``
+    position: int  # its ask's index in ``group.asks``
 
 
 class _Entry:
@@ -184,13 +184,10 @@ class TableShards:
         """
         entry = self._entry(key)
         with entry.lock:
-            if entry.gather_paused > 0:
+            if entry.gather_paused > 0:  # counted down by the session threads' lookups
                 return _Posted(key, ids, occurrences, after_step, wait_s, None, -1)
-            group = _group(entry, after_step)
-            group.came += 1
-            group.asks.append((ids, occurrences))
-            if group.came >= lookers:
-                del entry.gathering[after_step]
+            group, position, last = _join(entry, after_step, (ids, occurrences), lookers)
+            if last:
                 try:
                     self._wait_for_step(entry, key, after_step, wait_s)
                 except BaseException:
@@ -198,7 +195,7 @@ class TableShards:
                     entry.applied.notify_all()
                     raise
                 _look_up_gathered(entry, group)
-            return _Posted(key, ids, occurrences, after_step, wait_s, group, len(group.asks) - 1)
+            return _Posted(key, ids, occurrences, after_step, wait_s, group, position)
 
     def take_rows(self, posted: _Posted) -> torch.Tensor:
         """The rows of a lookup :meth:`post_rows` posted: from the lookup of the step's lookups together
@@ -208,10 +205,10 @@ class TableShards:
         with entry.lock:
             group = posted.group
             if group is not None and group.answers is not None:
-                looked = group.answers[posted.place]
+                looked = group.answers[posted.position]
             else:
                 if group is not None:
-                    group.asks[posted.place] = None
+                    group.asks[posted.position] = None
                 self._wait_for_step(entry, posted.key, posted.after_step, posted.wait_s)
                 looked = _Looked(*entry.table.lookup_distinct(posted.ids, posted.occurrences), entry.table.generation)
             self._recent.__dict__[posted.key] = (posted.ids.clone(), looked.slots, looked.generation)
@@ -360,15 +357,22 @@ def _failed_by(entry: _Entry, step: int) -> bool:
     return entry.failed is not None and entry.failed[0] <= step
 
 
-def _group(entry: _Entry, step: int) -> _Gathering:
-    """The gathering of the lookups after global ``step`` (those of earlier steps dropped: they will
-    not all come)."""
+def _join(entry: _Entry, step: int, ask: tuple[torch.Tensor, torch.Tensor],
+          lookers: int) -> tuple[_Gathering, int, bool]:
+    """Adds a lookup after global ``step`` to its gathering (the gatherings of earlier steps dropped:
+    their lookups will not all come); the gathering, the ask's index in it, and whether it is the
+    last of the ``lookers`` to come (the gathering is then closed: its caller looks them up)."""
     group = entry.gathering.get(step)
     if group is None:
         for old in [s for s in entry.gathering if s < step]:
             del entry.gathering[old]
         group = entry.gathering[step] = _Gathering()
-    return group
+    group.came += 1
+    group.asks.append(ask)
+    last = group.came >= lookers
+    if last:
+        del entry.gathering[step]
+    return group, len(group.asks) - 1, last
 
 
 def _look_up_gathered(entry: _Entry, group: _Gathering) -> None:
@@ -393,12 +397,8 @@ def _gathered(entry: _Entry, ids: torch.Tensor, occurrences: torch.Tensor, step:
     if entry.gather_paused > 0:
         entry.gather_paused -= 1
         return _Looked(*table.lookup_distinct(ids, occurrences), table.generation)
-    group = _group(entry, step)
-    group.came += 1
-    me = len(group.asks)
-    group.asks.append((ids, occurrences))
-    if group.came >= lookers:
-        del entry.gathering[step]
+    group, me, last = _join(entry, step, (ids, occurrences), lookers)
+    if last:
         _look_up_gathered(entry, group)
     elif not entry.applied.wait_for(lambda: group.answers is not None or group.failed, timeout=_GATHER_S):
         group.asks[me] = None  # the others' lookups did not come: this one goes alone
