@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import unison
+from tests.multi_worker import _workers as w
 from tests.multi_worker._workers import global_batches, mlp_and_step
 from unison._collectives.transport.cross_worker import HierarchicalTransport
 
@@ -190,4 +191,35 @@ def train_pipelined(rank: int, world: int, out_of_order: bool, barrier_directory
         # buckets whose gradients all come before the pause in backward
         "before_pause": sum(all(id(p) in after_pause for p in bucket.params) for bucket in sync._buckets),
         "started": started,
+    }
+
+
+def two_heads_on_hosts(rank: int, world: int, keep_a_gradient: bool):
+    """``TwoHeads`` (24 gradients: one bucket in flat slots) trained with AdamW on two hosts of
+    two workers, heads skipped on some steps (``_train_two_heads``). With ``keep_a_gradient``,
+    each worker keeps its first layer's gradient of step 2 (and a copy): its bucket must leave
+    its home in the shared file, never writing into the kept tensor again. Reports, per step,
+    whether every bucket had its home in the file and whether its gradients lived in slots."""
+    strategy = strategy_on_hosts(rank, "AUTO")
+    with strategy.scope():
+        model = w.TwoHeads()
+    sync = strategy.extended.components.gradient_sync
+    first = model.trunk[0].weight
+    kept: list[torch.Tensor] = []
+    homes: list[tuple[bool, bool]] = []
+
+    def run_step(step, x, y, heads):
+        def probed(x, y, heads):
+            skipped = step(x, y, heads)  # zero_grad, backward, AdamW's step
+            buckets = sync._buckets
+            homes.append((all(b.home is not None for b in buckets), all(b.slots is not None for b in buckets)))
+            if keep_a_gradient and len(homes) == 3:
+                kept.extend([first.grad, first.grad.clone()])
+            return skipped
+        return strategy.run(probed, args=(x, y, heads))
+
+    weights, skipped = w._train_two_heads(model, run_step, rank, world)
+    return {
+        "weights": weights, "skipped": skipped, "pipelined": sync.crosses_hosts_during_backward,
+        "homes": homes, "kept_unchanged": not kept or torch.equal(kept[0], kept[1]),
     }

@@ -114,6 +114,38 @@ def test_summing_every_slice_into_the_slots_gives_the_bits_of_dividing_first(wor
             engine.sum_my_slice_into(slots, world)
 
 
+@settings(max_examples=30)
+@given(world=st.integers(2, 5), numel=st.integers(1, 40), scale_by=st.sampled_from(["one", "world"]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_slices_summed_into_the_first_slot_then_spread_give_every_slot_the_same_bits(world, numel, scale_by, dtype):
+    """The hierarchical transport's halves of ``sum_my_slice_into``: each owner sums its slice into
+    the first slot (what then crosses hosts, here another host's sums added in place), and once
+    that is final spreads it into the other slots: every slot ends with the same bits as summing
+    in worker order, scaled as added, plus what was added to the slice; another divisor is refused."""
+    inputs = [_tensor((numel,), dtype, 31 * rank) for rank in range(world)]
+    other_host = _tensor((numel,), dtype, 997)
+    divisor = world if scale_by == "world" and world & (world - 1) == 0 else 1
+    expected = inputs[0] / divisor
+    for part in inputs[1:]:
+        expected = expected + part / divisor
+    expected = expected + other_host
+    slots = [t.clone() for t in inputs]
+    engines = [shared_memory.SharedMemoryAllReduce(rank, world, barrier=lambda: None, broadcast_ints=lambda v: v,
+                                                   agree_min=lambda value: value) for rank in range(world)]
+    for engine in engines:  # in the file the owners run at once, on disjoint slices
+        start, end = engine.my_slice(numel)
+        summed = engine.sum_my_slice_in_first(slots, divisor)
+        assert summed.numel() == end - start and (end == start or summed.data_ptr() == slots[0][start:].data_ptr())
+        summed.add_(other_host[start:end])  # the trip between hosts, in place
+    for engine in engines:
+        engine.spread_my_slice(slots)
+    for slot in slots:
+        assert torch.equal(slot, expected)
+    if world & (world - 1):
+        with pytest.raises(ValueError, match=f"divisor={world}"):
+            engines[0].sum_my_slice_in_first(slots, world)
+
+
 @settings(max_examples=40)
 @given(world=st.integers(2, 5), numel=st.integers(1, 40), dtype=st.sampled_from([torch.float32, torch.float64,
                                                                                  torch.bfloat16]),

@@ -52,9 +52,10 @@ class Way:
 ALL_REDUCE = Way("all_reduce", True, HandOut.VIEWS)  # AllReduceBuckets, CompressedBuckets
 SHARED_MEMORY = Way("shared_memory", False, HandOut.COPIES)  # SharedMemoryBuckets on several hosts
 SHARED_HOMES = Way("shared_homes", False, HandOut.COPIES, homes=True)  # SharedMemoryBuckets on one host
-ACROSS_HOSTS = Way("across_hosts", True, HandOut.COPIES)  # PipelinedHostBuckets
+ACROSS_HOSTS = Way("across_hosts", True, HandOut.COPIES)  # PipelinedHostBuckets on hosts of one worker
+ACROSS_HOMES = Way("across_homes", True, HandOut.COPIES, homes=True)  # PipelinedHostBuckets, hosts of two or more
 POWERSGD = Way("powersgd", False, HandOut.IN_PLACE, reads_gradients=True)  # PowerSGDBuckets (exact here)
-WAYS = [ALL_REDUCE, SHARED_MEMORY, SHARED_HOMES, ACROSS_HOSTS, POWERSGD]
+WAYS = [ALL_REDUCE, SHARED_MEMORY, SHARED_HOMES, ACROSS_HOSTS, ACROSS_HOMES, POWERSGD]
 
 
 @typing.final

@@ -28,7 +28,6 @@ from torch import nn
 from tests.gradient_sync.bucketed._one_peer import (
     ACROSS_HOSTS,
     ALL_REDUCE,
-    SHARED_HOMES,
     SHARED_MEMORY,
     WAYS,
     Grads,
@@ -39,6 +38,7 @@ from tests.gradient_sync.bucketed._one_peer import (
     rig,
     twin,
 )
+from unison._collectives.transport.bucket_transports import HandOut
 from unison._gradient_sync.step_hooks import attach, install_step_hooks
 from unison._reduce import ReduceOp
 from unison.errors import GradientSyncError
@@ -99,9 +99,9 @@ def test_gradients_are_the_mean_of_both_workers_when_backward_returns(way, layer
         assert_grads(model, expected)
     assert r.transport.finished == STEPS
     assert {launch.divisor for launch in r.transport.launches} == {r.divisor}
-    if way in (SHARED_MEMORY, SHARED_HOMES) and layers == MANY:  # the slots path from the second step on
+    if way.hand_out is HandOut.COPIES and layers == MANY:  # the slots path from the second step on
         assert [launch.from_slots for launch in r.transport.launches] == [False] + [True] * (STEPS - 1)
-    assert all(launch.undivided == (way is SHARED_HOMES and layers == MANY) for launch in r.transport.launches)
+    assert all(launch.undivided == (way.homes and layers == MANY) for launch in r.transport.launches)
 
 
 @pytest.mark.parametrize("layers", [FEW, MANY], ids=["8_grads", "18_grads"])
@@ -126,7 +126,7 @@ def test_a_parameter_no_worker_computed_keeps_none_and_one_only_the_peer_compute
         if not way.reads_gradients:  # this worker's flags: 0 for heads 1 and 2, 1 for the rest
             (launch,) = r.transport.launches[-1:]
             assert [launch.flag(p) for p in model.parameters()] == [True] * (2 * layers + 2) + [False] * 4
-    if way in (SHARED_MEMORY, SHARED_HOMES) and layers == MANY:
+    if way.hand_out is HandOut.COPIES and layers == MANY:
         assert all(launch.from_slots for launch in r.transport.launches[1:])
 
 

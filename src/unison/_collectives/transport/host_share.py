@@ -239,24 +239,27 @@ class HostsShare:
             best = min(best, time.perf_counter() - start)
         return self._control.agree_min(int(LINK_PROBE_BYTES / max(best, 1e-9)), "link probe")
 
-    def start_across_hosts(self, segment: SharedSegment) -> list[Any]:
-        """Starts adding this worker's summed slice of ``segment`` across hosts (columns only).
+    def start_across_hosts(self, summed: torch.Tensor) -> list[Any]:
+        """Starts adding ``summed``, this worker's summed slice of a bucket, across hosts (columns only):
+        the same slice of every host, all-reduced in place.
 
-        Returns the trips under way; ``finish_across_hosts`` waits for them (and casts
+        Returns the trips under way; ``wait_across_hosts`` waits for them (and casts
         compressed ones back). The gradient buckets call it bucket by bucket while
         backward goes on, so the trip between hosts overlaps the rest of backward as
         DDP's all-reduce does.
         """
-        engine, column = self.shared_memory, self._column
+        column = self._column
         assert column is not None, "start_across_hosts needs equal hosts (slices_cross_hosts)"
-        start, end = engine.my_slice(segment.result.numel())
-        if end <= start:
+        if summed.numel() == 0:
             return []
-        return [_trip(column, segment.result[start:end], self.compressor)]
+        return [_trip(column, summed, self.compressor)]
 
-    def finish_across_hosts(self, works: list[Any]) -> None:
-        """Waits for the works of ``start_across_hosts``, then until every slice on this host is final."""
+    def wait_across_hosts(self, works: list[Any]) -> None:
+        """Waits for the works of ``start_across_hosts``: this worker's slices hold every host's sums."""
         self._wait_across(works)
+
+    def sync_host(self) -> None:
+        """Waits until every worker of this host is here (after each one finished its slices)."""
         self.shared_memory.sync(f"{BUCKETS_OPERATION} (host)")
 
     def _wait_across(self, trips: list[Any]) -> None:
@@ -272,7 +275,8 @@ class HostsShare:
         """
         engine, column = self.shared_memory, self._column
         if column is not None:
-            self._wait_across([work for segment in segments for work in self.start_across_hosts(segment)])
+            mine = [segment.result[slice(*engine.my_slice(segment.result.numel()))] for segment in segments]
+            self._wait_across([work for summed in mine for work in self.start_across_hosts(summed)])
             return
         self._host  # noqa: B018 - the groups exist from here on
         engine.sync(f"{BATCH_OPERATION} (host)")

@@ -153,6 +153,27 @@ class _InSharedFile:
         return self.homes.mine if self.homes is not None else self.segment.result
 
 
+def _leave_home(placed: _InSharedFile, bucket: GradientBucket, rank: int) -> None:
+    """A transport's ``leave_home`` for a bucket with :class:`_Homes`: this worker's gradients go
+    through its spare from now on, and the owners are told (``away``)."""
+    homes = placed.homes
+    assert homes is not None and bucket.home is not None, "leave_home: the bucket has no home"
+    homes.away[rank] = 1  # the owners read it once this worker announced the bucket
+    homes.mine = homes.spares[rank]
+    bucket.flat, bucket.views, bucket.home = homes.mine, views_of(homes.mine[:bucket.size], bucket.params), None
+    placed.results = bucket.views
+
+
+def _summed_as(homes: _Homes, bucket: GradientBucket, divisor: int) -> None:
+    """Sets what a launched bucket's home is divided by while summed: ``divisor`` where it holds the
+    gradients undivided and that is exact (a power of two; otherwise it is divided now), else 1."""
+    homes.divisor = 1
+    if bucket.undivided:
+        homes.divisor = divisor if divisor & (divisor - 1) == 0 else 1
+        if homes.divisor != divisor:
+            homes.mine[:bucket.size].div_(divisor)
+
+
 def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBucket],
                         one_shot_bytes: int = 0, homes: bool = False) -> dict[int, _InSharedFile] | None:
     """Moves every bucket's flat into a slot of a shared file; None (nothing moved) where the workers cannot share one.
@@ -250,14 +271,7 @@ class SharedMemoryBuckets(BucketTransport):
         return self
 
     def leave_home(self, bucket: GradientBucket) -> None:
-        placed = self._placed[id(bucket)]
-        homes = placed.homes
-        assert homes is not None and bucket.home is not None, "leave_home: the bucket has no home"
-        rank = self._share.shared_memory.rank
-        homes.away[rank] = 1  # the owners read it once this worker announced the bucket
-        homes.mine = homes.spares[rank]
-        bucket.flat, bucket.views, bucket.home = homes.mine, views_of(homes.mine[:bucket.size], bucket.params), None
-        placed.results = bucket.views
+        _leave_home(self._placed[id(bucket)], bucket, self._share.shared_memory.rank)
 
     def own_range(self, bucket: GradientBucket) -> tuple[int, int] | None:
         """A few large gradients divided into a home: the owner of a slice reads its own part of it
@@ -272,13 +286,8 @@ class SharedMemoryBuckets(BucketTransport):
 
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
         placed = self._placed[id(bucket)]
-        homes = placed.homes
-        if homes is not None:
-            homes.divisor = 1
-            if bucket.undivided:  # divided while summed, where that is exact
-                homes.divisor = divisor if divisor & (divisor - 1) == 0 else 1
-                if homes.divisor != divisor:
-                    homes.mine[:bucket.size].div_(divisor)
+        if placed.homes is not None:
+            _summed_as(placed.homes, bucket, divisor)
         bucket.work = self._share.announce(placed.written)
 
     def finish(self, buckets: list[GradientBucket]) -> None:
@@ -334,11 +343,13 @@ class _AcrossHosts(typing.Protocol):
     @property
     def slices_cross_hosts(self) -> bool: ...
 
-    def start_across_hosts(self, segment: SharedSegment) -> list[Any]: ...
+    def start_across_hosts(self, summed: torch.Tensor) -> list[Any]: ...
 
     def link_bytes_per_second(self) -> int: ...
 
-    def finish_across_hosts(self, works: list[Any]) -> None: ...
+    def wait_across_hosts(self, works: list[Any]) -> None: ...
+
+    def sync_host(self) -> None: ...
 
 
 @typing.final
@@ -351,6 +362,13 @@ class PipelinedHostBuckets(BucketTransport):
     on the other hosts. Where the hosts differ in size (one leader per host adds the
     sums) or a host has no shared counters, its plan is :class:`SharedMemoryBuckets`
     (the hosts' sums added when backward ends).
+
+    On hosts of two workers or more, every bucket has a home in the file for each worker
+    (:class:`_Homes`, as on one host): many small gradients live there, a few large ones
+    are divided into it and handed out as views of it. A slice's owner sums its slice of
+    every worker's home into the first worker's (:meth:`SharedMemoryAllReduce.sum_my_slice_in_first`),
+    that slice crosses hosts in place, and once back the owner copies it into the other
+    homes: no copy into a slot of the file, none out of a result.
     """
 
     def __init__(self, control: WorkerControl, hosts: _AcrossHosts,
@@ -390,16 +408,28 @@ class PipelinedHostBuckets(BucketTransport):
     def plan(self, buckets: list[GradientBucket]) -> BucketTransport:
         if not self._hosts.slices_cross_hosts:
             return SharedMemoryBuckets(self._control, self._hosts, fallback=self._fallback).plan(buckets)
-        placed = _into_shared_memory(self._hosts.shared_memory, buckets)
+        engine = self._hosts.shared_memory
+        placed = _into_shared_memory(engine, buckets, homes=True)
         if placed is None:
             return self._fallback().plan(buckets)
-        if self._hosts.shared_memory.signals is None:
+        if engine.signals is None:  # known once the first file exists, alike on every worker (agreed)
+            for bucket in buckets:  # homes are summed as slices cross hosts: slots and a result instead
+                bucket.home, bucket.undivided = None, False
+            placed = _into_shared_memory(engine, buckets)
+            if placed is None:
+                return self._fallback().plan(buckets)
             return SharedMemoryBuckets(self._control, self._hosts, fallback=self._fallback).adopt(placed)
         self._placed, self._launched, self._started = placed, [], 0
         return self
 
+    def leave_home(self, bucket: GradientBucket) -> None:
+        _leave_home(self._placed[id(bucket)], bucket, self._hosts.shared_memory.rank)
+
     def launch(self, bucket: GradientBucket, divisor: int) -> None:
-        bucket.work = self._hosts.announce(self._placed[id(bucket)].written)
+        placed = self._placed[id(bucket)]
+        if placed.homes is not None:
+            _summed_as(placed.homes, bucket, divisor)
+        bucket.work = self._hosts.announce(placed.written)
         self._launched.append(bucket)
 
     def poll(self) -> None:
@@ -411,8 +441,14 @@ class PipelinedHostBuckets(BucketTransport):
 
     def _start_across(self, bucket: GradientBucket) -> None:
         placed = self._placed[id(bucket)]
-        self._hosts.shared_memory.sum_my_slice(placed.segment)
-        placed.across = self._hosts.start_across_hosts(placed.segment)
+        engine = self._hosts.shared_memory
+        if placed.homes is not None:
+            summed = engine.sum_my_slice_in_first(placed.homes.in_use(), placed.homes.divisor)
+        else:
+            engine.sum_my_slice(placed.segment)
+            result = placed.segment.result
+            summed = result[slice(*engine.my_slice(result.numel()))]
+        placed.across = self._hosts.start_across_hosts(summed)
         self._started += 1
 
     def finish(self, buckets: list[GradientBucket]) -> None:
@@ -422,14 +458,19 @@ class PipelinedHostBuckets(BucketTransport):
             for bucket in buckets[self._started:]:
                 self._control.wait(bucket.work, OPERATION)
                 self._start_across(bucket)
-            self._hosts.finish_across_hosts([work for one in placed for work in one.across])
+            self._hosts.wait_across_hosts([work for one in placed for work in one.across])
+            engine = self._hosts.shared_memory
+            for one in placed:
+                if one.homes is not None:  # this worker's slice holds every host's sums: into every home
+                    engine.spread_my_slice(one.homes.in_use())
+            self._hosts.sync_host()
         finally:
             self._launched, self._started = [], 0
             for one in placed:
                 one.across = []
 
     def sums(self, bucket: GradientBucket) -> torch.Tensor:
-        return self._placed[id(bucket)].segment.result
+        return self._placed[id(bucket)].sums
 
     def sum_views(self, bucket: GradientBucket) -> list[torch.Tensor]:
         return self._placed[id(bucket)].results

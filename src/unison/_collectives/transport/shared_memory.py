@@ -58,6 +58,13 @@ class SharedSegment:
         self.result = storage[world_size * numel:]
 
 
+def _check_exact(name: str, divisor: int) -> None:
+    """Refuses a divisor that scaling each input while summing would not apply exactly."""
+    if divisor < 1 or divisor & (divisor - 1):
+        raise ValueError(f"{name}={divisor}: only 1 or a power of two is applied exactly while summing; "
+                         "divide the slots first and pass 1")
+
+
 def _add_in_order(terms: Sequence[tuple[torch.Tensor, float]], out: torch.Tensor) -> None:
     """``out = c0 * t0 + c1 * t1 + ...``, added in that order, each ``c`` a power of two (so each
     product is exact and the bits are those of the terms scaled first). ``out`` may be the first
@@ -273,10 +280,8 @@ class SharedMemoryAllReduce:
         with the slots): a worker need not copy into the file the part of its gradients that
         only it reads.
         """
-        for name, value in (("divisor", divisor), ("own_divisor", own_divisor)):
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name}={value}: only 1 or a power of two is applied exactly while summing; "
-                                 "divide the slots first and pass 1")
+        _check_exact("divisor", divisor)
+        _check_exact("own_divisor", own_divisor)
         start, end = self.my_slice(slots[0].numel())
         scale = 1.0 / divisor
         at = start
@@ -288,6 +293,31 @@ class SharedMemoryAllReduce:
             self._sum_range(slots, lo, hi, scale, (tensor.view(-1), scale / own_divisor))
             at = hi
         self._sum_range(slots, at, end, scale)
+
+    def sum_my_slice_in_first(self, slots: Sequence[torch.Tensor], divisor: int = 1) -> torch.Tensor:
+        """Sums this worker's slice of ``slots`` (one per worker, in worker order, all of one size)
+        into the first slot's slice, each input scaled by ``1 / divisor`` (1 or a power of two) as it
+        is added, as :meth:`sum_my_slice_into` does; returns that slice, a view of the first slot.
+
+        The first half of :meth:`sum_my_slice_into`, for sums that are not final yet: the
+        hierarchical transport adds the hosts' sums to the returned slice in place, then
+        :meth:`spread_my_slice` copies it into the other slots. Only this worker reads or
+        writes its slice of any slot in between. Barriers as for :meth:`sum_my_slice`.
+        """
+        _check_exact("divisor", divisor)
+        start, end = self.my_slice(slots[0].numel())
+        out = slots[0][start:end]
+        if start < end:
+            _add_in_order([(slot[start:end], 1.0 / divisor) for slot in slots], out)
+        return out
+
+    def spread_my_slice(self, slots: Sequence[torch.Tensor]) -> None:
+        """Copies this worker's slice of the first of ``slots`` into every other one (after
+        :meth:`sum_my_slice_in_first` and whatever was added to its slice since)."""
+        start, end = self.my_slice(slots[0].numel())
+        if start < end:
+            for slot in slots[1:]:
+                slot[start:end].copy_(slots[0][start:end])
 
     def _sum_range(self, slots: Sequence[torch.Tensor], lo: int, hi: int, scale: float,
                    mine: tuple[torch.Tensor, float] | None = None) -> None:

@@ -40,8 +40,8 @@ def set_flags(used: torch.Tensor, missing: Sequence[int], sparse: Sequence[int] 
 
 
 def point_grads_at_slots(buckets: Sequence[GradientBucket], leave_home: Callable[[GradientBucket], None]) -> None:
-    """At the first gradient of a backward pass reduced when it ends, where the sums are
-    copied out (shared memory): the gradients of each bucket whose last step's gradients
+    """At the first gradient of a backward pass whose sums are copied out (shared memory):
+    the gradients of each bucket whose last step's gradients
     could all live in flat slots are pointed at them, so autograd accumulates into them
     and the bucket reaches the transport's flat in one pass (none where the transport gave
     the bucket a ``home``: the slots are that memory). Buckets with a sparse or a

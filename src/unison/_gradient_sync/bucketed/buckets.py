@@ -27,13 +27,13 @@ slices across hosts):
 this class fills buckets, launches them through that contract and hands the sums out.
 Where every bucket is reduced when backward ends (shared memory, PowerSGD) only a
 backward pass's first gradient has work to do (its hook remembers the autograd graph
-task; the others return at once). Where the sums are copied out of shared memory, a
-bucket of more than 16 gradients that were all dense lives, from the second step on, in
-flat slots of its own (``_gradient_sync/grads_as_buffer_views.py``): the first gradient
-points the others at them, autograd accumulates into them, and the bucket reaches the
-shared file and back in one pass each; few (large) gradients go straight into the file.
-Where the transport gives a bucket a ``home`` (one host's shared memory: this worker's
-part of the file, where the sums come back), the slots are that memory, so many small
+task; the others return at once). Where the sums are copied out of shared memory (one host's, or
+slices across hosts), a bucket of more than 16 gradients that were all dense lives, from
+the second step on, in flat slots of its own (``_gradient_sync/grads_as_buffer_views.py``):
+a backward pass's first gradient points the others at them, autograd accumulates into
+them, and the bucket reaches the shared file and back in one pass each; few (large)
+gradients go straight into the file. Where the transport gives a bucket a ``home`` (this
+worker's part of the file, where the sums come back), the slots are that memory, so many small
 gradients pass neither in nor out, and a few large ones are handed out as views of it;
 a gradient the user keeps makes the bucket leave its home (``leave_home``).
 """
@@ -142,7 +142,7 @@ class BucketedGradientSync:
         # memory) the gradients live in flat buffers of their own (GradSlots) that reach
         # the transport's flat in one pass.
         self._at_end = False
-        self._in_slots = False  # reduced at the end and copied out: gradients may live in the buckets' slots
+        self._in_slots = False  # the sums are copied out (shared memory): gradients may live in the buckets' slots
         self._settled_task = -1  # the autograd graph task whose first gradient was seen (that mode)
 
     @property
@@ -250,7 +250,7 @@ class BucketedGradientSync:
         self._overlap_bytes = bucket_bytes if overlaps else None
         self._observed = [] if self._order is None and overlaps else None
         self._at_end = not overlaps
-        self._in_slots = self._at_end and transport.hand_out is HandOut.COPIES
+        self._in_slots = transport.hand_out is HandOut.COPIES
 
     @property
     def crosses_hosts_during_backward(self) -> bool:
@@ -296,6 +296,8 @@ class BucketedGradientSync:
             # Finish when this backward pass ends, as DDP does: code between backward() and
             # opt.step() (clip_grad_norm_, GradScaler.unscale_, logging) sees reduced gradients.
             queue_end_of_backward(self._finish)
+            if self._in_slots:
+                point_grads_at_slots(self._buckets, self._transport.leave_home)
         if param.grad is not None and param.grad.layout != torch.strided:
             self._sparse.add(id(param))  # summed when the buckets are (_sum_sparse_gradients)
         bucket.ready += 1
