@@ -240,3 +240,97 @@ def test_waits_ask_the_policy_after_the_floor_and_report_how_long_they_took():
     thread.join()
     assert asked == [ARRIVED]  # once per wait, not once per poll
     assert [kind for kind, _ in recorded] == [ARRIVED] and recorded[0][1] >= shm_signals.SPIN_FLOOR_S
+
+
+def test_a_futex_sleeper_is_woken_by_a_change_and_not_put_to_sleep_on_a_stale_value():
+    futex = shm_signals.kernel_futex()
+    assert futex is not None  # x86-64 Linux: the counters' platform
+    word = torch.zeros(1, dtype=torch.int64)
+    address = word.data_ptr()
+    assert futex.wait(address, 7, 5.0) == "changed"  # the word no longer holds what the sleeper read
+    assert futex.wait(address, 0, 0.01) == "timed out"  # nobody changed it
+
+    def change_and_wake():
+        time.sleep(0.05)
+        word[0] = 1
+        futex.wake(address)
+
+    thread = threading.Thread(target=change_and_wake)
+    thread.start()
+    answer = futex.wait(address, 0, 5.0)  # without the wake: 5 s, then "timed out"
+    thread.join()
+    assert answer in ("woken", "changed")  # "changed": the thread ran before the sleep began
+
+
+_CHILD_WAKES = """
+import mmap, sys, time, ctypes
+from unison._collectives.transport import shm_signals
+with open(sys.argv[1], "r+b") as f:
+    mm = mmap.mmap(f.fileno(), 8)
+word = ctypes.c_int64.from_buffer(mm)
+time.sleep(0.1)
+word.value = 1
+shm_signals.kernel_futex().wake(ctypes.addressof(word))
+"""
+
+
+def test_a_futex_sleeper_is_woken_from_another_process_through_a_shared_file(tmp_path):
+    """The counters live in a file every worker maps: a post in one process must wake a sleeper
+    in another (a shared futex, keyed by the file, not by an address of one process)."""
+    import ctypes
+    import mmap
+
+    path = tmp_path / "word"
+    path.write_bytes(bytes(8))
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 8)
+    word = ctypes.c_int64.from_buffer(mm)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD_WAKES, str(path)])
+    try:
+        futex = shm_signals.kernel_futex()
+        assert futex is not None
+        answer = futex.wait(ctypes.addressof(word), 0, 20.0)  # not woken across processes: 20 s, "timed out"
+        assert answer in ("woken", "changed") and word.value == 1
+    finally:
+        child.wait(30)
+        del word
+        mm.close()
+
+
+def test_a_wait_past_its_poll_sleeps_until_the_peer_posts_and_a_post_wakes_it():
+    """Past the poll the wait sleeps in the kernel on the late peer's counter: woken by the
+    peer's post, not by a timeout (each sleep lasts until the next look at the peers' liveness)."""
+    kernel = shm_signals.kernel_futex()
+    assert kernel is not None
+    answers: list[str] = []
+    woken: list[int] = []
+    asleep = threading.Event()
+
+    class Recording:
+        def wait(self, address, seen, seconds):
+            asleep.set()
+            answers.append(kernel.wait(address, seen, seconds))
+            return answers[-1]
+
+        def wake(self, address):
+            woken.append(address)
+            kernel.wake(address)
+
+    class Policy:
+        def budget(self, kind, now):
+            return 0.0  # sleep at once
+
+        def record(self, kind, waited):
+            pass
+
+    words = torch.zeros(2 * SLOTS_PER_WORKER, dtype=torch.int64)
+    first = SharedSignals(words, 0, 2, 5.0, NAMES, policy=Policy(), futex=Recording())
+    second = SharedSignals(words, 1, 2, 5.0, NAMES, futex=Recording())
+    thread = threading.Thread(target=lambda: (asleep.wait(5), time.sleep(0.01), second.post(WRITTEN)))
+    thread.start()
+    first.wait(WRITTEN, first.post(WRITTEN))
+    thread.join()
+    assert first.reached(WRITTEN, 1)
+    assert answers and "timed out" not in answers[-1:] and answers[-1] in ("woken", "changed")
+    peer_cell = words.data_ptr() + 8 * (SLOTS_PER_WORKER + WRITTEN)
+    assert woken == [words.data_ptr() + 8 * WRITTEN, peer_cell]  # each post woke its own counter's sleepers

@@ -16,6 +16,11 @@ order, so a peer that sees the count sees the data. Other architectures reorder
 stores, and Python has no memory fence: :func:`supported` is False there and the
 workers keep the gloo synchronisation.
 
+A wait polls first (``SpinPolicy`` says how long); past that it sleeps in the kernel on
+the late peer's counter (a shared ``futex``), and a post wakes whoever sleeps on the
+poster's counter: the sleeper costs no CPU and wakes as soon as the peer posts, where a
+timed sleep either wakes often for nothing or overshoots the peer's arrival.
+
 A peer that dies is noticed within ``_LIVENESS_PERIOD_S`` through ``/proc`` (its pid
 gone, a zombie, or another process with its pid), and a peer that stops posting
 without dying is bounded by the group's timeout, as a gloo collective would be.
@@ -63,11 +68,60 @@ BUSY_HOLD_S = 0.5
 _RECENT_WAITS = 8
 _MAX_SLEEP_S = 0.0002
 _LIVENESS_PERIOD_S = 0.05
+_SYS_FUTEX = 202  # x86-64's syscall number, the only platform the counters are used on (supported())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE_FLAG: the words live in a file several processes map
+_ETIMEDOUT = 110
 
 
 def supported() -> bool:
     """Whether shared-memory counters are safe here: Linux on x86-64 (ordered stores, ``/proc``)."""
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/proc/self")
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+@typing.final
+class Futex:
+    """Sleeping on a word of shared memory until someone changes it, and waking such sleepers
+    (Linux's ``futex`` on x86-64, through libc's ``syscall``; the GIL is released meanwhile).
+
+    The low 32 bits of an int64 counter are its first four bytes there: a sleeper passes the
+    counter's value as it read it, and the kernel puts it to sleep only if those bits still
+    hold it, so a post between the read and the sleep is never missed.
+    """
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._syscall = libc.syscall
+        self._syscall.restype = ctypes.c_long
+        self._syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_uint32]
+
+    def wait(self, address: int, seen: int, seconds: float) -> str:
+        """Sleeps while the word at ``address`` holds ``seen`` (its low 32 bits), at most ``seconds``;
+        returns ``"woken"``, ``"timed out"`` or ``"changed"`` (it no longer held ``seen``, or a signal came)."""
+        whole = int(seconds)
+        timeout = _Timespec(whole, int((seconds - whole) * 1e9))
+        done = self._syscall(_SYS_FUTEX, address, _FUTEX_WAIT, seen & 0xFFFFFFFF, ctypes.byref(timeout), None, 0)
+        if done == 0:
+            return "woken"
+        return "timed out" if ctypes.get_errno() == _ETIMEDOUT else "changed"
+
+    def wake(self, address: int) -> None:
+        """Wakes every sleeper on the word at ``address`` (none: a system call that returns at once)."""
+        self._syscall(_SYS_FUTEX, address, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+def kernel_futex() -> Futex | None:
+    """A :class:`Futex` where the counters are used (``supported()``) and libc has ``syscall``; else None."""
+    if not supported():
+        return None
+    try:
+        return Futex()
+    except (OSError, AttributeError):
+        return None
 
 
 def _start_time(pid: int) -> int | None:
@@ -124,7 +178,8 @@ class SpinPolicy:
     elsewhere up to ``SPIN_SHARED_S``. Either limit holds only while the peer is expected
     soon: when the recent waits of the same kind mostly lasted longer than half the limit,
     a wait polls ``SPIN_FLOOR_S`` (a peer that far away is slept for, not polled for).
-    Past its poll, a wait sleeps, doubling the sleep up to 0.2 ms.
+    Past its poll, a wait sleeps until the peer posts (``Futex``; without one, timed sleeps
+    doubling up to 0.2 ms).
 
     Args:
         workers: the workers of the host that wait on each other.
@@ -196,12 +251,14 @@ class SharedSignals:
         timeout: seconds a wait may last before it fails.
         names: the workers' task names by rank, for error messages.
         policy: how long a wait polls before it sleeps (default: a :class:`SpinPolicy` for ``world_size`` workers).
+        futex: what a wait sleeps in past its poll ("kernel": a :class:`Futex` where there is one);
+            None: timed sleeps, doubling up to 0.2 ms.
 
     Call :meth:`introduce` on every worker, then a barrier, then :meth:`watch_peers`.
     """
 
     def __init__(self, words: torch.Tensor, rank: int, world_size: int, timeout: float, names: list[str],
-                 policy: SpinPolicy | None = None):
+                 policy: SpinPolicy | None = None, futex: Futex | None | typing.Literal["kernel"] = "kernel"):
         if words.dtype != torch.int64 or words.numel() < world_size * SLOTS_PER_WORKER:
             raise ValueError(f"signal words must be >= {world_size * SLOTS_PER_WORKER} int64, got {words.dtype} "
                              f"x {words.numel()}")
@@ -212,6 +269,8 @@ class SharedSignals:
         self._names = names
         self._counts = [0] * SLOTS_PER_WORKER
         self._policy = policy if policy is not None else SpinPolicy(world_size)
+        self._futex = kernel_futex() if futex == "kernel" else futex  # None: timed sleeps instead
+        self._address = words.data_ptr()
         self._watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, start time) of peers /proc can see
 
     def introduce(self) -> None:
@@ -240,7 +299,10 @@ class SharedSignals:
         """Counts one event of ``kind`` for this worker; returns the count every worker must reach."""
         self._counts[kind] += 1
         count = self._counts[kind]
-        self._cells[self._rank * SLOTS_PER_WORKER + kind] = count
+        cell = self._rank * SLOTS_PER_WORKER + kind
+        self._cells[cell] = count
+        if self._futex is not None:  # after the store: a peer asleep on it sees the new count
+            self._futex.wake(self._address + 8 * cell)
         return count
 
     def reached(self, kind: int, count: int) -> bool:
@@ -275,10 +337,24 @@ class SharedSignals:
                 budget = self._policy.budget(kind, now)
             if budget is None or waited < budget:
                 os.sched_yield()
+            elif self._futex is not None:  # until the late peer posts, or the next look at its liveness
+                self._sleep_on_late_peer(kind, count, max(min(next_check, deadline) - now, 1e-4))
             else:
                 sleep = min(_MAX_SLEEP_S, sleep * 2 or 1e-5)
                 time.sleep(sleep)
         self._policy.record(kind, time.monotonic() - start)
+
+    def _sleep_on_late_peer(self, kind: int, count: int, seconds: float) -> str | None:
+        """Sleeps on the first peer's counter of ``kind`` still below ``count`` until it changes
+        (``Futex.wait``'s answer; None: none was below any more)."""
+        cells = self._cells
+        for rank in range(self._world_size):
+            cell = rank * SLOTS_PER_WORKER + kind
+            seen = cells[cell]
+            if seen < count:
+                assert self._futex is not None
+                return self._futex.wait(self._address + 8 * cell, seen, seconds)
+        return None
 
     def barrier(self, timeout: float | None = None) -> None:
         """Every worker of the host arrives (one post and one wait of ``ARRIVED``)."""
