@@ -334,3 +334,35 @@ def test_a_wait_past_its_poll_sleeps_until_the_peer_posts_and_a_post_wakes_it():
     assert answers and "timed out" not in answers[-1:] and answers[-1] in ("woken", "changed")
     peer_cell = words.data_ptr() + 8 * (SLOTS_PER_WORKER + WRITTEN)
     assert woken == [words.data_ptr() + 8 * WRITTEN, peer_cell]  # each post woke its own counter's sleepers
+
+
+def test_a_futex_the_kernel_refuses_gives_way_to_timed_sleeps_for_good():
+    """A futex call that fails (not a wake, a timeout or a changed word) would return at once every
+    time, a busy loop: the signals sleep in timed sleeps from then on, and posts stop waking."""
+    calls: list[str] = []
+
+    class Refused:
+        def wait(self, address, seen, seconds):
+            calls.append("wait")
+            return "failed"
+
+        def wake(self, address):
+            calls.append("wake")
+
+    class Policy:
+        def budget(self, kind, now):
+            return 0.0
+
+        def record(self, kind, waited):
+            pass
+
+    words = torch.zeros(2 * SLOTS_PER_WORKER, dtype=torch.int64)
+    first = SharedSignals(words, 0, 2, 5.0, NAMES, policy=Policy(), futex=Refused())
+    second = SharedSignals(words, 1, 2, 5.0, NAMES)
+    thread = threading.Thread(target=lambda: (time.sleep(0.05), second.post(WRITTEN)))
+    thread.start()
+    first.wait(WRITTEN, first.post(WRITTEN))
+    thread.join()
+    assert calls == ["wake", "wait"]  # one refused sleep, then timed sleeps until the peer posted
+    first.post(ARRIVED)
+    assert calls == ["wake", "wait"]

@@ -70,7 +70,7 @@ _MAX_SLEEP_S = 0.0002
 _LIVENESS_PERIOD_S = 0.05
 _SYS_FUTEX = 202  # x86-64's syscall number, the only platform the counters are used on (supported())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE_FLAG: the words live in a file several processes map
-_ETIMEDOUT = 110
+_EINTR, _EAGAIN, _ETIMEDOUT = 4, 11, 110
 
 
 def supported() -> bool:
@@ -79,6 +79,8 @@ def supported() -> bool:
 
 
 class _Timespec(ctypes.Structure):
+    """C's ``struct timespec``: the longest a ``FUTEX_WAIT`` sleeps."""
+
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
@@ -101,13 +103,17 @@ class Futex:
 
     def wait(self, address: int, seen: int, seconds: float) -> str:
         """Sleeps while the word at ``address`` holds ``seen`` (its low 32 bits), at most ``seconds``;
-        returns ``"woken"``, ``"timed out"`` or ``"changed"`` (it no longer held ``seen``, or a signal came)."""
+        returns ``"woken"``, ``"timed out"``, ``"changed"`` (it no longer held ``seen``, or a signal
+        came) or ``"failed"`` (the kernel refused the call: sleep some other way)."""
         whole = int(seconds)
         timeout = _Timespec(whole, int((seconds - whole) * 1e9))
         done = self._syscall(_SYS_FUTEX, address, _FUTEX_WAIT, seen & 0xFFFFFFFF, ctypes.byref(timeout), None, 0)
         if done == 0:
             return "woken"
-        return "timed out" if ctypes.get_errno() == _ETIMEDOUT else "changed"
+        error = ctypes.get_errno()
+        if error == _ETIMEDOUT:
+            return "timed out"
+        return "changed" if error in (_EAGAIN, _EINTR) else "failed"
 
     def wake(self, address: int) -> None:
         """Wakes every sleeper on the word at ``address`` (none: a system call that returns at once)."""
@@ -338,7 +344,8 @@ class SharedSignals:
             if budget is None or waited < budget:
                 os.sched_yield()
             elif self._futex is not None:  # until the late peer posts, or the next look at its liveness
-                self._sleep_on_late_peer(kind, count, max(min(next_check, deadline) - now, 1e-4))
+                if self._sleep_on_late_peer(kind, count, max(min(next_check, deadline) - now, 1e-4)) == "failed":
+                    self._futex = None  # the kernel refused it (it would fail at once every time): timed sleeps
             else:
                 sleep = min(_MAX_SLEEP_S, sleep * 2 or 1e-5)
                 time.sleep(sleep)
