@@ -263,14 +263,16 @@ def test_a_futex_sleeper_is_woken_by_a_change_and_not_put_to_sleep_on_a_stale_va
 
 
 _CHILD_WAKES = """
-import mmap, sys, time, ctypes
-from unison._collectives.transport import shm_signals
+import ctypes, mmap, sys, time
+# unison's wake, without importing unison (torch takes seconds to import): the system call
+# and the operation are the parent's module's, passed on the command line
+syscall_number, wake = int(sys.argv[2]), int(sys.argv[3])
 with open(sys.argv[1], "r+b") as f:
     mm = mmap.mmap(f.fileno(), 8)
 word = ctypes.c_int64.from_buffer(mm)
 time.sleep(0.1)
 word.value = 1
-shm_signals.kernel_futex().wake(ctypes.addressof(word))
+ctypes.CDLL(None).syscall(syscall_number, ctypes.c_void_p(ctypes.addressof(word)), wake, 0x7FFFFFFF, None, None, 0)
 """
 
 
@@ -285,7 +287,8 @@ def test_a_futex_sleeper_is_woken_from_another_process_through_a_shared_file(tmp
     with open(path, "r+b") as f:
         mm = mmap.mmap(f.fileno(), 8)
     word = ctypes.c_int64.from_buffer(mm)
-    child = subprocess.Popen([sys.executable, "-c", _CHILD_WAKES, str(path)])
+    child = subprocess.Popen([sys.executable, "-c", _CHILD_WAKES, str(path), str(shm_signals._SYS_FUTEX),
+                              str(shm_signals._FUTEX_WAKE)])
     try:
         futex = shm_signals.kernel_futex()
         assert futex is not None
