@@ -194,11 +194,11 @@ def train_pipelined(rank: int, world: int, out_of_order: bool, barrier_directory
     }
 
 
-def two_heads_on_hosts(rank: int, world: int, keep_a_gradient: bool):
+def two_heads_on_hosts(rank: int, world: int):
     """``TwoHeads`` (24 gradients: one bucket in flat slots) trained with AdamW on two hosts of
-    two workers, heads skipped on some steps (``_train_two_heads``). With ``keep_a_gradient``,
-    each worker keeps its first layer's gradient of step 2 (and a copy): its bucket must leave
-    its home in the shared file, never writing into the kept tensor again. Reports, per step,
+    two workers, heads skipped on some steps (``_train_two_heads``). Each worker keeps its first
+    layer's gradient of step 2 (and a copy): its bucket must leave its home in the shared file,
+    never writing into the kept tensor again. Reports, per step,
     whether every bucket had its home in the file and whether its gradients lived in slots."""
     strategy = strategy_on_hosts(rank, "AUTO")
     with strategy.scope():
@@ -213,7 +213,7 @@ def two_heads_on_hosts(rank: int, world: int, keep_a_gradient: bool):
             skipped = step(x, y, heads)  # zero_grad, backward, AdamW's step
             buckets = sync._buckets
             homes.append((all(b.home is not None for b in buckets), all(b.slots is not None for b in buckets)))
-            if keep_a_gradient and len(homes) == 3:
+            if len(homes) == 3:
                 kept.extend([first.grad, first.grad.clone()])
             return skipped
         return strategy.run(probed, args=(x, y, heads))
@@ -221,5 +221,5 @@ def two_heads_on_hosts(rank: int, world: int, keep_a_gradient: bool):
     weights, skipped = w._train_two_heads(model, run_step, rank, world)
     return {
         "weights": weights, "skipped": skipped, "pipelined": sync.crosses_hosts_during_backward,
-        "homes": homes, "kept_unchanged": not kept or torch.equal(kept[0], kept[1]),
+        "homes": homes, "kept_unchanged": torch.equal(kept[0], kept[1]),
     }

@@ -77,7 +77,7 @@ def test_many_gradients_live_in_their_homes_across_hosts_and_train_as_on_one_dev
     its home at step 3 (not before), the kept tensor is never written again, and the steps
     after go through fresh slots and the spare part of the file."""
     expected, expected_skipped = w.single_device_two_heads_training()
-    results = run_workers(h.two_heads_on_hosts, 4, args=(True,), timeout=130)
+    results = run_workers(h.two_heads_on_hosts, 4, timeout=130)
     for result in results:
         assert result["pipelined"] and result["skipped"] == expected_skipped
         slots = [in_slots for _, in_slots in result["homes"]]

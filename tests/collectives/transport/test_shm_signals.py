@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from unison._collectives.transport import shm_signals
-from unison._collectives.transport.shm_signals import ARRIVED, SLOTS_PER_WORKER, WRITTEN, SharedSignals
+from unison._collectives.transport.shm_signals import ARRIVED, SLOTS_PER_WORKER, WRITTEN, SharedSignals, Slept
 
 pytestmark = pytest.mark.skipif(not shm_signals.supported(), reason="shared counters need Linux on x86-64")
 
@@ -247,8 +247,8 @@ def test_a_futex_sleeper_is_woken_by_a_change_and_not_put_to_sleep_on_a_stale_va
     assert futex is not None  # x86-64 Linux: the counters' platform
     word = torch.zeros(1, dtype=torch.int64)
     address = word.data_ptr()
-    assert futex.wait(address, 7, 5.0) == "changed"  # the word no longer holds what the sleeper read
-    assert futex.wait(address, 0, 0.01) == "timed out"  # nobody changed it
+    assert futex.wait(address, 7, 5.0) is Slept.CHANGED  # the word no longer holds what the sleeper read
+    assert futex.wait(address, 0, 0.01) is Slept.TIMED_OUT  # nobody changed it
 
     def change_and_wake():
         time.sleep(0.05)
@@ -259,7 +259,7 @@ def test_a_futex_sleeper_is_woken_by_a_change_and_not_put_to_sleep_on_a_stale_va
     thread.start()
     answer = futex.wait(address, 0, 5.0)  # without the wake: 5 s, then "timed out"
     thread.join()
-    assert answer in ("woken", "changed")  # "changed": the thread ran before the sleep began
+    assert answer in (Slept.WOKEN, Slept.CHANGED)  # "changed": the thread ran before the sleep began
 
 
 _CHILD_WAKES = """
@@ -293,7 +293,7 @@ def test_a_futex_sleeper_is_woken_from_another_process_through_a_shared_file(tmp
         futex = shm_signals.kernel_futex()
         assert futex is not None
         answer = futex.wait(ctypes.addressof(word), 0, 20.0)  # not woken across processes: 20 s, "timed out"
-        assert answer in ("woken", "changed") and word.value == 1
+        assert answer in (Slept.WOKEN, Slept.CHANGED) and word.value == 1
     finally:
         child.wait(30)
         del word
@@ -305,7 +305,7 @@ def test_a_wait_past_its_poll_sleeps_until_the_peer_posts_and_a_post_wakes_it():
     peer's post, not by a timeout (each sleep lasts until the next look at the peers' liveness)."""
     kernel = shm_signals.kernel_futex()
     assert kernel is not None
-    answers: list[str] = []
+    answers: list[Slept] = []
     woken: list[int] = []
     asleep = threading.Event()
 
@@ -334,7 +334,7 @@ def test_a_wait_past_its_poll_sleeps_until_the_peer_posts_and_a_post_wakes_it():
     first.wait(WRITTEN, first.post(WRITTEN))
     thread.join()
     assert first.reached(WRITTEN, 1)
-    assert answers and "timed out" not in answers[-1:] and answers[-1] in ("woken", "changed")
+    assert answers and answers[-1] in (Slept.WOKEN, Slept.CHANGED)
     peer_cell = words.data_ptr() + 8 * (SLOTS_PER_WORKER + WRITTEN)
     assert woken == [words.data_ptr() + 8 * WRITTEN, peer_cell]  # each post woke its own counter's sleepers
 
@@ -347,7 +347,7 @@ def test_a_futex_the_kernel_refuses_gives_way_to_timed_sleeps_for_good():
     class Refused:
         def wait(self, address, seen, seconds):
             calls.append("wait")
-            return "failed"
+            return Slept.FAILED
 
         def wake(self, address):
             calls.append("wake")
@@ -369,3 +369,11 @@ def test_a_futex_the_kernel_refuses_gives_way_to_timed_sleeps_for_good():
     assert calls == ["wake", "wait"]  # one refused sleep, then timed sleeps until the peer posted
     first.post(ARRIVED)
     assert calls == ["wake", "wait"]
+
+
+def test_the_workers_signals_sleep_on_the_kernels_futex():
+    """``make_signals`` (what the shared-memory engine makes) gives the signals the kernel's futex:
+    without it every wait past its poll would fall back to timed sleeps, unseen."""
+    words = torch.zeros(SLOTS_PER_WORKER, dtype=torch.int64)
+    signals = shm_signals.make_signals(words, 0, 1, 5.0, ["worker:0"], barrier=lambda: None)
+    assert isinstance(signals._futex, shm_signals.Futex)

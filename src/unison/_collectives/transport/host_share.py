@@ -275,8 +275,8 @@ class HostsShare:
         """
         engine, column = self.shared_memory, self._column
         if column is not None:
-            mine = [segment.result[slice(*engine.my_slice(segment.result.numel()))] for segment in segments]
-            self._wait_across([work for summed in mine for work in self.start_across_hosts(summed)])
+            parts = [engine.my_part(segment.result) for segment in segments]
+            self._wait_across([work for summed in parts for work in self.start_across_hosts(summed)])
             return
         self._host  # noqa: B018 - the groups exist from here on
         engine.sync(f"{BATCH_OPERATION} (host)")

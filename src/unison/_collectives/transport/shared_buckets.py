@@ -446,8 +446,7 @@ class PipelinedHostBuckets(BucketTransport):
             summed = engine.sum_my_slice_in_first(placed.homes.in_use(), placed.homes.divisor)
         else:
             engine.sum_my_slice(placed.segment)
-            result = placed.segment.result
-            summed = result[slice(*engine.my_slice(result.numel()))]
+            summed = engine.my_part(placed.segment.result)
         placed.across = self._hosts.start_across_hosts(summed)
         self._started += 1
 

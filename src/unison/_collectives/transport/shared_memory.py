@@ -243,6 +243,11 @@ class SharedMemoryAllReduce:
         """The ``[start, end)`` of a result of ``numel`` elements this worker sums."""
         return numel * self._rank // self._world_size, numel * (self._rank + 1) // self._world_size
 
+    def my_part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The view of ``tensor`` (a flat result or slot) that this worker sums: ``my_slice`` of it."""
+        start, end = self.my_slice(tensor.numel())
+        return tensor[start:end]
+
     def sum_my_slice(self, segment: SharedSegment, divisor: int = 1) -> None:
         """Sums this worker's slice of every worker's input slot into the result slot (then divides).
 

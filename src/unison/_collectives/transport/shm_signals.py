@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import enum
 import math
 import os
 import platform
@@ -41,8 +42,8 @@ import torch
 
 from unison._cluster.threads import usable_cpus
 
-__all__ = ["SharedSignals", "SpinPolicy", "make_signals", "supported", "runnable_tasks", "parse_runnable", "WRITTEN",
-           "ARRIVED", "SLOTS_PER_WORKER"]
+__all__ = ["SharedSignals", "SpinPolicy", "Futex", "Slept", "kernel_futex", "make_signals", "supported",
+           "runnable_tasks", "parse_runnable", "WRITTEN", "ARRIVED", "SLOTS_PER_WORKER"]
 
 SLOTS_PER_WORKER = 8
 """int64 words per worker: one 64-byte cache line, so workers never write each other's line."""
@@ -78,6 +79,15 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/proc/self")
 
 
+class Slept(enum.Enum):
+    """How a :meth:`Futex.wait` ended."""
+
+    WOKEN = "woken"  # someone woke the sleepers on the word
+    TIMED_OUT = "timed out"
+    CHANGED = "changed"  # the word no longer held what the sleeper read, or a signal came
+    FAILED = "failed"  # the kernel refused the call: sleep some other way
+
+
 class _Timespec(ctypes.Structure):
     """C's ``struct timespec``: the longest a ``FUTEX_WAIT`` sleeps."""
 
@@ -101,19 +111,18 @@ class Futex:
         self._syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
                                   ctypes.c_void_p, ctypes.c_uint32]
 
-    def wait(self, address: int, seen: int, seconds: float) -> str:
+    def wait(self, address: int, seen: int, seconds: float) -> Slept:
         """Sleeps while the word at ``address`` holds ``seen`` (its low 32 bits), at most ``seconds``;
-        returns ``"woken"``, ``"timed out"``, ``"changed"`` (it no longer held ``seen``, or a signal
-        came) or ``"failed"`` (the kernel refused the call: sleep some other way)."""
+        returns how the sleep ended."""
         whole = int(seconds)
         timeout = _Timespec(whole, int((seconds - whole) * 1e9))
         done = self._syscall(_SYS_FUTEX, address, _FUTEX_WAIT, seen & 0xFFFFFFFF, ctypes.byref(timeout), None, 0)
         if done == 0:
-            return "woken"
+            return Slept.WOKEN
         error = ctypes.get_errno()
         if error == _ETIMEDOUT:
-            return "timed out"
-        return "changed" if error in (_EAGAIN, _EINTR) else "failed"
+            return Slept.TIMED_OUT
+        return Slept.CHANGED if error in (_EAGAIN, _EINTR) else Slept.FAILED
 
     def wake(self, address: int) -> None:
         """Wakes every sleeper on the word at ``address`` (none: a system call that returns at once)."""
@@ -257,14 +266,14 @@ class SharedSignals:
         timeout: seconds a wait may last before it fails.
         names: the workers' task names by rank, for error messages.
         policy: how long a wait polls before it sleeps (default: a :class:`SpinPolicy` for ``world_size`` workers).
-        futex: what a wait sleeps in past its poll ("kernel": a :class:`Futex` where there is one);
-            None: timed sleeps, doubling up to 0.2 ms.
+        futex: what a wait sleeps in past its poll, and what a post wakes (``make_signals``
+            gives the kernel's, ``kernel_futex``); None: timed sleeps, doubling up to 0.2 ms.
 
     Call :meth:`introduce` on every worker, then a barrier, then :meth:`watch_peers`.
     """
 
     def __init__(self, words: torch.Tensor, rank: int, world_size: int, timeout: float, names: list[str],
-                 policy: SpinPolicy | None = None, futex: Futex | None | typing.Literal["kernel"] = "kernel"):
+                 policy: SpinPolicy | None = None, futex: Futex | None = None):
         if words.dtype != torch.int64 or words.numel() < world_size * SLOTS_PER_WORKER:
             raise ValueError(f"signal words must be >= {world_size * SLOTS_PER_WORKER} int64, got {words.dtype} "
                              f"x {words.numel()}")
@@ -275,7 +284,7 @@ class SharedSignals:
         self._names = names
         self._counts = [0] * SLOTS_PER_WORKER
         self._policy = policy if policy is not None else SpinPolicy(world_size)
-        self._futex = kernel_futex() if futex == "kernel" else futex  # None: timed sleeps instead
+        self._futex = futex
         self._address = words.data_ptr()
         self._watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, start time) of peers /proc can see
 
@@ -344,14 +353,14 @@ class SharedSignals:
             if budget is None or waited < budget:
                 os.sched_yield()
             elif self._futex is not None:  # until the late peer posts, or the next look at its liveness
-                if self._sleep_on_late_peer(kind, count, max(min(next_check, deadline) - now, 1e-4)) == "failed":
+                if self._sleep_on_late_peer(kind, count, max(min(next_check, deadline) - now, 1e-4)) is Slept.FAILED:
                     self._futex = None  # the kernel refused it (it would fail at once every time): timed sleeps
             else:
                 sleep = min(_MAX_SLEEP_S, sleep * 2 or 1e-5)
                 time.sleep(sleep)
         self._policy.record(kind, time.monotonic() - start)
 
-    def _sleep_on_late_peer(self, kind: int, count: int, seconds: float) -> str | None:
+    def _sleep_on_late_peer(self, kind: int, count: int, seconds: float) -> Slept | None:
         """Sleeps on the first peer's counter of ``kind`` still below ``count`` until it changes
         (``Futex.wait``'s answer; None: none was below any more)."""
         cells = self._cells
@@ -381,7 +390,7 @@ class SharedSignals:
 def make_signals(words: torch.Tensor, rank: int, world_size: int, timeout: float, names: list[str],
                  barrier: Callable[[], None]) -> SharedSignals:
     """Signals over ``words`` on every worker (a collective: ``barrier`` must be the host's)."""
-    signals = SharedSignals(words, rank, world_size, timeout, names)
+    signals = SharedSignals(words, rank, world_size, timeout, names, futex=kernel_futex())
     signals.introduce()
     barrier()
     signals.watch_peers()
