@@ -30,8 +30,18 @@ def test_the_hybrid_job_learns_as_one_device_does(tmp_path):
     0.07; the gap to one device (at most 0.015 seen) may be 0.03, and an untrained hybrid
     job's (0.16) fails it.
     """
-    alone, _ = _run([str(EXAMPLE), "--strategy", "one_device", "--batch-size", "512"], tmp_path, 100)
     hybrid, done = _run(["-m", "unison.launch", "--workers", "2", "--ps", "1", str(EXAMPLE)], tmp_path, 100)
+    # One device in this process, as the tests below run it: the same script and flags, without a
+    # second interpreter importing torch (the launched job above runs the example as a script).
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import ctr
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    out = tmp_path / "alone.json"
+    ctr.main(["--strategy", "one_device", "--batch-size", "512", "--train", "16384", "--test", "4096",
+              "--json", str(out)])
+    alone = json.loads(out.read_text())
     assert "[worker:0] [hybrid] rows per ps task" in done.stdout
     assert hybrid["samples"] == alone["samples"] == 16384
     assert hybrid["auc"] > 0.58 and alone["auc"] > 0.58, (hybrid, alone)  # untrained: 0.49-0.51
