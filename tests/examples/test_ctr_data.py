@@ -144,15 +144,16 @@ def test_dlrm_refuses_a_wrong_number_of_embeddings():
         dlrm.DLRM(dlrm.fixed_embeddings(10, 16)[:5])
 
 
-@pytest.mark.timeout(300)  # 6 s alone; 300 s only ends a hang (under 8x oversubscription it took > 120 s)
+@pytest.mark.timeout(300)  # 5 s alone; 300 s only ends a hang (under 8x oversubscription it took > 120 s)
 def test_training_improves_held_out_auc():
+    """150 steps of 64 reach a held-out AUC of 0.765 (300: 0.788; untrained: 0.48), 0.065 above the bound."""
     torch.manual_seed(0)
-    train = make_ctr_data(300 * 64, seed=0, id_space_scale=0.01)
+    train = make_ctr_data(150 * 64, seed=0, id_space_scale=0.01)
     test = make_ctr_data(4_000, seed=1, id_space_scale=0.01)
     model = _small_model(dlrm.dynamic_embeddings(8))
     untrained = dlrm.evaluate(model, test)
-    stats = dlrm.train_one_device(model, train, batch_size=64, lr=0.05, steps=300)
+    stats = dlrm.train_one_device(model, train, batch_size=64, lr=0.05, steps=150)
     trained = dlrm.evaluate(model, test)
-    assert stats["samples"] == 300 * 64 and stats["seconds"] > 0
+    assert stats["samples"] == 150 * 64 and stats["seconds"] > 0
     assert math.isfinite(stats["loss_last"]) and stats["loss_last"] < stats["loss_first"]
     assert trained > untrained + 0.1 and trained > 0.7, (untrained, trained, ctr_data.bayes_auc(test))
