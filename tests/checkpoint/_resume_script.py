@@ -4,10 +4,12 @@ Usage: python _resume_script.py OUT_DIR KILL_AT_STEP SAVE_FREQ
 Worker 1 SIGKILLs itself after step KILL_AT_STEP on the first attempt (-1: never). The
 chief writes the final weights to OUT_DIR/final.pt and each attempt appends
 "<attempt> <restored step> <time.time()>" to OUT_DIR/attempts-w<rank>.txt.
+``as_worker`` runs it as one worker of the same cluster in a ``run_workers`` process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -19,8 +21,9 @@ from torch import nn
 import unison
 
 
-def main() -> None:
-    out_dir, kill_at, save_freq = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def main(argv: list[str] | None = None) -> None:
+    out_dir, kill_at, save_freq = argv if argv is not None else sys.argv[1:4]
+    kill_at = int(kill_at)
     strategy = unison.MultiWorkerMirroredStrategy(
         communication_options=unison.CommunicationOptions(timeout_seconds=20))
     components = strategy.extended.components
@@ -56,6 +59,14 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     if strategy.extended.should_checkpoint:
         torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out_dir, "final.pt"))
+
+
+def as_worker(rank: int, world_size: int, *argv: str) -> None:
+    """``main(argv)`` as worker ``rank`` of ``world_size``, given the TF_CONFIG ``unison launch``
+    would give it (``run_workers`` serves the rendezvous store; the addresses are never bound)."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{i + 1}" for i in range(world_size)]},
+                                          "task": {"type": "worker", "index": rank}})
+    main(list(argv))
 
 
 if __name__ == "__main__":
