@@ -3,10 +3,12 @@
 Usage: python _preemption_script.py OUT_DIR SIGNAL_RANK SIGNAL_AT_CALL
 Each attempt appends "<attempt> <total_run_calls at start>" to OUT_DIR/attempts-w<rank>.txt,
 and each worker that leaves through exit_fn appends "<calls>" to OUT_DIR/saved-w<rank>.txt.
+``as_worker`` runs it as one worker of the same cluster in a ``run_workers`` process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -19,8 +21,9 @@ import unison
 from unison._checkpoint import PREEMPTED_EXIT_CODE
 
 
-def main() -> None:
-    out_dir, signal_rank, signal_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def main(argv: list[str] | None = None) -> None:
+    out_dir, signal_rank, signal_at = argv if argv is not None else sys.argv[1:4]
+    signal_rank, signal_at = int(signal_rank), int(signal_at)
     strategy = unison.MultiWorkerMirroredStrategy(
         communication_options=unison.CommunicationOptions(timeout_seconds=20))
     components = strategy.extended.components
@@ -64,6 +67,14 @@ def main() -> None:
                 handler.run(lambda: strategy.run(step, args=(x, y)))  # noqa: B023 - called within the iteration
     if strategy.extended.should_checkpoint:
         torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out_dir, "final.pt"))
+
+
+def as_worker(rank: int, world_size: int, *argv: str) -> None:
+    """``main(argv)`` as worker ``rank`` of ``world_size``, given the TF_CONFIG ``unison launch``
+    would give it (``run_workers`` serves the rendezvous store; the addresses are never bound)."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{i + 1}" for i in range(world_size)]},
+                                          "task": {"type": "worker", "index": rank}})
+    main(list(argv))
 
 
 if __name__ == "__main__":
