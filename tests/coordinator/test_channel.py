@@ -4,6 +4,7 @@ import os
 import pickle
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -241,3 +242,65 @@ def test_listener_keeps_accepting_when_no_thread_can_be_started(monkeypatch, cap
     finally:
         monkeypatch.undo()
         listener.close()
+
+
+# --- the same-host socket ------------------------------------------------------------------
+
+def _family(channel):
+    with socket.socket(fileno=os.dup(channel.connection.fileno())) as view:
+        return view.family
+
+
+same_host_sockets = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+
+
+@same_host_sockets
+@pytest.mark.timeout(30)
+def test_same_host_first_connects_over_the_unix_socket_behind_the_same_handshake(listener):
+    channel = connect(listener.address, KEY, timeout=5, same_host_first=True)
+    assert _family(channel) == socket.AF_UNIX
+    channel.send(("hello", [1, 2]))
+    assert channel.recv() == ("echo", ("hello", [1, 2]))
+    channel.close()
+    assert listener.handler.peers[-1] == f"a same-host peer of {listener.address}"
+    tcp = connect(listener.address, KEY, timeout=5)  # without asking: TCP, as for another host
+    assert _family(tcp) == socket.AF_INET
+    tcp.close()
+    with pytest.raises(AuthenticationError, match="refused this client's key"):
+        connect(listener.address, bytes(32), timeout=5, same_host_first=True)
+    assert _refused_count_reaches(listener, 1)
+
+
+@same_host_sockets
+@pytest.mark.timeout(30)
+def test_same_host_first_falls_back_to_tcp_where_the_listener_has_no_unix_socket(monkeypatch):
+    import unison._coordinator.channel as channel_module
+
+    monkeypatch.setattr(channel_module, "_listen_locally", lambda host, port: None)  # e.g. its name was taken
+    handler = Echo()
+    plain = ChannelListener("127.0.0.1:0", KEY, handler)
+    try:
+        channel = connect(plain.address, KEY, timeout=5, same_host_first=True)
+        assert _family(channel) == socket.AF_INET
+        channel.send("hi")
+        assert channel.recv() == ("echo", "hi")
+        channel.close()
+    finally:
+        plain.close()
+
+
+@same_host_sockets
+@pytest.mark.timeout(30)
+def test_a_closed_listener_releases_its_unix_name():
+    import unison._coordinator.channel as channel_module
+
+    closing = ChannelListener("127.0.0.1:0", KEY, Echo())
+    host, port = closing.address.rsplit(":", 1)
+    name = channel_module.local_socket_name(host, int(port))
+    probe = channel_module._connect_locally(host, int(port))
+    assert probe is not None
+    probe.close()
+    closing.close()
+    assert channel_module._connect_locally(host, int(port)) is None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as again:  # and the name can be bound anew
+        again.bind(name)

@@ -13,6 +13,13 @@ handshake too, and says which end gave up.
 
 The key comes from ``UNISON_AUTHKEY`` (hex) or ``UNISON_AUTHKEY_FILE`` (a file holding
 the hex), which ``unison launch`` fills with a fresh random key per cluster.
+
+On Linux a listener also accepts on an abstract Unix socket named after the address it
+bound (``local_socket_name``). A peer on the same host that asks for it
+(``connect(..., same_host_first=True)``: a worker's links to ps tasks) skips the TCP/IP
+stack, which the lookups, pushes and replies of a hybrid DLRM cross six times a step
+(2-3% less CPU a step, ``benchmarks/RESULTS.md``). The same handshake guards it; a peer on
+another host (or in another network namespace) cannot see the name, and connects over TCP.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import logging
 import pickle
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -148,6 +156,47 @@ class Channel:
         self._connection.close()
 
 
+def local_socket_name(host: str, port: int) -> str | None:
+    """The abstract Unix socket a listener bound to ``host:port`` also accepts on; None where
+    there are none (not Linux). Abstract names live in a network namespace: only peers on the
+    same host (and in the same namespace) reach one."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return f"\0unison-channel-{host}:{port}"
+
+
+def _listen_locally(host: str, port: int) -> socket.socket | None:
+    """A socket listening on ``local_socket_name(host, port)``; None where none can be made (the
+    TCP address still serves every peer)."""
+    name = local_socket_name(host, port)
+    if name is None:
+        return None
+    local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        local.bind(name)
+        local.listen(64)
+    except OSError as e:
+        local.close()
+        logger.debug("no same-host socket for %s:%s (%s)", host, port, e)
+        return None
+    return local
+
+
+def _connect_locally(host: str, port: int) -> socket.socket | None:
+    """A socket connected to the listener of ``host:port`` by its same-host name; None where this
+    host has none (another host's address, a listener not started yet, not Linux)."""
+    name = local_socket_name(host, port)
+    if name is None:
+        return None
+    local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        local.connect(name)
+    except OSError:
+        local.close()
+        return None
+    return local
+
+
 def _bind_target(address: str) -> tuple[str, int]:
     """Like split_address, but port 0 (any free port) is allowed."""
     if address.endswith(":0"):
@@ -235,38 +284,47 @@ class ChannelListener:
         self._handler = handler
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._local: socket.socket | None = None  # the same-host socket, where there is one
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._socket.bind((host, port))
+            bound_host, bound_port = self._socket.getsockname()[:2]
+            # before the TCP socket listens: a peer that reaches it finds the same-host one too
+            self._local = _listen_locally(bound_host, bound_port)
             self._socket.listen(64)
         except OSError as e:
             self._socket.close()
+            if self._local is not None:
+                self._local.close()
             raise ClusterError(f"cannot listen on {address!r} ({e}); free the port or fix the task's address") from e
-        bound_host, bound_port = self._socket.getsockname()[:2]
         self.address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
         self.refused = 0
         self.handshakes = PendingHandshakes(max_handshakes, handshake_seconds, name=self.address)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._overload = _Overload(self.address, self.handshakes)
-        self._thread = threading.Thread(target=self._accept_loop, name=f"unison-listener-{self.address}", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, args=(self._socket,),
+                                        name=f"unison-listener-{self.address}", daemon=True)
         self._thread.start()
+        if self._local is not None:
+            threading.Thread(target=self._accept_loop, args=(self._local,),
+                             name=f"unison-listener-{self.address}-same-host", daemon=True).start()
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listening: socket.socket) -> None:
         try:
-            self._accept_until_closed()
+            self._accept_until_closed(listening)
         except BaseException:  # SystemExit and the like: say so, never stop accepting silently
             if not self._closed.is_set():
                 logger.exception("the control channel at %s stopped accepting connections", self.address)
             raise
 
-    def _accept_until_closed(self) -> None:
+    def _accept_until_closed(self, listening: socket.socket) -> None:
         backoff, troubled_at = _BACKOFF_FIRST, -float("inf")  # the last failed accept
         while not self._closed.is_set():
             idle = len(self.handshakes) == 0
             roomy = self._make_room()
             try:
-                sock, peer = self._socket.accept()
+                sock, peer = listening.accept()
                 token = self.handshakes.admit(sock)
                 try:
                     connection = duplicate_connection(sock)
@@ -332,7 +390,7 @@ class ChannelListener:
             time.sleep(0.002)
 
     def _admit(self, sock: socket.socket, connection: Connection, peer: Any, token: int) -> None:
-        name = f"{peer[0]}:{peer[1]}"
+        name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else f"a same-host peer of {self.address}"
         try:
             connection = guarded_handshake(sock, connection, token, self._authkey, self.handshakes, server=True)
         except (_MpAuthenticationError, OSError, EOFError):
@@ -344,20 +402,25 @@ class ChannelListener:
     def close(self) -> None:
         """Stops accepting connections and cuts handshakes under way (open Channels stay open)."""
         self._closed.set()
-        try:
-            self._socket.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._socket.close()
+        for listening in (self._socket, self._local):
+            if listening is None:
+                continue
+            try:
+                listening.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listening.close()
         self.handshakes.close()
 
 
-def connect(address: str, authkey: bytes, timeout: float = 60.0) -> Channel:
+def connect(address: str, authkey: bytes, timeout: float = 60.0, *, same_host_first: bool = False) -> Channel:
     """Connects to a ChannelListener at ``address``, retrying until it is up.
 
     ``timeout`` bounds the whole call: reaching the server and the key handshake. A
     handshake that starts late in it still gets ``min(timeout, 1 s)``, so a server that
     came up at the last moment is not given up on after a few milliseconds.
+    ``same_host_first``: try the listener's same-host Unix socket (``local_socket_name``)
+    before TCP, for a connection that carries bulk traffic (a worker's ps links).
 
     Raises:
         AuthenticationError: if the server does not accept the key (or does not hold it).
@@ -369,6 +432,9 @@ def connect(address: str, authkey: bytes, timeout: float = 60.0) -> Channel:
     deadline = time.monotonic() + timeout
     delay = 0.02
     while True:
+        sock = _connect_locally(host, port) if same_host_first else None
+        if sock is not None:
+            break
         try:
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
             break

@@ -3,6 +3,9 @@ refused at once with both versions named, and a malformed request gets an error 
 
 from __future__ import annotations
 
+import socket
+import sys
+
 import pytest
 import torch
 
@@ -119,3 +122,16 @@ def test_a_ps_task_gone_after_it_was_reached_is_lost():
     finally:
         client.close()
         server.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+def test_a_link_to_a_ps_task_on_this_host_skips_tcp(ps_server):
+    """A worker's link to a ps task on its host goes over the listener's same-host Unix socket
+    (no TCP/IP stack for the rows and gradients: benchmarks/RESULTS.md), and serves requests."""
+    address, key = ps_server
+    link = open_link(address, key, "ps", "ps:0", 10)
+    try:
+        assert link._socket.family == socket.AF_UNIX
+        assert isinstance(link.request(wire.Ping())[0], wire.Ok)
+    finally:
+        link.close()

@@ -146,7 +146,7 @@ def open_link(address: str, authkey: bytes, session: str, peer: str, timeout: fl
         ParameterServerError: if the peer refuses (another unison version), or does not answer
             the handshake within ``timeout``.
     """
-    channel = connect(address, authkey, timeout)
+    channel = connect(address, authkey, timeout, same_host_first=True)  # a ps on this host: no TCP/IP
     channel.send((session, Hello(PROTOCOL_VERSION)))
     if not channel.connection.poll(timeout):
         channel.close()
