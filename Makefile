@@ -17,7 +17,10 @@ install:
 demo: install
 	$(PYTHON) -m unison.launch --workers $(WORKERS) examples/digits.py
 
+# Bytecode for unison's modules first: the environment may set PYTHONDONTWRITEBYTECODE, and then every
+# interpreter a test starts (launchers, workers, ps tasks: hundreds) compiles them again (0.3 s each).
 test: install
+	$(PYTHON) -m compileall -q src
 	$(PYTHON) -m pytest -q
 
 # ruff's rules and the ones left out are in pyproject.toml ([tool.ruff]).
