@@ -10,6 +10,16 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ctr.py"
 
 
+def _example_module():
+    """``examples/ctr.py`` imported in this process (its directory on the path only meanwhile)."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import ctr
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    return ctr
+
+
 def _run(args, tmp_path, timeout):
     out = tmp_path / "result.json"
     done = subprocess.run([sys.executable, *args, "--train", "16384", "--test", "4096", "--json", str(out)],
@@ -33,11 +43,7 @@ def test_the_hybrid_job_learns_as_one_device_does(tmp_path):
     hybrid, done = _run(["-m", "unison.launch", "--workers", "2", "--ps", "1", str(EXAMPLE)], tmp_path, 100)
     # One device in this process, as the tests below run it: the same script and flags, without a
     # second interpreter importing torch (the launched job above runs the example as a script).
-    sys.path.insert(0, str(EXAMPLE.parent))
-    try:
-        import ctr
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
+    ctr = _example_module()
     out = tmp_path / "alone.json"
     ctr.main(["--strategy", "one_device", "--batch-size", "512", "--train", "16384", "--test", "4096",
               "--json", str(out)])
@@ -51,11 +57,7 @@ def test_the_hybrid_job_learns_as_one_device_does(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "sparse_adam", "ftrl"])
 def test_every_row_optimizer_trains_the_example_on_one_device(optimizer, tmp_path):
-    sys.path.insert(0, str(EXAMPLE.parent))
-    try:
-        import ctr
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
+    ctr = _example_module()
     out = tmp_path / "result.json"
     ctr.main(["--strategy", "one_device", "--train", "2048", "--test", "512", "--batch-size", "256",
               "--optimizer", optimizer, "--json", str(out)])
@@ -72,11 +74,7 @@ def test_every_row_optimizer_trains_the_example_on_one_device(optimizer, tmp_pat
 def test_admission_and_a_capacity_bound_the_rows_and_the_model_still_learns(tmp_path):
     """``--admit-after 2 --capacity 20000``: of the 62883 ids these 16k samples hold, 18220 are seen
     twice or more (the rest read zeros), under the capacity; AUC 0.667 against 0.665 without."""
-    sys.path.insert(0, str(EXAMPLE.parent))
-    try:
-        import ctr
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
+    ctr = _example_module()
     out = tmp_path / "result.json"
     ctr.main(["--strategy", "one_device", "--train", "16384", "--test", "4096", "--batch-size", "512",
               "--admit-after", "2", "--capacity", "20000", "--json", str(out)])
@@ -88,11 +86,7 @@ def test_admission_and_a_capacity_bound_the_rows_and_the_model_still_learns(tmp_
 def test_the_table_is_saved_by_delta_and_exported_for_serving(tmp_path):
     """``--delta-every 2 --full-every 3``: 8 steps save at 2 (full), 4, 6, 8 (deltas); the chain loads to
     the trained table, and the serving export written at the end serves the same rows."""
-    sys.path.insert(0, str(EXAMPLE.parent))
-    try:
-        import ctr
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
+    ctr = _example_module()
     import torch
 
     import unison
