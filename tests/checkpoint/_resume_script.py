@@ -9,7 +9,6 @@ chief writes the final weights to OUT_DIR/final.pt and each attempt appends
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 import unison
+from unison._testing import as_launched_worker
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,10 +62,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def as_worker(rank: int, world_size: int, *argv: str) -> None:
-    """``main(argv)`` as worker ``rank`` of ``world_size``, given the TF_CONFIG ``unison launch``
-    would give it (``run_workers`` serves the rendezvous store; the addresses are never bound)."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{i + 1}" for i in range(world_size)]},
-                                          "task": {"type": "worker", "index": rank}})
+    """``main(argv)`` as worker ``rank`` of ``world_size`` in a ``run_workers`` process."""
+    as_launched_worker(rank, world_size)
     main(list(argv))
 
 

@@ -331,8 +331,9 @@ class ChannelListener:
                 except OSError:
                     self.handshakes.release(token, sock)
                     raise
+                name = f"a same-host peer of {self.address}" if listening is self._local else f"{peer[0]}:{peer[1]}"
                 try:
-                    threading.Thread(target=self._admit, args=(sock, connection, peer, token), daemon=True).start()
+                    threading.Thread(target=self._admit, args=(sock, connection, name, token), daemon=True).start()
                 except RuntimeError:  # "can't start new thread": the same starvation as EMFILE
                     connection.close()
                     self.handshakes.release(token, sock)
@@ -389,8 +390,7 @@ class ChannelListener:
         while self.handshakes.closing and time.monotonic() < deadline and not self._closed.is_set():
             time.sleep(0.002)
 
-    def _admit(self, sock: socket.socket, connection: Connection, peer: Any, token: int) -> None:
-        name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else f"a same-host peer of {self.address}"
+    def _admit(self, sock: socket.socket, connection: Connection, name: str, token: int) -> None:
         try:
             connection = guarded_handshake(sock, connection, token, self._authkey, self.handshakes, server=True)
         except (_MpAuthenticationError, OSError, EOFError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from unison._testing.pool import WorkerPool
 from unison._testing.rendezvous import (
     RENDEZVOUS_ENV,
+    as_launched_worker,
     connect_rendezvous_store,
     free_port,
     init_test_process_group,
@@ -32,6 +33,7 @@ __all__ = [
     "WorkerPool",
     "WorkerResult",
     "WorkerTimeout",
+    "as_launched_worker",
     "connect_rendezvous_store",
     "free_port",
     "init_test_process_group",

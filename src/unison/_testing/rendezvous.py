@@ -10,6 +10,8 @@ form a plain process group use :func:`connect_rendezvous_store` or
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +28,7 @@ __all__ = [
     "connect_rendezvous_store",
     "init_test_process_group",
     "free_port",
+    "as_launched_worker",
 ]
 
 RENDEZVOUS_ENV = env.UNISON_RENDEZVOUS
@@ -145,3 +148,11 @@ def free_port(host: str = LOCALHOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def as_launched_worker(rank: int, world_size: int) -> None:
+    """Sets this process's ``TF_CONFIG`` to worker ``rank``'s of ``world_size`` workers on this host, as
+    ``unison launch`` would: a script's ``main`` then runs as that worker in a ``run_workers`` process
+    (whose store is the rendezvous; the workers' addresses are never bound)."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"{LOCALHOST}:{i + 1}" for i in range(world_size)]},
+                                          "task": {"type": "worker", "index": rank}})
