@@ -154,5 +154,5 @@ def as_launched_worker(rank: int, world_size: int) -> None:
     """Sets this process's ``TF_CONFIG`` to worker ``rank``'s of ``world_size`` workers on this host, as
     ``unison launch`` would: a script's ``main`` then runs as that worker in a ``run_workers`` process
     (whose store is the rendezvous; the workers' addresses are never bound)."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"{LOCALHOST}:{i + 1}" for i in range(world_size)]},
+    os.environ[env.TF_CONFIG] = json.dumps({"cluster": {"worker": [f"{LOCALHOST}:{i + 1}" for i in range(world_size)]},
                                           "task": {"type": "worker", "index": rank}})
