@@ -30,6 +30,9 @@ from unison.errors import ClusterError
 
 __all__ = ["RunRequest", "StandardServer", "run_standard_server", "stop_standard_servers"]
 
+_JOIN_SLICE_S = 0.5
+"""The longest ``StandardServer.join`` sleeps before it runs a signal handler left pending."""
+
 
 @dataclasses.dataclass
 class RunRequest:
@@ -163,8 +166,16 @@ class StandardServer:
         return self
 
     def join(self, timeout: float | None = None) -> bool:
-        """Blocks until the server is stopped; returns whether it was."""
-        return self._stopped.wait(timeout)
+        """Blocks until the server is stopped; returns whether it was.
+
+        Without a timeout it waits in slices of ``_JOIN_SLICE_S``: a Ctrl-C the kernel handed to one
+        of the server's threads only marks Python's handler pending, and the main thread runs it
+        (KeyboardInterrupt here) only when it wakes (``unison._launch.interrupts`` says more)."""
+        if timeout is not None:
+            return self._stopped.wait(timeout)
+        while not self._stopped.wait(_JOIN_SLICE_S):
+            pass
+        return True
 
     def stop(self) -> None:
         """Stops accepting connections and releases ``join``."""

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from unison._cluster import env
+from unison._launch.interrupts import SIGNAL_POLL_S, helper_threads_block_signals
 from unison._launch.outcome import Outcome, exit_code
 from unison._launch.parent_death import die_with_launcher
 from unison._launch.task_output import OutputRelay, is_terminal, terminal_streams
@@ -252,9 +253,11 @@ class LocalCluster:
             ]
             running = _Running(task, process, pumps)
             self._running.append(running)
-            for pump in pumps:
-                pump.start()
-            threading.Thread(target=self._watch, args=(running,), daemon=True).start()
+            with helper_threads_block_signals():  # Ctrl-C must reach the main thread (unison._launch.interrupts)
+                for pump in pumps:
+                    pump.start()
+                name = f"unison-watch-{prefix}"
+                threading.Thread(target=self._watch, args=(running,), name=name, daemon=True).start()
 
     def _watch(self, running: _Running) -> None:
         running.process.wait()
@@ -301,7 +304,7 @@ class LocalCluster:
                     except queue.Empty:
                         break  # the ps tasks were not told to stop: stop them below
                 else:
-                    running = self._exits.get()
+                    running = self._next_exit()
                 pending.pop(id(running), None)
                 code = running.process.returncode
                 if code != 0 and ps_job and running.task.type == "worker":
@@ -316,6 +319,15 @@ class LocalCluster:
             return Outcome()
         finally:
             self.stop()
+
+    def _next_exit(self) -> _Running:
+        """The next task to end. Waits in slices, running any signal handler left pending meanwhile
+        (``unison._launch.interrupts``): one long wait would sleep through a Ctrl-C."""
+        while True:
+            try:
+                return self._exits.get(timeout=SIGNAL_POLL_S)
+            except queue.Empty:
+                continue
 
     def preemption_notices(self) -> tuple[str, ...]:
         """The tasks that have received a preemption signal so far, by name, sorted."""
