@@ -48,6 +48,7 @@ SERIAL_FILES = frozenset({
     "tests/launch/test_launch.py",
     "tests/launch/test_kept_ps.py",
     "tests/launch/test_launch_integration.py",
+    "tests/launch/test_launcher_signals.py",
     "tests/multinode/test_multinode_launch.py",
     "tests/multinode/test_node_rendezvous.py",
     "tests/multinode/test_simulated_hosts.py",

@@ -281,7 +281,7 @@ def test_with_a_chief_the_ps_gets_the_grace_period_to_exit_by_itself_first(write
 
 
 @pytest.mark.timeout(60)
-def test_python_m_unison_launch_and_ctrl_c_stops_every_task(write_script, out):
+def test_python_m_unison_launch_and_ctrl_c_stops_every_task(write_script, out, sigint_as_in_a_terminal):
     script = write_script(
         """
         print("started", NAME)
@@ -300,8 +300,13 @@ def test_python_m_unison_launch_and_ctrl_c_stops_every_task(write_script, out):
         while not ((out / "worker:0").exists() and (out / "worker:1").exists()):
             assert launcher.poll() is None and time.monotonic() < deadline, "workers did not start"
             time.sleep(0.02)
+        masks = _signal_masks(launcher.pid)  # named if it hangs: an inherited ignored or blocked SIGINT
         launcher.send_signal(signal.SIGINT)
-        stdout, stderr = launcher.communicate(timeout=30)
+        try:
+            stdout, stderr = launcher.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher did not stop within 30 s of SIGINT; its signal masks then: {masks}; "
+                        f"the test process's: {_signal_masks(os.getpid())}")
     finally:
         launcher.kill()
         launcher.wait()
@@ -309,6 +314,16 @@ def test_python_m_unison_launch_and_ctrl_c_stops_every_task(write_script, out):
     assert "[worker:0] started worker:0" in stdout and "[worker:1] started worker:1" in stdout
     assert "unison launch: interrupted by SIGINT; stopped every task" in stderr
     assert not any(alive(int((out / f"worker:{i}").read_text())) for i in range(2))
+
+
+def _signal_masks(pid: int) -> dict[str, str]:
+    """A process's blocked, ignored and caught signals (/proc), or {} where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = (line.partition(":") for line in f)
+            return {k: v.strip() for k, _, v in fields if k in ("SigBlk", "SigIgn", "SigCgt")}
+    except OSError:
+        return {}
 
 
 def test_console_script_is_unison_launch_cli_main():

@@ -3,7 +3,7 @@
 
 The kernel hands a signal sent to a process to any thread that does not block it; Python runs
 the handler in the main thread only, when that thread runs Python code. A Ctrl-C that a pump
-thread took left the launcher asleep in its wait until a task ended (a flaky launch test).
+thread took left the launcher asleep in its wait until a task ended.
 """
 
 from __future__ import annotations
@@ -24,6 +24,23 @@ pytestmark = pytest.mark.skipif(not hasattr(signal, "pthread_sigmask") or not os
                                 reason="needs POSIX thread signal masks and /proc")
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+SHOW_MASKS = "print(*(l.strip() for l in open('/proc/self/status') if l.startswith(('SigBlk', 'SigIgn'))), flush=True)"
+
+
+def _run_to_end(script: str) -> subprocess.CompletedProcess:
+    """Runs ``script`` (which prints its signal masks first); one still running after 30 s fails the test
+    with its output and both processes' masks (an inherited ignored or blocked SIGINT would hang it)."""
+    child = subprocess.Popen([sys.executable, "-c", SHOW_MASKS + "\n" + script], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        stdout, stderr = child.communicate()
+        pytest.fail(f"still running 30 s after the signal; its output: {stdout} {stderr[-2000:]}; this test "
+                    f"process blocks {sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))} and its SIGINT handler "
+                    f"is {signal.getsignal(signal.SIGINT)}")
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
 
 
 def _blocked(status_path: str) -> set[int]:
@@ -52,7 +69,7 @@ def test_the_launchers_helper_threads_block_its_signals_and_its_tasks_and_main_t
 
 
 @pytest.mark.timeout(60)
-def test_a_ctrl_c_another_thread_took_still_stops_every_task():
+def test_a_ctrl_c_another_thread_took_still_stops_every_task(sigint_as_in_a_terminal):
     # A thread that blocks nothing (as a library's C thread) takes the SIGINT while the main thread waits
     # for the tasks (which would sleep 60 s): the wait must wake up to run the handler.
     script = textwrap.dedent(f"""
@@ -71,14 +88,14 @@ def test_a_ctrl_c_another_thread_took_still_stops_every_task():
         code = run_once(cluster)
         print("exit", code, "tasks alive", sum(r.process.poll() is None for r in cluster._running))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    done = _run_to_end(script)
     assert done.returncode == 0, done.stderr
     assert "exit 130 tasks alive 0" in done.stdout, done.stdout + done.stderr
     assert "interrupted by SIGINT; stopped every task" in done.stderr
 
 
 @pytest.mark.timeout(60)
-def test_a_ctrl_c_one_of_a_servers_threads_took_still_interrupts_its_join():
+def test_a_ctrl_c_one_of_a_servers_threads_took_still_interrupts_its_join(sigint_as_in_a_terminal):
     # `unison server` and a ps task's process wait in Server.join: the same sleep through a Ctrl-C
     script = textwrap.dedent("""
         import signal, threading, time
@@ -99,5 +116,5 @@ def test_a_ctrl_c_one_of_a_servers_threads_took_still_interrupts_its_join():
             print("interrupted")
         server.stop()
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    done = _run_to_end(script)
     assert "interrupted" in done.stdout, done.stdout + done.stderr

@@ -8,9 +8,9 @@ restore the previous ones after it.
 Python runs a handler in the main thread, but the kernel hands a signal sent to the process
 to any thread that does not block it. One that lands in a helper thread (an output pump)
 only marks the handler pending, and a main thread asleep in a wait without a timeout never
-runs it: Ctrl-C was ignored until a task ended (a flaky launch test, reproduced by sending
-SIGINT to a pump thread). So the launcher's helper threads block these signals
-(:func:`helper_threads_block_signals`), and its waits return every :data:`SIGNAL_POLL_S`
+runs it: a Ctrl-C sent to a pump thread was ignored until a task ended. (The kernel prefers
+the main thread, but not while a signal is pending there.) So the launcher's helper threads
+block these signals (:func:`helper_threads_block_signals`), and its waits return every :data:`SIGNAL_POLL_S`
 to run a handler that another thread's signal left pending (C threads of libraries, e.g. a
 TCPStore's, do not block them).
 """
