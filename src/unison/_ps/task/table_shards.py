@@ -51,6 +51,14 @@ lookups: a job whose workers' lookups do not pair up pays the wait a few times, 
 _GATHER_PAUSE = 1000
 
 
+class _Union(NamedTuple):
+    """The distinct slots of a step's lookups looked up as one, and how many lookups they hold: the
+    step's pushes of exactly those lookups sum their gradients by position in it, without a search."""
+
+    slots: torch.Tensor
+    lookups: int
+
+
 class _Push(NamedTuple):
     """One worker's push of a global step, held until every worker's has come."""
 
@@ -58,6 +66,8 @@ class _Push(NamedTuple):
     grads: torch.Tensor
     slots: torch.Tensor | None  # the ids' slots from the same session's lookup, in ``generation``
     generation: int
+    union: _Union | None = None  # that lookup's union, when it was made with the others of its step...
+    where: torch.Tensor | None = None  # ...and the positions of its ids in it
 
 
 class _Looked(NamedTuple):
@@ -66,6 +76,8 @@ class _Looked(NamedTuple):
     rows: torch.Tensor
     slots: torch.Tensor
     generation: int
+    union: _Union | None = None  # made with the other lookups of its step: their union...
+    where: torch.Tensor | None = None  # ...and where its ids are in it
 
 
 class _Gathering:
@@ -170,7 +182,7 @@ class TableShards:
                 looked = _gathered(entry, ids, occurrences, after_step, lookers)
             else:
                 looked = _Looked(*entry.table.lookup_distinct(ids, occurrences), entry.table.generation)
-            self._recent.__dict__[key] = (ids.clone(), looked.slots, looked.generation)
+            self._recent.__dict__[key] = (ids.clone(), looked)
             return looked.rows
 
     def post_rows(self, key: str, ids: torch.Tensor, occurrences: torch.Tensor, after_step: int, wait_s: float,
@@ -211,7 +223,7 @@ class TableShards:
                     group.asks[posted.position] = None
                 self._wait_for_step(entry, posted.key, posted.after_step, posted.wait_s)
                 looked = _Looked(*entry.table.lookup_distinct(posted.ids, posted.occurrences), entry.table.generation)
-            self._recent.__dict__[posted.key] = (posted.ids.clone(), looked.slots, looked.generation)
+            self._recent.__dict__[posted.key] = (posted.ids.clone(), looked)
             return looked.rows
 
     def push(self, key: str, ids: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer,
@@ -224,11 +236,11 @@ class TableShards:
         recent = self._recent.__dict__.pop(key, None)
         with entry.lock:
             table = entry.table
-            slots = None
-            if (recent is not None and recent[2] == table.generation and recent[0].shape == ids.shape
+            push = _Push(ids, grads, None, table.generation)
+            if (recent is not None and recent[1].generation == table.generation and recent[0].shape == ids.shape
                     and torch.equal(recent[0], ids)):
-                slots = recent[1]  # the ids this session just read
-            push = _Push(ids, grads, slots, table.generation)
+                looked = recent[1]  # the ids this session just read
+                push = push._replace(slots=looked.slots, union=looked.union, where=looked.where)
             if at_step is None or pushers <= 1 or at_step <= table.current_step:
                 # one push a step; or one of a step the clock has passed (workers restarted without a
                 # checkpoint count their steps from 0 again): applied on its own, as it comes
@@ -420,6 +432,7 @@ def _looked_up_together(table: LocalTable | TieredTable,
     counts = torch.zeros(ids.numel(), dtype=torch.int64).index_add_(0, inverse, occurrences)
     rows, slots = table.lookup_distinct(ids, counts)
     generation = table.generation
+    union = _Union(slots, len(present))
     answers, start = [], 0
     for ask in asks:
         if ask is None:
@@ -427,7 +440,7 @@ def _looked_up_together(table: LocalTable | TieredTable,
             continue
         where = inverse[start:start + ask[0].numel()]
         start += ask[0].numel()
-        answers.append(_Looked(rows.index_select(0, where), slots.index_select(0, where), generation))
+        answers.append(_Looked(rows.index_select(0, where), slots.index_select(0, where), generation, union, where))
     return answers
 
 
@@ -437,8 +450,17 @@ def _apply(table: LocalTable | TieredTable, pushes: list[_Push], optimizer: RowO
     them from the current generation (no second search of the index), else through the ids."""
     found = [p.slots for p in pushes if p.slots is not None and p.generation == table.generation]
     if len(found) == len(pushes):
+        union = pushes[0].union
         if len(found) == 1:
             slots, grads = found[0], pushes[0].grads
+        elif union is not None and union.lookups == len(pushes) and all(p.union is union for p in pushes):
+            # the pushes of exactly the lookups made as one: their gradients summed by position in the
+            # lookups' union (each of its slots is some push's), in the order the pushes came
+            slots = union.slots
+            grads = pushes[0].grads.new_zeros(slots.numel(), pushes[0].grads.shape[1])
+            for p in pushes:
+                assert p.where is not None  # set with the union
+                grads.index_add_(0, p.where, p.grads)
         else:  # a row two workers touched: its gradients summed, in the order the pushes came
             slots, inverse = torch.unique(torch.cat(found), return_inverse=True)
             every = torch.cat([p.grads for p in pushes])
