@@ -14,6 +14,9 @@ samples (seed 1):
   all-reduced, rows on the ps tasks; batch 256 per worker);
 - ``unison_hybrid_ps_in_workers``: the same with ``--ps-in-workers`` (no ps processes: each
   worker serves one ps task in its own process and reaches it without a socket);
+- ``..._bound``: the floor, ``unison_hybrid_ps_in_workers`` and ``torchrec_cpu`` with each
+  process on a CPU of its own (``unison launch --bind-cores``; the floor's two processes and
+  TorchRec's two ranks bound the same way), where the machine has a CPU per process;
 - ``unison_ps``: ``unison launch --chief --workers 2 --ps 2 examples/ctr.py --strategy ps``
   (asynchronous; batch 256 per step);
 - ``tensorflow_pss``: ``_tf_dlrm.py``, TensorFlow's ParameterServerStrategy with the
@@ -53,6 +56,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from unison._launch.core_binding import plan_cores, started_on
+
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "ctr.py"
 sys.path.insert(0, str(HERE))
@@ -84,14 +89,19 @@ def _peer_env(path: str | None) -> dict[str, str]:
     return env
 
 
-def _two_alone(common: list[str]) -> dict[str, Any]:
-    """Two one-device trainings at once, each on its half: samples over the slower one's time."""
+def _two_alone(common: list[str], bind: bool = False) -> dict[str, Any]:
+    """Two one-device trainings at once, each on its half: samples over the slower one's time
+    (``bind``: each on CPUs of its own, as ``unison launch --bind-cores`` binds two tasks)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cores = plan_cores([0, 1]) if bind else {}
     with tempfile.TemporaryDirectory() as tmp:
         outs = [Path(tmp) / f"{i}.json" for i in range(2)]
-        procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--strategy", "one_device", "--shard", f"{i}/2",
-                                   *common, "--json", str(out)], env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for i, out in enumerate(outs)]
+        procs = []
+        for i, out in enumerate(outs):
+            with started_on(cores.get(i)):
+                procs.append(subprocess.Popen([sys.executable, str(EXAMPLE), "--strategy", "one_device", "--shard",
+                                               f"{i}/2", *common, "--json", str(out)], env=env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         errors = [p.communicate(timeout=1200)[1] for p in procs]
         if any(p.returncode for p in procs):
             return {"error": "\n".join(errors)[-2000:]}
@@ -117,16 +127,22 @@ def variants(args: argparse.Namespace) -> dict[str, Any]:
         "one_device_512": lambda: _run_json([py, str(EXAMPLE), "--strategy", "one_device", "--batch-size", "512",
                                              *common]),
         "floor_two_alone": lambda: _two_alone(common),
+        "floor_two_alone_bound": lambda: _two_alone(common, bind=True),
         "unison_hybrid": lambda: _run_json([py, "-m", "unison.launch", "--workers", "2", "--ps", "2", str(EXAMPLE),
                                             *common]),
         "unison_hybrid_ps_in_workers": lambda: _run_json([py, "-m", "unison.launch", "--workers", "2", "--ps", "2",
                                                           "--ps-in-workers", str(EXAMPLE), *common]),
+        "unison_hybrid_ps_in_workers_bound": lambda: _run_json([py, "-m", "unison.launch", "--workers", "2", "--ps",
+                                                                "2", "--ps-in-workers", "--bind-cores", str(EXAMPLE),
+                                                                *common]),
         "unison_ps": lambda: _run_json([py, "-m", "unison.launch", "--chief", "--workers", "2", "--ps", "2",
                                         str(EXAMPLE), "--strategy", "ps", *common]),
         "tensorflow_pss": lambda: _run_json([py, str(HERE / "_tf_dlrm.py"), *peer_args, "--num-ps", "2"],
                                             env=_peer_env(args.tf_path), json_file=False),
         "torchrec_cpu": lambda: _run_json([py, str(HERE / "_torchrec_dlrm.py"), *peer_args, "--world-size", "2"],
                                           env=_peer_env(args.torchrec_path), json_file=False),
+        "torchrec_cpu_bound": lambda: _run_json([py, str(HERE / "_torchrec_dlrm.py"), *peer_args, "--world-size", "2",
+                                                 "--bind-cores"], env=_peer_env(args.torchrec_path), json_file=False),
         **{name: (lambda flags=flags: _run_json([py, "-m", "unison.launch", "--workers", "2", "--ps", "2",
                                                   str(EXAMPLE), *common, *flags]))
            for name, flags in _policy_variants(args).items()},
@@ -163,6 +179,9 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     pairs = [("hybrid", "unison_hybrid", peer) for peer in ("tensorflow_pss", "torchrec_cpu", "floor_two_alone")]
     pairs += [("hybrid_ps_in_workers", "unison_hybrid_ps_in_workers", peer)
               for peer in ("torchrec_cpu", "floor_two_alone", "unison_hybrid")]
+    pairs += [("hybrid_ps_in_workers_bound", "unison_hybrid_ps_in_workers_bound", peer)
+              for peer in ("torchrec_cpu", "torchrec_cpu_bound", "floor_two_alone", "floor_two_alone_bound",
+                           "unison_hybrid_ps_in_workers")]
     for label, ours, peer in pairs:  # round by round: the two ran minutes apart at most
         per_round = [r["results"][ours]["samples_per_s"] / r["results"][peer]["samples_per_s"]
                      for r in rounds if "samples_per_s" in r["results"].get(ours, {})

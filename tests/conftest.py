@@ -45,6 +45,7 @@ SERIAL_FILES = frozenset({
     "tests/docs/test_from_tensorflow.py",
     "tests/examples/test_ctr_example.py",
     "tests/examples/test_online_ctr_example.py",
+    "tests/launch/test_core_binding.py",
     "tests/launch/test_launch.py",
     "tests/launch/test_kept_ps.py",
     "tests/launch/test_launch_integration.py",

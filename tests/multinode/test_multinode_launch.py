@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -113,3 +114,32 @@ def test_a_worker_killed_on_host_b_fails_every_worker_and_both_launchers(simulat
         named[index] = bool(errors)
     assert (named[0] or named[1]) and named[2], (named, outputs)  # host A (workers 0, 1) and host B (worker 2)
     assert hosts.pids(0) == [] and hosts.pids(1) == []
+
+
+AFFINITY_REPORT = """
+import json, os, sys
+from pathlib import Path
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+name = "{}:{}.json".format(task["type"], task["index"])
+Path(sys.argv[1], name).write_text(json.dumps(sorted(os.sched_getaffinity(0))))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_bind_cores_binds_each_nodes_own_tasks_on_that_node(simulated_hosts, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("binding two tasks a node needs two CPUs")
+    script = tmp_path / "report.py"
+    script.write_text(AFFINITY_REPORT)
+    hosts = simulated_hosts(2)
+    commands = [[*launch_command(hosts, i, extra=("--bind-cores",))[:-1], str(script), str(tmp_path)]
+                for i in range(2)]
+    launchers = [hosts.popen(i, commands[i], cwd=ROOT) for i in range(2)]
+    outputs = finish(launchers)
+    assert [p.returncode for p in launchers] == [0, 0], outputs
+    seen = {index: json.loads((tmp_path / f"worker:{index}.json").read_text()) for index in range(4)}
+    half = (len(cpus) + 1) // 2
+    for node in range(2):  # each node splits the CPUs among its own two workers (the hosts share this machine's)
+        assert [seen[2 * node], seen[2 * node + 1]] == [cpus[:half], cpus[half:]], seen
+        assert f"bound worker:{2 * node} on CPU" in outputs[node]

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 
 from unison._coordinator.channel import HANDSHAKE_SECONDS, generate_authkey
+from unison._launch.core_binding import plan_cores
 from unison._launch.local_run import run_local_cluster
 from unison._launch.multinode_flags import add_multinode_arguments, is_multinode, launch_nodes
 from unison._launch.procs import plan_tasks
@@ -62,6 +63,12 @@ def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--ps-in-workers", action="store_true",
         help="run no ps processes: each worker serves its share of the --ps M tasks in its own process (one host; "
              "less CPU per step, but a lost worker loses its rows, so not with --max-restarts)",
+    )
+    parser.add_argument(
+        "--bind-cores", action="store_true",
+        help="run each task of this host on CPUs of its own (this launcher's CPUs split in task order; what a task "
+             "starts, a data loader's workers too, shares them): faster where a task's threads hand work to each "
+             "other, as --ps-in-workers does; not for two jobs on one machine (both would take the first CPUs)",
     )
     parser.add_argument(
         "--max-restarts", type=_count, default=0, metavar="K",
@@ -135,6 +142,8 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     try:
         tasks = plan_tasks(args.workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator)
+        if args.bind_cores:  # checked here, where the flag can be named in a usage error
+            plan_cores([task for task in tasks if not (args.ps_in_workers and task.type == "ps")])
     except ValueError as e:
         parser.error(str(e))
     return run_local_cluster(
@@ -144,6 +153,7 @@ def _launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         max_restarts=args.max_restarts,
         grace_period=args.grace_period,
         ps_in_workers=args.ps_in_workers,
+        bind_cores=args.bind_cores,
     )
 
 

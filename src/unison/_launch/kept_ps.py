@@ -29,21 +29,23 @@ def keeps_ps_tasks(tasks: Sequence[Task]) -> bool:
 
 
 def run_keeping_ps_tasks(command: Sequence[str], tasks: Sequence[Task], *, authkey: bytes, max_restarts: int,
-                         grace_period: float, base: Mapping[str, str], stdout: IO[str], stderr: IO[str]) -> int:
-    """Like ``run_local_cluster``, but each restart starts only the tasks that are not ps tasks."""
+                         grace_period: float, base: Mapping[str, str], stdout: IO[str], stderr: IO[str],
+                         cores: Mapping[Task, Sequence[int]] | None = None) -> int:
+    """Like ``run_local_cluster``, but each restart starts only the tasks that are not ps tasks
+    (``cores``: each task's CPUs, the ps tasks' kept across restarts)."""
     first = cluster_environments(tasks, authkey=authkey, restart=0, base=base)
     ps_tasks = [task for task in tasks if task.type == "ps"]
     others = [task for task in tasks if task.type != "ps"]
     ps_addresses = _addresses_of(first, "ps")
     ps = LocalCluster(command, {task: first[task] for task in ps_tasks}, grace_period=grace_period,
-                      stdout=stdout, stderr=stderr)
+                      stdout=stdout, stderr=stderr, cores=cores)
     try:
         ps.start()
         for attempt in range(max_restarts + 1):
             environments = first if attempt == 0 else cluster_environments(
                 tasks, authkey=authkey, restart=attempt, base=base, kept={"ps": ps_addresses})
             training = LocalCluster(command, {task: environments[task] for task in others},
-                                    grace_period=grace_period, stdout=stdout, stderr=stderr)
+                                    grace_period=grace_period, stdout=stdout, stderr=stderr, cores=cores)
             outcome = run_once(training)
             if isinstance(outcome, int):
                 return outcome

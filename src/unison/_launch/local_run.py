@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from unison._cluster import env
+from unison._launch.core_binding import plan_cores
 from unison._launch.interrupts import install_signal_handlers, restore_signal_handlers
 from unison._launch.kept_ps import keeps_ps_tasks, run_keeping_ps_tasks
 from unison._launch.one_run import run_once
@@ -32,21 +33,26 @@ def run_local_cluster(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     ps_in_workers: bool = False,
+    bind_cores: bool = False,
 ) -> int:
     """Runs ``command`` once per task until the cluster succeeds or runs out of restarts.
 
     ``ps_in_workers``: the ps tasks keep their addresses in ``TF_CONFIG`` but get no process;
     the workers serve them (``UNISON_PS_IN_WORKERS=1``, :mod:`unison._ps.task_server`).
+    ``bind_cores``: each task's process on CPUs of its own (:mod:`unison._launch.core_binding`).
 
     Ctrl-C (SIGINT) and SIGTERM stop every task. Returns 0 on success; the failed task's
     exit code (128 + N for signal N) on failure; 130 / 143 when interrupted.
 
     Raises:
-        ValueError: for ``ps_in_workers`` with ``max_restarts`` (a restart would lose the rows).
+        ValueError: for ``ps_in_workers`` with ``max_restarts`` (a restart would lose the rows); for
+            ``bind_cores`` with more processes than CPUs.
     """
     if ps_in_workers and max_restarts:
         raise ValueError(f"ps_in_workers keeps the rows in the workers' processes, so a restart would lose them; "
                          f"max_restarts={max_restarts} needs ps tasks of their own: pass one of the two")
+    started = [task for task in tasks if not (ps_in_workers and task.type == "ps")]
+    cores = plan_cores(started) if bind_cores else None
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     base = dict(os.environ if base_env is None else base_env)
@@ -56,12 +62,14 @@ def run_local_cluster(
     try:
         if max_restarts and keeps_ps_tasks(tasks):
             return run_keeping_ps_tasks(command, tasks, authkey=authkey, max_restarts=max_restarts,
-                                        grace_period=grace_period, base=base, stdout=stdout, stderr=stderr)
+                                        grace_period=grace_period, base=base, stdout=stdout, stderr=stderr,
+                                        cores=cores)
         for attempt in range(max_restarts + 1):
             environments = cluster_environments(tasks, authkey=authkey, restart=attempt, base=base)
             if ps_in_workers:
                 environments = {task: task_env for task, task_env in environments.items() if task.type != "ps"}
-            cluster = LocalCluster(command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr)
+            cluster = LocalCluster(command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr,
+                                   cores=cores)
             outcome = run_once(cluster)
             if isinstance(outcome, int):
                 return outcome

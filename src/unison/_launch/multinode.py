@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING
 
 from unison._cluster import env
+from unison._launch.core_binding import plan_cores
 from unison._launch.interrupts import Interrupted, install_signal_handlers, restore_signal_handlers
 from unison._launch.node_address import address_toward, interface_of
 from unison._launch.node_rendezvous import (
@@ -206,13 +207,19 @@ def run_node(
     base_env: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    bind_cores: bool = False,
 ) -> int:
     """Runs this node's tasks of a multi-node job until the job succeeds or runs out of restarts.
 
     Returns 0 when every task of every node succeeded; the failed task's exit code
     (on every node) when one failed; 128 + N when this launcher got signal N; 1 when
     the rendezvous failed (the message names the missing node and the master).
+    ``bind_cores``: each of this node's tasks on CPUs of its own (:mod:`unison._launch.core_binding`).
+
+    Raises:
+        ValueError: for ``bind_cores`` with more tasks on this node than CPUs (before anything starts).
     """
+    cores = plan_cores(plan.tasks) if bind_cores else None
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     base = dict(os.environ if base_env is None else base_env)
@@ -244,7 +251,7 @@ def run_node(
             return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
         code, generation = _run_generations(
             command, plan, rendezvous, node_addr, max_restarts, grace_period, rendezvous_timeout, base, stdout, stderr,
-            say,
+            say, cores,
         )
         if plan.node_rank == 0 and generation >= 0 and code < 128:
             # The store lives in this process: keep it until the others read the outcome.
@@ -266,6 +273,7 @@ def _run_generations(
     stdout: IO[str],
     stderr: IO[str],
     say: Callable[[str], None],
+    cores: Mapping[Task, Sequence[int]] | None = None,
 ) -> tuple[int, int]:
     """Runs generation after generation; returns the exit code and the last generation."""
     hosted: list[dist.Store] = []  # node 0: this generation's workers' store, kept open while they run
@@ -293,7 +301,7 @@ def _run_generations(
             )
             cluster = LocalCluster(
                 command, environments, grace_period=grace_period, stdout=stdout, stderr=stderr,
-                settle_period=SETTLE_SECONDS,
+                settle_period=SETTLE_SECONDS, cores=cores,
             )
             monitor = _Monitor(rendezvous, generation, silence_limit)
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
+from unison._launch.core_binding import plan_cores
 from unison._launch.multinode import DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, plan_node, run_node
 
 __all__ = ["add_multinode_arguments", "is_multinode", "launch_nodes"]
@@ -81,6 +82,11 @@ def launch_nodes(args: argparse.Namespace, parser: argparse.ArgumentParser, comm
         plan = plan_node(args.nnodes, args.node_rank, workers, chief=args.chief, ps=args.ps, evaluator=args.evaluator)
     except ValueError as e:
         parser.error(str(e))
+    if args.bind_cores:
+        try:
+            plan_cores(plan.tasks)  # checked here, where the flag can be named in a usage error
+        except ValueError as e:
+            parser.error(str(e))
     return run_node(
         command,
         plan,
@@ -90,4 +96,5 @@ def launch_nodes(args: argparse.Namespace, parser: argparse.ArgumentParser, comm
         max_restarts=args.max_restarts,
         grace_period=args.grace_period,
         rendezvous_timeout=args.rendezvous_timeout,
+        bind_cores=args.bind_cores,
     )

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from unison._cluster import env
+from unison._launch.core_binding import describe_plan, started_on
 from unison._launch.interrupts import SIGNAL_POLL_S, helper_threads_block_signals
 from unison._launch.outcome import Outcome, exit_code
 from unison._launch.parent_death import die_with_launcher
@@ -198,6 +199,7 @@ class LocalCluster:
         stderr: where prefixed stderr lines and launcher messages go.
         settle_period: seconds the other tasks get to end by themselves after one
             failed, before SIGTERM (their collectives see the lost peer and name it).
+        cores: the CPUs each task runs on (``unison._launch.core_binding``); None: unbound.
     """
 
     def __init__(
@@ -209,8 +211,10 @@ class LocalCluster:
         stdout: IO[str],
         stderr: IO[str],
         settle_period: float = 0.0,
+        cores: Mapping[Task, Sequence[int]] | None = None,
     ):
         self._settle = settle_period
+        self._cores = dict(cores or {})
         self._command = list(command)
         self._environments = environments
         self._grace = grace_period
@@ -234,15 +238,19 @@ class LocalCluster:
         """Starts every task, each in a new session."""
         self._notices = tempfile.mkdtemp(prefix="unison-preemption-notices-")
         terminal = terminal_streams(self._stdout, self._stderr)
+        bound = {task.name: self._cores[task] for task in self._environments if task in self._cores}
+        if bound:
+            self.message(f"bound {describe_plan(bound)}")
         for task, task_env in self._environments.items():
-            process = subprocess.Popen(
-                die_with_launcher(self._command),
-                env={**task_env, env.UNISON_PREEMPTION_NOTICES: self._notices, env.UNISON_TERMINAL: terminal},
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
+            with started_on(self._cores.get(task)):  # inherited from the first instruction on
+                process = subprocess.Popen(
+                    die_with_launcher(self._command),
+                    env={**task_env, env.UNISON_PREEMPTION_NOTICES: self._notices, env.UNISON_TERMINAL: terminal},
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
             prefix = f"[{task.name}]"
             out_pipe, err_pipe = process.stdout, process.stderr
             if out_pipe is None or err_pipe is None:  # pragma: no cover - PIPE always gives both
