@@ -2,12 +2,12 @@
 
 Unbound, the kernel places a host's tasks and their threads wherever it likes. That costs
 where a task's threads hand work to each other: a hybrid worker that serves a ps task in
-its own process (``--ps-in-workers``) waits for its own ps session thread, and a thread
-woken on a busy core was not moved to the idle one (the scheduler keeps a thread that ran
-recently where its cache is). On the 2-core VM the hybrid DLRM left 11-12% of the machine
-idle so, and bound it left 2% and ran 1.2x faster (``benchmarks/RESULTS.md``). DeepSpeed's
-``--bind_cores_to_rank`` and torch's ``torch.backends.xeon.run_cpu`` do the same for CPU
-training.
+its own process (``--ps-in-workers``) waits for its own ps session thread, and the two
+threads, on either core, blocked and woke each other about twice as often as bound to one.
+On the 2-core VM the hybrid DLRM left 11-12% of the machine idle unbound, 2% bound, and ran
+1.15x faster bound (``benchmarks/RESULTS.md``); a MultiWorkerMirrored job gained nothing.
+DeepSpeed's ``--bind_cores_to_rank`` and torch's ``torch.backends.xeon.run_cpu`` bind CPU
+training the same way.
 
 The CPUs the launcher may run on (its affinity) are split into one contiguous range per
 task, in task order; each task's process starts with its range as affinity, and every
