@@ -117,6 +117,7 @@ def test_a_kept_ps_task_and_the_workers_restarted_beside_it_keep_their_own_cpus(
     assert "restarting the workers" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)
 def test_launch_refuses_more_tasks_than_cpus_before_starting_any(tmp_path, capsys):
     script = tmp_path / "never.py"
     script.write_text("raise SystemExit('started')\n")
@@ -125,3 +126,14 @@ def test_launch_refuses_more_tasks_than_cpus_before_starting_any(tmp_path, capsy
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"{len(MINE) + 1} tasks would share {len(MINE)} CPU(s)" in err and "started" not in err
+
+
+@pytest.mark.timeout(60)
+def test_a_multi_node_launch_refuses_more_tasks_a_node_than_cpus_before_its_rendezvous(tmp_path, capsys):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('started')\n")
+    with pytest.raises(SystemExit) as exit_info:  # no master listens: reaching the rendezvous would hang 300 s
+        main(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--workers-per-node",
+              str(len(MINE) + 1), "--bind-cores", str(script)])
+    assert exit_info.value.code == 2
+    assert f"{len(MINE) + 1} tasks would share {len(MINE)} CPU(s)" in capsys.readouterr().err
