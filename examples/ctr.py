@@ -6,7 +6,8 @@ Run (hybrid: dense layers all-reduced every step, embedding rows on the ps tasks
 
 (on one host, ``--ps-in-workers`` has each worker serve one ps task in its own process: no
 ps processes, less CPU a step; add ``--bind-cores`` on a machine of its own, each worker then
-on CPUs of its own: 1.15x faster on 2 cores), or asynchronous parameter servers (a chief schedules steps onto the workers)::
+on CPUs of its own: 1.15x faster on 2 cores), or asynchronous parameter servers (a chief
+schedules steps onto the workers)::
 
     unison launch --chief --workers 2 --ps 2 examples/ctr.py --strategy ps
 

@@ -52,7 +52,9 @@ Run it with ``unison launch --workers N --ps M train.py``: ps tasks call
 ``unison.Server(resolver).join()``, workers build the strategy. On one host,
 ``--ps-in-workers`` runs no ps processes: each worker serves its share of the ps tasks in its
 own process and reaches its own without a socket (``unison._ps.task_server``; less CPU a
-step, but a lost worker loses its rows).
+step, but a lost worker loses its rows). With ``--bind-cores`` too, each worker runs on a core
+of its own, where its ps session thread runs the moment its main thread waits (the DLRM
+example 1.15x faster on 2 cores: ``benchmarks/RESULTS.md``).
 
 tf.distribute equivalent: none in core TensorFlow (users combine Horovod with PS by
 hand; Persia's hybrid design). Fixed-size ``nn.Embedding``/``nn.EmbeddingBag`` tables
