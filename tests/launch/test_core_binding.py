@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from unison._launch.cli import main
-from unison._launch.core_binding import describe_plan, plan_cores, started_on
+from unison._launch.core_binding import _sysfs_topology, describe_plan, plan_cores, started_on
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
 
@@ -17,19 +17,51 @@ MINE = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 
 needs_two_cpus = pytest.mark.skipif(len(MINE) < 2, reason="binding two tasks needs two CPUs")
 
 
-def test_the_cpus_are_split_in_task_order_into_contiguous_ranges():
-    assert plan_cores(["a", "b"], [0, 1]) == {"a": (0,), "b": (1,)}
-    assert plan_cores(["a", "b"], [3, 2, 1, 0]) == {"a": (0, 1), "b": (2, 3)}
-    assert plan_cores(["a", "b", "c"], [0, 1, 2, 3, 4]) == {"a": (0, 1), "b": (2, 3), "c": (4,)}
+def alone(cpu):
+    """A machine without hardware threads: each CPU a core of its own, one socket."""
+    return 0, frozenset({cpu})
+
+
+def two_sockets_of_two_cores_of_two_threads(cpu):
+    """Linux's numbering: CPUs 0-3 are the cores' first threads, 4-7 their second; 0, 1 (and 4, 5) on socket 0."""
+    core = cpu % 4
+    return core // 2, frozenset({core, core + 4})
+
+
+def test_the_cpus_are_split_in_task_order_into_contiguous_runs():
+    assert plan_cores(["a", "b"], [0, 1], alone) == {"a": (0,), "b": (1,)}
+    assert plan_cores(["a", "b"], [3, 2, 1, 0], alone) == {"a": (0, 1), "b": (2, 3)}
+    assert plan_cores(["a", "b", "c"], [0, 1, 2, 3, 4], alone) == {"a": (0, 1), "b": (2, 3), "c": (4,)}
     # an affinity with holes (a cgroup's or taskset's CPUs): the CPUs themselves, in order
-    assert plan_cores(["a", "b", "c"], [7, 0, 2, 5]) == {"a": (0, 2), "b": (5,), "c": (7,)}
-    assert plan_cores([], [0, 1]) == {}
+    assert plan_cores(["a", "b", "c"], [7, 0, 2, 5], alone) == {"a": (0, 2), "b": (5,), "c": (7,)}
+    assert plan_cores([], [0, 1], alone) == {}
+
+
+def test_tasks_get_whole_physical_cores_on_one_socket_where_there_are_enough():
+    machine = two_sockets_of_two_cores_of_two_threads
+    # by CPU number alone, a would get 0-3: both sockets, and b the same cores' second threads
+    assert plan_cores(["a", "b"], range(8), machine) == {"a": (0, 1, 4, 5), "b": (2, 3, 6, 7)}
+    assert plan_cores(["a", "b", "c", "d"], range(8), machine) == {"a": (0, 4), "b": (1, 5), "c": (2, 6),
+                                                                   "d": (3, 7)}
+    assert plan_cores(["a", "b", "c"], range(8), machine) == {"a": (0, 1, 4, 5), "b": (2, 6), "c": (3, 7)}
+    # more tasks than cores: hardware threads, a core's side by side
+    assert plan_cores(list("abcdef"), range(8), machine) == {"a": (0, 4), "b": (1, 5), "c": (2,), "d": (6,),
+                                                             "e": (3,), "f": (7,)}
+    # an affinity that holds one thread of a core: that core counts with the CPU it has
+    assert plan_cores(["a", "b"], [0, 4, 1], machine) == {"a": (0, 4), "b": (1,)}
+
+
+def test_the_machines_topology_comes_from_sysfs_and_an_unreadable_cpu_is_a_core_of_its_own():
+    for cpu in MINE:
+        socket_id, siblings = _sysfs_topology(cpu)
+        assert isinstance(socket_id, int) and cpu in siblings
+    assert _sysfs_topology(10**6) == (0, frozenset({10**6}))  # no such CPU: nothing to read
 
 
 def test_more_tasks_than_cpus_is_refused_naming_both_counts_and_the_fix():
     with pytest.raises(ValueError, match=r"3 tasks would share 2 CPU\(s\) \(this launcher may run on CPUs 0-1\).*"
                                          r"--ps-in-workers.*drop --bind-cores"):
-        plan_cores(["a", "b", "c"], [0, 1])
+        plan_cores(["a", "b", "c"], [0, 1], alone)
 
 
 def test_the_plan_reads_as_one_line():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.multinode.train_script import single_device_weights
+from unison._launch.core_binding import plan_cores
 
 SCRIPT = str(Path(__file__).with_name("train_script.py"))
 ROOT = str(Path(__file__).parents[2])
@@ -139,7 +140,7 @@ def test_bind_cores_binds_each_nodes_own_tasks_on_that_node(simulated_hosts, tmp
     outputs = finish(launchers)
     assert [p.returncode for p in launchers] == [0, 0], outputs
     seen = {index: json.loads((tmp_path / f"worker:{index}.json").read_text()) for index in range(4)}
-    half = (len(cpus) + 1) // 2
+    plan = plan_cores(["first", "second"])  # how the CPUs split is tested in tests/launch/test_core_binding.py
     for node in range(2):  # each node splits the CPUs among its own two workers (the hosts share this machine's)
-        assert [seen[2 * node], seen[2 * node + 1]] == [cpus[:half], cpus[half:]], seen
+        assert [seen[2 * node], seen[2 * node + 1]] == [list(plan["first"]), list(plan["second"])], seen
         assert f"bound worker:{2 * node} on CPU" in outputs[node]

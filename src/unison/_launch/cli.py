@@ -66,9 +66,10 @@ def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--bind-cores", action="store_true",
-        help="run each task of this host on CPUs of its own (this launcher's CPUs split in task order; what a task "
-             "starts, a data loader's workers too, shares them): faster where a task's threads hand work to each "
-             "other, as --ps-in-workers does; not for two jobs on one machine (both would take the first CPUs)",
+        help="run each task of this host on CPUs of its own (this launcher's CPUs split in task order, by whole "
+             "physical cores; what a task starts, a data loader's workers too, shares them): faster where a task's "
+             "threads hand work to each other, as --ps-in-workers does; not for two jobs on one machine (both would "
+             "take the same CPUs)",
     )
     parser.add_argument(
         "--max-restarts", type=_count, default=0, metavar="K",
