@@ -14,7 +14,7 @@ order, by whole physical cores where there are enough (a core's hardware threads
 two tasks then); each task's process starts with its range as affinity, and every
 thread and process it starts inherits it (a data loader's workers too: give a task
 several CPUs, or do not bind, where they should run beside it). Off by default: two jobs
-bound on one machine would each take the same first CPUs.
+bound on one machine would each take the same CPUs (task 0 of each the first).
 """
 
 from __future__ import annotations
