@@ -11,7 +11,7 @@ training the same way.
 
 The CPUs the launcher may run on (its affinity) are split into one run per task, in task
 order, by whole physical cores where there are enough (a core's hardware threads never go to
-two tasks then); each task's process starts with its range as affinity, and every
+two tasks then); each task's process starts with its run as its affinity, and every
 thread and process it starts inherits it (a data loader's workers too: give a task
 several CPUs, or do not bind, where they should run beside it). Off by default: two jobs
 bound on one machine would each take the same CPUs (task 0 of each the first).
