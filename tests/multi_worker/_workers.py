@@ -438,6 +438,24 @@ def skipped_reduce(rank: int, world: int, implementation: str):
     return "no error", results
 
 
+def mismatch_after_shared_counters(rank: int, world: int, which: str):
+    """A skipped reduce (``which="skipped"``) or different reduce ops, once a first reduce made the
+    host's shared counters: the per-call check's signatures then meet there, not in gloo."""
+    strategy = strategy_for(rank, world, timeout_seconds=20)
+    first = strategy.reduce("sum", torch.tensor([float(rank + 1)])).item()
+    shared = strategy.extended.components.cross_device_ops.transport.call_signals() is not None
+    try:
+        if which == "skipped":
+            if rank == 0:
+                strategy.reduce("sum", torch.tensor([1.0]))
+            strategy.reduce("sum", torch.tensor([10.0]))
+        else:
+            strategy.reduce("sum" if rank == 0 else "mean", torch.tensor([1.0, 2.0]))
+    except unison.errors.CollectiveMismatchError as exc:
+        return first, shared, type(exc).__name__, str(exc)
+    return first, shared, "no error", ""
+
+
 def bucket_order_over_gloo(rank: int, world: int):
     """``make_mlp(2)`` (hidden layers made first) over gloo with 64-byte buckets: the buckets'
     parameters (by name) before and after the first step, backward's gradient order, and the

@@ -215,6 +215,16 @@ def test_a_skipped_call_is_named_as_differing_call_sequences(implementation):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize(("which", "named"), [("skipped", "call sequences differ"), ("ops", "different reduce ops")])
+def test_a_mismatch_is_caught_where_the_signatures_meet_in_shared_memory(which, named):
+    """On one host, once the first reduce made the shared counters, the per-call check compares there (no gloo
+    all-gather a call); a worker whose call differs still makes every worker raise, naming the difference."""
+    for first, shared, kind, message in run_workers(w.mismatch_after_shared_counters, 2, args=(which,), timeout=60):
+        assert first == 3.0 and shared  # the matching reduce summed, through the shared counters' path
+        assert kind == "CollectiveMismatchError" and named in message, (kind, message)
+
+
+@pytest.mark.timeout(90)
 def test_buckets_follow_backwards_gradient_order_after_the_first_step():
     """As DDP's bucket rebuild: a model made out of forward order (make_mlp makes its hidden
     layers first) starts with buckets in reverse registration order; after the first step

@@ -5,7 +5,7 @@ where a task's threads hand work to each other: a hybrid worker that serves a ps
 its own process (``--ps-in-workers``) waits for its own ps session thread, and the two
 threads, on either core, blocked and woke each other about twice as often as bound to one.
 On the 2-core VM the hybrid DLRM left 11-12% of the machine idle unbound, 2% bound, and ran
-1.15-1.19x faster bound (``benchmarks/RESULTS.md``); a MultiWorkerMirrored job ran slower.
+1.15-1.19x faster bound (``benchmarks/RESULTS.md``); a MultiWorkerMirrored job gained little.
 DeepSpeed's ``--bind_cores_to_rank`` and torch's ``torch.backends.xeon.run_cpu`` bind CPU
 training the same way.
 

@@ -53,6 +53,30 @@ def test_barriers_pair_up_in_order():
     assert done == list(range(50))
 
 
+def _both(first: SharedSignals, second: SharedSignals, mine: list[int], theirs: list[int],
+          turn: int) -> tuple[bool, bool]:
+    """Each worker's answer to ``same_signature``, the second worker in a thread."""
+    answers: dict[int, bool] = {}
+    thread = threading.Thread(target=lambda: answers.update(second=second.same_signature(theirs, turn)))
+    thread.start()
+    answers["first"] = first.same_signature(mine, turn)
+    thread.join(5)
+    return answers["first"], answers["second"]
+
+
+def test_call_signatures_agree_on_every_worker_call_after_call():
+    first, second = _pair()
+    call = [2, 0xFFFFFFFF, 7, 1, 123456789]  # the check's five ints: a CRC may use all 32 bits
+    for turn in range(1, 7):  # the buffers alternate; a stale one from two calls back never answers
+        call[3] = turn
+        assert _both(first, second, call, list(call), turn) == (True, True)
+    differing = [dict(enumerate(call)) | {i: call[i] + 1} for i in range(len(call))]
+    for turn, theirs in enumerate(differing, start=7):
+        assert _both(first, second, call, [theirs[i] for i in range(len(call))], turn) == (False, False)
+    with pytest.raises(ValueError, match="at most 6 ints"):
+        first.same_signature([0] * 7, 1)
+
+
 def test_a_late_worker_is_named_when_the_timeout_passes():
     first, _ = _pair()
     started = time.monotonic()

@@ -102,8 +102,8 @@ class CollectiveAllReduce(CrossDeviceOps):
         divisor = self._control.world_size * len(pairs[0][0].values) if reduce_op is ReduceOp.MEAN else 1
         op = reduce_op.value
 
-        def check() -> None:
-            self._control.check_call(local, "batch all-reduce", op)
+        def check() -> None:  # its signatures meet in shared memory where the transport has them
+            self._control.check_call(local, "batch all-reduce", op, signals=self._transport.call_signals())
 
         if all(t.layout == torch.strided for t in local):
             reduced = self._transport.all_reduce(local, divisor, check)

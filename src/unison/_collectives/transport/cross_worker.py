@@ -56,6 +56,7 @@ from unison._collectives.transport.packed_all_reduce import PackedAllReduce
 from unison._collectives.transport.powersgd import PowerSGDReducer
 from unison._collectives.transport.shared_buckets import ONE_SHOT_BYTES, PipelinedHostBuckets, SharedMemoryBuckets
 from unison._collectives.transport.shared_memory import SharedMemoryAllReduce
+from unison._collectives.transport.shm_signals import SharedSignals
 
 __all__ = [
     "CrossWorkerTransport",
@@ -81,6 +82,11 @@ class CrossWorkerTransport(Protocol):
         """How gradient buckets travel with this transport (a new one for each gradient synchroniser)."""
         ...
 
+    def call_signals(self) -> SharedSignals | None:
+        """Where the per-call check's signatures meet: the shared counters of the one host every worker
+        of the group is on, once they exist; None: in a collective of the group."""
+        ...
+
 
 class _OverTheGroup(abc.ABC):
     """A transport whose every byte goes through the group's collectives: no shared memory."""
@@ -88,6 +94,10 @@ class _OverTheGroup(abc.ABC):
     @property
     def shared_memory(self) -> None:
         """None: every byte goes through the group."""
+        return None
+
+    def call_signals(self) -> None:
+        """None: the per-call check is a collective of the group."""
         return None
 
     @abc.abstractmethod
@@ -138,6 +148,12 @@ class SharedMemoryTransport:
         """The engine (made on first use, when the group forms)."""
         return self.share.shared_memory
 
+    def call_signals(self) -> SharedSignals | None:
+        """The host's shared counters, once the first shared file made them: every worker of the group
+        is on this host, so a signature compared there is compared with every worker's. A gloo
+        all-gather per checked call was most of a small reduce (``benchmarks/RESULTS.md``)."""
+        return self.share.shared_memory.signals
+
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         return _through_shared_memory(self.share.shared_memory, self._fallback, tensors, divisor, check)
 
@@ -171,6 +187,10 @@ class HierarchicalTransport:
 
     def bucket_transport(self) -> BucketTransport:
         return PipelinedHostBuckets(self._control, self.share, fallback=self._fallback.bucket_transport)
+
+    def call_signals(self) -> None:
+        """None: a host's counters see its own workers only, and the check spans the hosts."""
+        return None
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         return _through_shared_memory(self.share.shared_memory, self._fallback, tensors, divisor, check)
@@ -259,6 +279,10 @@ class PowerSGDTransport:
 
     def bucket_transport(self) -> BucketTransport:
         return PowerSGDBuckets(self.powersgd)
+
+    def call_signals(self) -> SharedSignals | None:
+        """The exact transport's (None: packed or hierarchical, where the check is a collective)."""
+        return self.exact.call_signals()
 
     def all_reduce(self, tensors: list[torch.Tensor], divisor: int, check: Callable[[], None]) -> list[torch.Tensor]:
         return self.exact.all_reduce(tensors, divisor, check)

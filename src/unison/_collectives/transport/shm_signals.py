@@ -6,8 +6,10 @@ all-reduce per such point is a loopback TCP round trip (two of them per training
 were most of a tiny step's time: ``benchmarks/RESULTS.md``, 'Shared-memory counters
 instead of gloo'); a counter per worker in the shared file costs a store and a few loads.
 
-Each worker owns one cache line of the signal file: its pid and start time (so peers
-can tell when it died) and one monotonically increasing counter per kind of event. A
+Each worker owns two cache lines of the signal file: its pid and start time (so peers
+can tell when it died), one monotonically increasing counter per kind of event, and the
+signatures of its checked calls (``same_signature``: the per-call check of a reduce, compared
+here instead of in a gloo all-gather). A
 worker *posts* an event by storing its next count (only it writes its line), and
 *waits* until every worker's count of that kind has reached its own. Ordering: the
 store of a count comes after the data writes it announces (an opaque library call
@@ -36,22 +38,26 @@ import os
 import platform
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from unison._cluster.threads import usable_cpus
 
 __all__ = ["SharedSignals", "SpinPolicy", "Futex", "Slept", "kernel_futex", "make_signals", "supported",
-           "runnable_tasks", "parse_runnable", "WRITTEN", "ARRIVED", "SLOTS_PER_WORKER"]
+           "runnable_tasks", "parse_runnable", "WRITTEN", "ARRIVED", "SLOTS_PER_WORKER", "SIGNATURE_WORDS"]
 
-SLOTS_PER_WORKER = 8
-"""int64 words per worker: one 64-byte cache line, so workers never write each other's line."""
+SLOTS_PER_WORKER = 16
+"""int64 words per worker: two 64-byte cache lines, so workers never write each other's lines."""
 _PID, _START = 0, 1
 WRITTEN = 2
 """Counts 'my input slot of the next gradient bucket is written'."""
 ARRIVED = 3
 """Counts barriers: 'I am here' (e.g. my slice of every result is summed)."""
+_SIGNATURES = 4
+"""The words of a worker's line from which its call signatures lie: two buffers, used by turns."""
+SIGNATURE_WORDS = 6
+"""The most ints a call signature may have (``same_signature``)."""
 SPIN_FLOOR_S = 50e-6
 """Every wait polls this long before anything else: a peer close behind arrives within microseconds."""
 SPIN_CAP_S = 0.01
@@ -375,6 +381,26 @@ class SharedSignals:
     def barrier(self, timeout: float | None = None) -> None:
         """Every worker of the host arrives (one post and one wait of ``ARRIVED``)."""
         self.wait(ARRIVED, self.post(ARRIVED), timeout)
+
+    def same_signature(self, signature: Sequence[int], turn: int) -> bool:
+        """Whether every worker of the host comes with this ``signature`` (non-negative ints below
+        2**63, at most ``SIGNATURE_WORDS``): each writes its own into buffer ``turn % 2`` of its
+        line, all meet at a barrier, and each compares every worker's. Every worker reaches the
+        same answer, and the barrier is one as any other.
+
+        Callers alternate ``turn`` call by call (``WorkerControl.check_call``'s sequence number):
+        a worker that goes on to its next call writes the other buffer, and the one after that
+        waits at its barrier for the slowest worker, which has read this one by then.
+        """
+        if len(signature) > SIGNATURE_WORDS:
+            raise ValueError(f"a call signature holds at most {SIGNATURE_WORDS} ints, got {len(signature)}")
+        cells, start = self._cells, _SIGNATURES + (turn % 2) * SIGNATURE_WORDS
+        mine = self._rank * SLOTS_PER_WORKER + start
+        for i, value in enumerate(signature):
+            cells[mine + i] = value
+        self.barrier()
+        return all(cells[rank * SLOTS_PER_WORKER + start + i] == value
+                   for rank in range(self._world_size) for i, value in enumerate(signature))
 
     def _late(self, kind: int, count: int) -> list[str]:
         return [self._names[r] for r in range(self._world_size)
