@@ -439,8 +439,9 @@ def skipped_reduce(rank: int, world: int, implementation: str):
 
 
 def mismatch_after_shared_counters(rank: int, world: int, which: str):
-    """A skipped reduce (``which="skipped"``) or different reduce ops, once a first reduce made the
-    host's shared counters: the per-call check's signatures then meet there, not in gloo."""
+    """A skipped reduce (``which="skipped"``), different reduce ops (``"ops"``) or a reduce against a
+    gather (``"gather"``), once a first reduce made the host's shared counters: the per-call
+    check's signatures then meet there, not in gloo."""
     strategy = strategy_for(rank, world, timeout_seconds=20)
     first = strategy.reduce("sum", torch.tensor([float(rank + 1)])).item()
     shared = strategy.extended.components.cross_device_ops.transport.call_signals() is not None
@@ -449,6 +450,11 @@ def mismatch_after_shared_counters(rank: int, world: int, which: str):
             if rank == 0:
                 strategy.reduce("sum", torch.tensor([1.0]))
             strategy.reduce("sum", torch.tensor([10.0]))
+        elif which == "gather":
+            if rank == 0:
+                strategy.reduce("sum", torch.tensor([1.0]))
+            else:
+                strategy.gather(torch.tensor([1.0]), axis=0)
         else:
             strategy.reduce("sum" if rank == 0 else "mean", torch.tensor([1.0, 2.0]))
     except unison.errors.CollectiveMismatchError as exc:

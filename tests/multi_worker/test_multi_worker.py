@@ -215,7 +215,8 @@ def test_a_skipped_call_is_named_as_differing_call_sequences(implementation):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("which", "named"), [("skipped", "call sequences differ"), ("ops", "different reduce ops")])
+@pytest.mark.parametrize(("which", "named"), [("skipped", "call sequences differ"), ("ops", "different reduce ops"),
+                                              ("gather", "call sequences differ")])
 def test_a_mismatch_is_caught_where_the_signatures_meet_in_shared_memory(which, named):
     """On one host, once the first reduce made the shared counters, the per-call check compares there (no gloo
     all-gather a call); a worker whose call differs still makes every worker raise, naming the difference."""

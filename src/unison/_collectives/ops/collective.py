@@ -102,7 +102,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         divisor = self._control.world_size * len(pairs[0][0].values) if reduce_op is ReduceOp.MEAN else 1
         op = reduce_op.value
 
-        def check() -> None:  # its signatures meet in shared memory where the transport has them
+        def check() -> None:  # the signatures meet in shared memory where the transport has it, as every check's do
             self._control.check_call(local, "batch all-reduce", op, signals=self._transport.call_signals())
 
         if all(t.layout == torch.strided for t in local):
@@ -186,7 +186,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         control = self._control
         local = torch.cat([c.to(control.device) for c in value.values], dim=axis)
         moved = local.movedim(axis, 0).contiguous()
-        control.check_call([moved[:0]], "gather", "gather")
+        control.check_call([moved[:0]], "gather", "gather", signals=self._transport.call_signals())
         parts = self._all_gather_varying(moved, "gather")
         gathered = torch.cat(parts, dim=0).movedim(0, axis)
         return to_destinations(gathered.to(torch_device(destinations[0])), destinations)
@@ -199,7 +199,8 @@ class CollectiveAllReduce(CrossDeviceOps):
         """Overwrites ``tensors`` in place with the chief's values, in one packed broadcast per dtype."""
         control = self._control
         tensors = [t for t in tensors if t.numel() > 0]
-        control.check_call(tensors, "initial broadcast of variables", "broadcast")
+        control.check_call(tensors, "initial broadcast of variables", "broadcast",
+                           signals=self._transport.call_signals())
         if not tensors:
             return
         packer = TensorPacker(bytes_per_pack=0)
