@@ -34,6 +34,7 @@ SCRIPT = textwrap.dedent('''
         strategy.run(step, args=(torch.arange(8).reshape(4, 2) + 100 * resolver.task_id + 1000 * restart,))
     strategy.join_pushes()
     print(f"restart {restart}: found {found} rows, now {emb.num_rows}", flush=True)
+    strategy.join_pushes()  # both printed: the worker that dies next cannot cut the other's line off
     if restart == 0 and resolver.task_id == 1:
         os._exit(7)  # a worker dies after training: the job restarts its workers
 ''')
