@@ -94,11 +94,10 @@ def _schema(args: argparse.Namespace, rank: int, world: int):
 
 
 def _train(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    if args.bind_cores:  # before torch starts a thread: rank r on the r-th of the CPUs split in order
-        cpus = sorted(os.sched_getaffinity(0))
-        share, extra = divmod(len(cpus), args.world_size)
-        start = rank * share + min(rank, extra)
-        os.sched_setaffinity(0, cpus[start:start + share + (1 if rank < extra else 0)])
+    if args.bind_cores:  # before torch starts a thread: rank r on its CPUs, as unison launch binds task r
+        from unison._launch.core_binding import plan_cores
+
+        os.sched_setaffinity(0, plan_cores(range(args.world_size))[rank])
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -217,9 +216,13 @@ def main() -> None:
     parser.add_argument("--bind-cores", action="store_true",
                         help="each rank on CPUs of its own (as unison launch --bind-cores binds its tasks)")
     args = parser.parse_args()
-    if args.bind_cores and len(os.sched_getaffinity(0)) < args.world_size:
-        parser.error(f"--bind-cores needs a CPU per rank: {args.world_size} ranks, "
-                     f"{len(os.sched_getaffinity(0))} CPU(s)")
+    if args.bind_cores:
+        from unison._launch.core_binding import plan_cores
+
+        try:
+            plan_cores(range(args.world_size))  # refused here, before any rank starts, where a rank gets no CPU
+        except ValueError as e:
+            parser.error(str(e))
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # ctr_data, also in the ranks
     import torch.multiprocessing as mp
 
