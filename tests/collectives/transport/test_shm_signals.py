@@ -360,7 +360,48 @@ def test_a_wait_past_its_poll_sleeps_until_the_peer_posts_and_a_post_wakes_it():
     assert first.reached(WRITTEN, 1)
     assert answers and answers[-1] in (Slept.WOKEN, Slept.CHANGED)
     peer_cell = words.data_ptr() + 8 * (SLOTS_PER_WORKER + WRITTEN)
-    assert woken == [words.data_ptr() + 8 * WRITTEN, peer_cell]  # each post woke its own counter's sleepers
+    assert woken == [peer_cell]  # the first post found nobody asleep; the peer's woke its counter's sleeper
+    assert int(words[shm_signals._ASLEEP]) == 0  # awake again: the peer's next post makes no system call
+
+
+def test_a_post_wakes_only_where_a_peer_says_it_sleeps():
+    """The wake is a system call (3 us): a post makes it only while a peer's line says it sleeps
+    in the kernel, which the sleeper writes before its sleep begins and clears after."""
+    woken: list[int] = []
+    flagged_while_asleep: list[int] = []
+    words = torch.zeros(2 * SLOTS_PER_WORKER, dtype=torch.int64)
+    asleep_word = SLOTS_PER_WORKER + shm_signals._ASLEEP  # the second worker's
+
+    class Recording:
+        def wait(self, address, seen, seconds):
+            flagged_while_asleep.append(int(words[asleep_word]))
+            return Slept.TIMED_OUT
+
+        def wake(self, address):
+            woken.append(address)
+
+    class Policy:
+        def budget(self, kind, now):
+            return 0.0  # sleep at once
+
+        def record(self, kind, waited):
+            pass
+
+    first = SharedSignals(words, 0, 2, 5.0, NAMES, futex=Recording())
+    second = SharedSignals(words, 1, 2, 5.0, NAMES, policy=Policy(), futex=Recording())
+    first.post(WRITTEN)
+    assert woken == []  # nobody asleep: no system call
+    words[asleep_word] = 1  # what the second worker writes before it sleeps
+    first.post(ARRIVED)
+    assert woken == [words.data_ptr() + 8 * ARRIVED]
+    words[asleep_word] = 0
+    thread = threading.Thread(target=lambda: (time.sleep(0.02), first.post(WRITTEN)))
+    thread.start()
+    second.post(WRITTEN)
+    second.wait(WRITTEN, second.post(WRITTEN))  # count 2: sleeps (recorded) until the first posts again
+    thread.join()
+    assert flagged_while_asleep and set(flagged_while_asleep) == {1}
+    assert int(words[asleep_word]) == 0
 
 
 def test_a_futex_the_kernel_refuses_gives_way_to_timed_sleeps_for_good():
@@ -390,9 +431,10 @@ def test_a_futex_the_kernel_refuses_gives_way_to_timed_sleeps_for_good():
     thread.start()
     first.wait(WRITTEN, first.post(WRITTEN))
     thread.join()
-    assert calls == ["wake", "wait"]  # one refused sleep, then timed sleeps until the peer posted
+    assert calls == ["wait"]  # one refused sleep, then timed sleeps until the peer posted
+    words[SLOTS_PER_WORKER + shm_signals._ASLEEP] = 1  # even with a peer asleep
     first.post(ARRIVED)
-    assert calls == ["wake", "wait"]
+    assert calls == ["wait"]
 
 
 def test_the_workers_signals_sleep_on_the_kernels_futex():

@@ -6,10 +6,10 @@ all-reduce per such point is a loopback TCP round trip (two of them per training
 were most of a tiny step's time: ``benchmarks/RESULTS.md``, 'Shared-memory counters
 instead of gloo'); a counter per worker in the shared file costs a store and a few loads.
 
-Each worker owns two cache lines of the signal file: its pid and start time (so peers
-can tell when it died), one monotonically increasing counter per kind of event, and the
+Each worker owns three cache lines of the signal file: its pid and start time (so peers
+can tell when it died), one monotonically increasing counter per kind of event, the
 signatures of its checked calls (``same_signature``: the per-call check of a reduce, compared
-here instead of in a gloo all-gather). A
+here instead of in a gloo all-gather), and whether it sleeps in the kernel. A
 worker *posts* an event by storing its next count (only it writes its line), and
 *waits* until every worker's count of that kind has reached its own. Ordering: the
 store of a count comes after the data writes it announces (an opaque library call
@@ -21,7 +21,13 @@ workers keep the gloo synchronisation.
 A wait polls first (``SpinPolicy`` says how long); past that it sleeps in the kernel on
 the late peer's counter (a shared ``futex``), and a post wakes whoever sleeps on the
 poster's counter: the sleeper costs no CPU and wakes as soon as the peer posts, where a
-timed sleep either wakes often for nothing or overshoots the peer's arrival.
+timed sleep either wakes often for nothing or overshoots the peer's arrival. A post makes
+the wake's system call (3 us) only where a peer has said it sleeps: most waits end within
+their poll, and a tiny step posts several times. The sleeper stores that word before its
+``FUTEX_WAIT`` (whose kernel path takes a lock, a full fence, before it reads the counter);
+the poster stores its count, fences (a lock's acquire and release: locked instructions on
+x86-64), then reads the words. Whichever order the two run in, either the poster sees the
+sleeper's word and wakes it, or the sleeper's kernel sees the new count and does not sleep.
 
 A peer that dies is noticed within ``_LIVENESS_PERIOD_S`` through ``/proc`` (its pid
 gone, a zombie, or another process with its pid), and a peer that stops posting
@@ -36,6 +42,7 @@ import enum
 import math
 import os
 import platform
+import threading
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -47,8 +54,8 @@ from unison._cluster.threads import usable_cpus
 __all__ = ["SharedSignals", "SpinPolicy", "Futex", "Slept", "kernel_futex", "make_signals", "supported",
            "runnable_tasks", "parse_runnable", "WRITTEN", "ARRIVED", "SLOTS_PER_WORKER", "SIGNATURE_WORDS"]
 
-SLOTS_PER_WORKER = 16
-"""int64 words per worker: two 64-byte cache lines, so workers never write each other's lines."""
+SLOTS_PER_WORKER = 24
+"""int64 words per worker: three 64-byte cache lines, so workers never write each other's lines."""
 _PID, _START = 0, 1
 WRITTEN = 2
 """Counts 'my input slot of the next gradient bucket is written'."""
@@ -58,6 +65,8 @@ _SIGNATURES = 4
 """The words of a worker's line from which its call signatures lie: two buffers, used by turns."""
 SIGNATURE_WORDS = 6
 """The most ints a call signature may have (``same_signature``)."""
+_ASLEEP = _SIGNATURES + 2 * SIGNATURE_WORDS
+"""The word of a worker's line that is 1 while it sleeps in ``Futex.wait`` (else 0): a post wakes only then."""
 SPIN_FLOOR_S = 50e-6
 """Every wait polls this long before anything else: a peer close behind arrives within microseconds."""
 SPIN_CAP_S = 0.01
@@ -291,6 +300,8 @@ class SharedSignals:
         self._counts = [0] * SLOTS_PER_WORKER
         self._policy = policy if policy is not None else SpinPolicy(world_size)
         self._futex = futex
+        self._fence = threading.Lock()  # acquired and released: a full memory fence (see the module's docstring)
+        self._asleep_words = [r * SLOTS_PER_WORKER + _ASLEEP for r in range(world_size) if r != rank]
         self._address = words.data_ptr()
         self._watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, start time) of peers /proc can see
 
@@ -321,9 +332,13 @@ class SharedSignals:
         self._counts[kind] += 1
         count = self._counts[kind]
         cell = self._rank * SLOTS_PER_WORKER + kind
-        self._cells[cell] = count
-        if self._futex is not None:  # after the store: a peer asleep on it sees the new count
-            self._futex.wake(self._address + 8 * cell)
+        cells = self._cells
+        cells[cell] = count
+        if self._futex is not None:
+            with self._fence:  # the count is visible to every core before the peers' words are read
+                pass
+            if any(cells[word] for word in self._asleep_words):  # a peer sleeps, maybe on this counter
+                self._futex.wake(self._address + 8 * cell)
         return count
 
     def reached(self, kind: int, count: int) -> bool:
@@ -375,7 +390,12 @@ class SharedSignals:
             seen = cells[cell]
             if seen < count:
                 assert self._futex is not None
-                return self._futex.wait(self._address + 8 * cell, seen, seconds)
+                asleep = self._rank * SLOTS_PER_WORKER + _ASLEEP
+                cells[asleep] = 1  # before the kernel reads the counter: a post from now on wakes this worker
+                try:
+                    return self._futex.wait(self._address + 8 * cell, seen, seconds)
+                finally:
+                    cells[asleep] = 0
         return None
 
     def barrier(self, timeout: float | None = None) -> None:
