@@ -266,6 +266,16 @@ def test_waits_ask_the_policy_after_the_floor_and_report_how_long_they_took():
     assert [kind for kind, _ in recorded] == [ARRIVED] and recorded[0][1] >= shm_signals.SPIN_FLOOR_S
 
 
+class _SleepAtOnce:
+    """A wait policy that polls no longer than the floor: every wait past it sleeps."""
+
+    def budget(self, kind, now):
+        return 0.0
+
+    def record(self, kind, waited):
+        pass
+
+
 def test_a_futex_sleeper_is_woken_by_a_change_and_not_put_to_sleep_on_a_stale_value():
     futex = shm_signals.kernel_futex()
     assert futex is not None  # x86-64 Linux: the counters' platform
@@ -343,15 +353,8 @@ def test_a_wait_past_its_poll_sleeps_until_the_peer_posts_and_a_post_wakes_it():
             woken.append(address)
             kernel.wake(address)
 
-    class Policy:
-        def budget(self, kind, now):
-            return 0.0  # sleep at once
-
-        def record(self, kind, waited):
-            pass
-
     words = torch.zeros(2 * SLOTS_PER_WORKER, dtype=torch.int64)
-    first = SharedSignals(words, 0, 2, 5.0, NAMES, policy=Policy(), futex=Recording())
+    first = SharedSignals(words, 0, 2, 5.0, NAMES, policy=_SleepAtOnce(), futex=Recording())
     second = SharedSignals(words, 1, 2, 5.0, NAMES, futex=Recording())
     thread = threading.Thread(target=lambda: (asleep.wait(5), time.sleep(0.01), second.post(WRITTEN)))
     thread.start()
@@ -380,15 +383,8 @@ def test_a_post_wakes_only_where_a_peer_says_it_sleeps():
         def wake(self, address):
             woken.append(address)
 
-    class Policy:
-        def budget(self, kind, now):
-            return 0.0  # sleep at once
-
-        def record(self, kind, waited):
-            pass
-
     first = SharedSignals(words, 0, 2, 5.0, NAMES, futex=Recording())
-    second = SharedSignals(words, 1, 2, 5.0, NAMES, policy=Policy(), futex=Recording())
+    second = SharedSignals(words, 1, 2, 5.0, NAMES, policy=_SleepAtOnce(), futex=Recording())
     first.post(WRITTEN)
     assert woken == []  # nobody asleep: no system call
     words[asleep_word] = 1  # what the second worker writes before it sleeps
@@ -417,15 +413,8 @@ def test_a_futex_the_kernel_refuses_gives_way_to_timed_sleeps_for_good():
         def wake(self, address):
             calls.append("wake")
 
-    class Policy:
-        def budget(self, kind, now):
-            return 0.0
-
-        def record(self, kind, waited):
-            pass
-
     words = torch.zeros(2 * SLOTS_PER_WORKER, dtype=torch.int64)
-    first = SharedSignals(words, 0, 2, 5.0, NAMES, policy=Policy(), futex=Refused())
+    first = SharedSignals(words, 0, 2, 5.0, NAMES, policy=_SleepAtOnce(), futex=Refused())
     second = SharedSignals(words, 1, 2, 5.0, NAMES)
     thread = threading.Thread(target=lambda: (time.sleep(0.05), second.post(WRITTEN)))
     thread.start()
