@@ -20,10 +20,9 @@ bound (``local_socket_name``). A peer on the same host that asks for it
 stack, which the lookups, pushes and replies of a hybrid DLRM cross six times a step
 (2-3% less CPU a step, ``benchmarks/RESULTS.md``). The same handshake guards it; a peer on
 another host (or in another network namespace) cannot see the name, and connects over TCP.
-Measured cost: a large message arrives in pieces of about 36 KB, each waking the reader, where
-TCP on loopback wakes it less often. A ParameterServerStrategy job of five processes on two
-cores ran 0.88x its speed over TCP with 256 KB row replies and 0.94x with 64 KB ones, while a
-hybrid job bound a process per core ran 1.13x faster than over TCP (RESULTS, issue 45).
+Measured cost: a ParameterServerStrategy job whose workers look rows up in two ps tasks ran
+0.88x its speed over TCP (with one ps task, 1.03x), while the hybrid DLRM ran 1.11-1.13x
+faster than over TCP (RESULTS, issue 45). Why is not settled.
 """
 
 from __future__ import annotations
