@@ -20,9 +20,10 @@ bound (``local_socket_name``). A peer on the same host that asks for it
 stack, which the lookups, pushes and replies of a hybrid DLRM cross six times a step
 (2-3% less CPU a step, ``benchmarks/RESULTS.md``). The same handshake guards it; a peer on
 another host (or in another network namespace) cannot see the name, and connects over TCP.
-Measured cost: a ParameterServerStrategy job whose workers look rows up in two ps tasks ran
-0.88x its speed over TCP (with one ps task, 1.03x), while the hybrid DLRM ran 1.11-1.13x
-faster than over TCP (RESULTS, issue 45). Why is not settled.
+A Unix socket's default send buffer (208 KB) is smaller than a ps task's reply to a 256 KB
+row pull, where TCP's grows to 4 MB: the tensor links widen theirs
+(``unison._ps.wire.links.widen_send_buffer``; without it a ParameterServerStrategy job looking
+rows up in two ps tasks ran 0.88x its speed over TCP, RESULTS, issue 45).
 """
 
 from __future__ import annotations

@@ -60,6 +60,33 @@ def test_a_message_larger_than_the_socket_buffer_arrives_whole_in_order():
     receiver.close()
 
 
+def test_a_same_host_link_takes_a_whole_row_reply_before_its_reader_reads():
+    # a worker with requests out to two ps tasks reads one reply after the other: the second ps task's
+    # 256 KB reply must go into the socket whole, not wait mid-write (a Unix socket's default send
+    # buffer, 208 KB, made it wait: the PS embedding job ran 0.88x its speed over TCP)
+    sender, receiver = _pair()
+    assert sender._socket.family == socket.AF_UNIX
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as plain:
+        default = plain.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    rows = torch.randn(max(1024, default // 256 + 64), 64)  # more bytes than the default buffer holds
+    try:
+        with open("/proc/sys/net/core/wmem_max") as f:
+            most = 2 * int(f.read())  # the kernel doubles what it grants, for its own bookkeeping
+    except OSError:
+        pytest.skip("no /proc/sys/net/core/wmem_max: cannot tell how far a send buffer may grow")
+    if most < rows.numel() * 4 * 5 // 4:
+        pytest.skip(f"net.core.wmem_max lets a send buffer grow to {most} bytes only")
+    written = threading.Event()
+    thread = threading.Thread(target=lambda: (sender.send(("rows",), [rows]), written.set()), daemon=True)
+    thread.start()
+    assert written.wait(10), "the reply waited for its reader to start reading"
+    header, (got,) = receiver.recv()
+    assert header == ("rows",) and torch.equal(got, rows)
+    thread.join(10)
+    sender.close()
+    receiver.close()
+
+
 def test_the_framing_is_multiprocessing_connections_both_ways():
     # a ps session opens with the Channel's messages and goes on with the link's: the header's frame must
     # be the one Connection.send_bytes writes and Connection.recv_bytes reads

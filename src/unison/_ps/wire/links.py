@@ -28,7 +28,7 @@ from unison._coordinator.channel import Channel, connect
 from unison._ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, decode, dumps_header
 from unison.errors import ParameterServerError
 
-__all__ = ["TensorLink", "open_link", "set_nodelay"]
+__all__ = ["SAME_HOST_SEND_BUFFER", "TensorLink", "open_link", "set_nodelay", "widen_send_buffer"]
 
 
 def set_nodelay(channel: Channel) -> None:
@@ -41,6 +41,24 @@ def set_nodelay(channel: Channel) -> None:
         pass  # not TCP
     finally:
         sock.close()
+
+
+#: What a same-host (Unix socket) link asks for its send buffer: TCP's own ceiling (``tcp_wmem``'s
+#: default maximum, which loopback TCP grows to). The kernel caps it at ``net.core.wmem_max``.
+SAME_HOST_SEND_BUFFER = 4 << 20
+
+
+def widen_send_buffer(sock: socket.socket) -> None:
+    """Asks for a send buffer of ``SAME_HOST_SEND_BUFFER`` on a Unix socket (TCP sockets grow theirs).
+
+    A Unix socket's default (``net.core.wmem_default``, 208 KB) is smaller than a ps task's reply
+    to a 256 KB row pull: the ps task's thread waited mid-write until its worker came to read that
+    reply, which a worker with requests out to two ps tasks does only after reading the other's.
+    The ParameterServerStrategy embedding job with two ps tasks ran 0.88x its speed over TCP so,
+    0.96-0.97x with this (``benchmarks/RESULTS.md``, issue 45). Even a stock ``wmem_max`` (208 KB,
+    which the kernel doubles) leaves room for such a reply."""
+    if sock.family == socket.AF_UNIX:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SAME_HOST_SEND_BUFFER)
 
 
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -70,6 +88,7 @@ class TensorLink:
         # tensor's memory and recv_into the destination (Connection.recv_bytes_into would
         # first read the whole frame into a BytesIO, then copy it).
         self._socket = socket.socket(fileno=os.dup(self._connection.fileno()))
+        widen_send_buffer(self._socket)
         self._scratch: dict[int, torch.Tensor] = {}
 
     def send(self, header: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
