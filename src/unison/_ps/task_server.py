@@ -47,7 +47,7 @@ from unison._ps.task.sessions import accept_session, serve_ps_session
 from unison._ps.wire import in_process
 from unison._ps.wire import protocol as wire
 from unison._ps.wire.client import PSClient
-from unison._ps.wire.links import TensorLink, set_nodelay
+from unison._ps.wire.links import serving_link, set_nodelay
 from unison._ps.wire.worker_references import loads_on_worker
 from unison._ps.worker.runtime import RUNTIME, WorkerRuntime, build_dataset
 from unison.errors import ParameterServerError
@@ -216,7 +216,15 @@ class Server:
             self._ps_sessions_open += 1
         serve_at_batch_priority()  # this session's thread: its wakeups do not preempt a worker on this host
         try:
-            serve_ps_session(self._store, TensorLink(channel, channel.peer))
+            try:
+                link = serving_link(channel, message[1].replies_apart)  # a Hello: accept_session took it
+            except (EOFError, OSError):  # the peer went away as the session opened
+                channel.close()
+                return
+            try:
+                serve_ps_session(self._store, link)
+            finally:
+                link.close()  # and its reply socket: a worker waiting on it sees the end
         finally:
             self._untrack()
             with self._ps_sessions:
@@ -230,7 +238,8 @@ class Server:
         self._track(channel)
         with self._session_lock:  # one coordinator at a time
             config = message[1]
-            client = PSClient(config["ps"], self._authkey, timeout=config["timeout"], shared=ps_shared_memory())
+            client = PSClient(config["ps"], self._authkey, timeout=config["timeout"], shared=ps_shared_memory(),
+                              replies_apart=True)
             runtime = RUNTIME.current = WorkerRuntime(client, config["worker_index"])
             try:
                 while True:

@@ -3,6 +3,7 @@ refused at once with both versions named, and a malformed request gets an error 
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -131,7 +132,30 @@ def test_a_link_to_a_ps_task_on_this_host_skips_tcp(ps_server):
     address, key = ps_server
     link = open_link(address, key, "ps", "ps:0", 10)
     try:
-        assert link._socket.family == socket.AF_UNIX
+        assert link._in_socket.family == link._out_socket.family == socket.AF_UNIX
         assert isinstance(link.request(wire.Ping())[0], wire.Ok)
     finally:
         link.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+@pytest.mark.timeout(60)
+def test_a_same_host_link_that_asks_takes_its_replies_on_a_socket_of_their_own(ps_server):
+    """With ``replies_apart`` (a ParameterServerStrategy worker's client) the ps task answers on a
+    socket the worker handed over: a ps task asleep for the next request is not woken as its
+    worker reads its reply (benchmarks/RESULTS.md); without it, one socket carries both ways."""
+    address, key = ps_server
+    client = PSClient([address], key, timeout=10, reply_timeout=10, replies_apart=True)
+    plain = open_link(address, key, "ps", "ps:0", 10)
+    try:
+        client.write(wire.Create, [(0, "w")], [torch.arange(70_000.0)])  # a reply larger than one write
+        for _ in range(3):
+            assert torch.equal(client.read([(0, "w")])[0], torch.arange(70_000.0))
+        link = client._links[0]
+        assert os.fstat(link._in_socket.fileno()).st_ino != os.fstat(link._out_socket.fileno()).st_ino
+        assert os.fstat(plain._in_socket.fileno()).st_ino == os.fstat(plain._out_socket.fileno()).st_ino
+        assert link._in_socket.family == link._out_socket.family == socket.AF_UNIX
+        assert isinstance(plain.request(wire.Ping())[0], wire.Ok)
+    finally:
+        client.close()
+        plain.close()

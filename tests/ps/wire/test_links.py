@@ -44,8 +44,8 @@ def test_a_message_larger_than_the_socket_buffer_arrives_whole_in_order():
     # buffer) a write may end inside any frame, and the peer still reads the header, the tensors and the
     # next message intact
     sender, receiver = _pair()
-    sender._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sender._socket.settimeout(30)
+    sender._out_socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender._out_socket.settimeout(30)
     g = torch.Generator().manual_seed(3)
     sent = [(("big", n), [torch.randn(n, 7, generator=g), torch.arange(n), torch.zeros(0)])
             for n in (300_000, 1, 70_001)]
@@ -65,7 +65,7 @@ def test_a_same_host_link_takes_a_whole_row_reply_before_its_reader_reads():
     # 256 KB reply must go into the socket whole, not wait mid-write (a Unix socket's default send
     # buffer, 208 KB, made it wait: the PS embedding job ran 0.88x its speed over TCP)
     sender, receiver = _pair()
-    assert sender._socket.family == socket.AF_UNIX
+    assert sender._out_socket.family == socket.AF_UNIX
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as plain:
         default = plain.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     rows = torch.randn(max(1024, default // 256 + 64), 64)  # more bytes than the default buffer holds
@@ -95,7 +95,7 @@ def test_the_framing_is_multiprocessing_connections_both_ways():
     sender.send(("hello", 1))
     assert pickle.loads(right.recv_bytes()) == (("hello", 1), [])
     left.send_bytes(pickle.dumps((("plain", 2), [((3,), torch.int64)])))
-    sender._socket.sendall(torch.arange(3).numpy().tobytes())
+    sender._out_socket.sendall(torch.arange(3).numpy().tobytes())
     header, (tensor,) = receiver.recv()
     assert header == ("plain", 2) and torch.equal(tensor, torch.arange(3))
     sender.close()

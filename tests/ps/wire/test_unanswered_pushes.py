@@ -52,7 +52,7 @@ def test_a_push_that_succeeds_has_no_reply_and_the_next_lookup_sees_it(table):
     if link.in_process:
         assert link._answer is None  # nothing waits to be read for it
     else:
-        assert not link._connection.poll(0.5)  # nothing comes back for it
+        assert not link._in_connection.poll(0.5)  # nothing comes back for it
     assert torch.allclose(_rows(remote, ids), before - 1.0)
     assert not client._unconfirmed  # the lookup's reply confirmed the push
 

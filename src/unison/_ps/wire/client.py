@@ -42,14 +42,17 @@ class PSClient:
         timeout: seconds to wait for a ps task to accept a connection, and (when
             ``reply_timeout`` is set) for a reply.
         shared: keep an arena of shared memory for same-host ps tasks (a worker's client).
+        replies_apart: a same-host ps task's replies come on a socket of their own
+            (``unison._ps.wire.links.open_link``): a ParameterServerStrategy worker's client.
     """
 
     def __init__(self, addresses: Sequence[str], authkey: bytes, timeout: float = 30.0,
-                 reply_timeout: float | None = None, shared: bool = False):
+                 reply_timeout: float | None = None, shared: bool = False, replies_apart: bool = False):
         self.addresses = list(addresses)
         self._authkey = authkey
         self._timeout = timeout
         self._reply_timeout = reply_timeout
+        self._replies_apart = replies_apart
         self._links: dict[int, TensorLink] = {}  # or an InProcessLink (the same interface)
         self._lock = threading.Lock()
         self.arena: SharedArena | None = SharedArena() if shared and SharedArena.available() else None
@@ -127,7 +130,8 @@ class PSClient:
                     self._reached.add(index)
                     return link
                 try:
-                    link = open_link(self.addresses[index], self._authkey, "ps", f"ps:{index}", self._timeout)
+                    link = open_link(self.addresses[index], self._authkey, "ps", f"ps:{index}", self._timeout,
+                                     self._replies_apart)
                 except AuthenticationError as e:
                     raise self._refused(index) from e
                 except ParameterServerError:

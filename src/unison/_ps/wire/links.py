@@ -20,6 +20,7 @@ import pickle
 import socket
 import threading
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -28,7 +29,10 @@ from unison._coordinator.channel import Channel, connect
 from unison._ps.wire.protocol import PROTOCOL_VERSION, Accepted, Hello, Refused, decode, dumps_header
 from unison.errors import ParameterServerError
 
-__all__ = ["SAME_HOST_SEND_BUFFER", "TensorLink", "open_link", "set_nodelay", "widen_send_buffer"]
+__all__ = ["SAME_HOST_SEND_BUFFER", "TensorLink", "open_link", "serving_link", "set_nodelay", "widen_send_buffer"]
+
+# The byte that carries a same-host link's reply socket to the ps task.
+_REPLIES_MARK = b"R"
 
 
 def set_nodelay(channel: Channel) -> None:
@@ -61,6 +65,69 @@ def widen_send_buffer(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SAME_HOST_SEND_BUFFER)
 
 
+def _ends(channel_connection: Connection, replacement: socket.socket | None) -> tuple[Connection, socket.socket]:
+    """A Connection for headers and a socket object for tensor frames, on ``replacement`` where
+    given (it is taken over), else on the channel's own descriptor."""
+    if replacement is None:
+        return channel_connection, socket.socket(fileno=os.dup(channel_connection.fileno()))
+    connection = Connection(replacement.detach())
+    return connection, socket.socket(fileno=os.dup(connection.fileno()))
+
+
+def _is_same_host(channel: Channel) -> bool:
+    with socket.socket(fileno=os.dup(channel.connection.fileno())) as sock:
+        return sock.family == socket.AF_UNIX
+
+
+def _hand_over_replies(channel: Channel) -> socket.socket:
+    """A worker's end of a same-host link: a new socket pair for the ps task's replies, one end
+    sent to the ps task over the channel (``SCM_RIGHTS``), the other returned.
+
+    Why a socket of their own: a Unix socket wakes every thread asleep on it whenever the bytes
+    it sent are read (TCP only a writer that ran out of room). On one socket both ways, a ps
+    task asleep for the next request was woken as its worker read each part of its reply, and
+    a worker asleep for a reply as the ps task read its request (``benchmarks/RESULTS.md``,
+    issue 45)."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with socket.socket(fileno=os.dup(channel.connection.fileno())) as sock:
+            socket.send_fds(sock, [_REPLIES_MARK], [theirs.fileno()])
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
+    return mine
+
+
+def _take_replies(channel: Channel) -> socket.socket:
+    """A ps task's end of a same-host link: the socket its worker handed over for the replies.
+
+    Raises:
+        EOFError: if the peer closed the connection, or sent something else.
+    """
+    with socket.socket(fileno=os.dup(channel.connection.fileno())) as sock:
+        mark, fds, _flags, _address = socket.recv_fds(sock, len(_REPLIES_MARK), 1)
+    if mark != _REPLIES_MARK or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise EOFError(f"{channel.peer} closed the session or did not hand over its reply socket")
+    os.set_inheritable(fds[0], False)
+    return socket.socket(fileno=fds[0])
+
+
+def serving_link(channel: Channel, replies_apart: bool = False) -> TensorLink:
+    """The ps task's end of an accepted session (after ``Accepted``); on a same-host link whose
+    peer asked for ``replies_apart`` (its ``Hello``), the replies go out on the socket the peer
+    handed over (:func:`open_link`).
+
+    Raises:
+        EOFError / OSError: if the peer went away before handing it over.
+    """
+    outbound = _take_replies(channel) if replies_apart and _is_same_host(channel) else None
+    return TensorLink(channel, channel.peer, outbound=outbound)
+
+
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
@@ -77,18 +144,21 @@ class TensorLink:
     in_process = False
     """A socket to another process (``InProcessLink`` is the one link for which this is True)."""
 
-    def __init__(self, channel: Channel, peer: str):
+    def __init__(self, channel: Channel, peer: str, *, inbound: socket.socket | None = None,
+                 outbound: socket.socket | None = None):
+        """``inbound`` / ``outbound``: a socket that messages come in on / go out on instead of the
+        channel's (a same-host link's replies: :func:`open_link`, :func:`serving_link`)."""
         self.channel = channel
         self.peer = peer
         self.lock = threading.Lock()
-        # The Channel's Connection carries raw frames; Channel itself only sends pickles.
-        self._connection = channel.connection
         set_nodelay(channel)
-        # Tensor frames go through a socket object on the same descriptor: sendall from the
-        # tensor's memory and recv_into the destination (Connection.recv_bytes_into would
-        # first read the whole frame into a BytesIO, then copy it).
-        self._socket = socket.socket(fileno=os.dup(self._connection.fileno()))
-        widen_send_buffer(self._socket)
+        # The Channel's Connection carries raw frames; Channel itself only sends pickles. Tensor
+        # frames go through a socket object on the same descriptor: sendall from the tensor's
+        # memory and recv_into the destination (Connection.recv_bytes_into would first read the
+        # whole frame into a BytesIO, then copy it).
+        self._in_connection, self._in_socket = _ends(channel.connection, inbound)
+        self._out_connection, self._out_socket = _ends(channel.connection, outbound)
+        widen_send_buffer(self._out_socket)
         self._scratch: dict[int, torch.Tensor] = {}
 
     def send(self, header: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
@@ -98,10 +168,10 @@ class TensorLink:
         hybrid DLRM's samples/s did not move, ``benchmarks/RESULTS.md``; not kept.)"""
         tensors = [t.detach().contiguous().cpu() for t in tensors]
         meta = [(tuple(t.shape), t.dtype) for t in tensors]
-        self._connection.send_bytes(dumps_header(header, meta))
+        self._out_connection.send_bytes(dumps_header(header, meta))
         for t in tensors:
             if t.numel():
-                self._socket.sendall(_bytes_view(t))
+                self._out_socket.sendall(_bytes_view(t))
 
     def recv(self, into: Sequence[torch.Tensor] | None = None, timeout: float | None = None,
              reuse: bool = False) -> tuple[Any, list[torch.Tensor]]:
@@ -115,9 +185,9 @@ class TensorLink:
             EOFError / OSError: when the peer is gone.
             TimeoutError: if no message starts within ``timeout`` seconds.
         """
-        if timeout is not None and not self._connection.poll(timeout):
+        if timeout is not None and not self._in_connection.poll(timeout):
             raise TimeoutError(f"{self.peer} did not answer within {timeout:g} s")
-        header, meta = pickle.loads(self._connection.recv_bytes())
+        header, meta = pickle.loads(self._in_connection.recv_bytes())
         header = decode(header)
         tensors = []
         for i, (shape, dtype) in enumerate(meta):
@@ -136,7 +206,7 @@ class TensorLink:
     def _recv_into(self, view: memoryview) -> None:
         position, size = 0, len(view)
         while position < size:
-            received = self._socket.recv_into(view[position:])
+            received = self._in_socket.recv_into(view[position:])
             if not received:
                 raise EOFError(f"{self.peer} closed the connection")
             position += received
@@ -150,23 +220,31 @@ class TensorLink:
             return self.recv(into)
 
     def close(self) -> None:
-        """Closes the connection."""
-        self._socket.close()
+        """Closes the connection (and a same-host link's reply socket)."""
+        for sock in (self._in_socket, self._out_socket):
+            sock.close()
+        for connection in (self._in_connection, self._out_connection):
+            if connection is not self.channel.connection:
+                connection.close()
         self.channel.close()
 
 
-def open_link(address: str, authkey: bytes, session: str, peer: str, timeout: float = 60.0) -> TensorLink:
+def open_link(address: str, authkey: bytes, session: str, peer: str, timeout: float = 60.0,
+              replies_apart: bool = False) -> TensorLink:
     """Connects to the standard server at ``address`` and opens a ``session`` ("ps") on it.
 
     The session opens with the protocol's :class:`~unison._ps.wire.protocol.Hello`; the peer
-    accepts it or refuses another version.
+    accepts it or refuses another version. ``replies_apart``: where the peer is on this host,
+    its replies come on a socket of their own (:func:`_hand_over_replies`): a
+    ParameterServerStrategy worker's links; not the hybrid DLRM's, which ran 0.84-0.90x so
+    (``benchmarks/RESULTS.md``, issue 45).
 
     Raises:
         ParameterServerError: if the peer refuses (another unison version), or does not answer
             the handshake within ``timeout``.
     """
     channel = connect(address, authkey, timeout, same_host_first=True)  # a ps on this host: no TCP/IP
-    channel.send((session, Hello(PROTOCOL_VERSION)))
+    channel.send((session, Hello(PROTOCOL_VERSION, replies_apart)))
     if not channel.connection.poll(timeout):
         channel.close()
         raise ParameterServerError(f"{peer} at {address} did not answer the ps handshake within {timeout:g} s")
@@ -175,4 +253,9 @@ def open_link(address: str, authkey: bytes, session: str, peer: str, timeout: fl
         channel.close()
         reason = answer.reason if isinstance(answer, Refused) else f"an unexpected answer {answer!r:.80}"
         raise ParameterServerError(f"{peer} at {address} refused the ps session: {reason}")
-    return TensorLink(channel, peer)
+    try:
+        inbound = _hand_over_replies(channel) if replies_apart and _is_same_host(channel) else None
+    except OSError as e:
+        channel.close()
+        raise ParameterServerError(f"{peer} at {address} went away as the session opened ({e})") from e
+    return TensorLink(channel, peer, inbound=inbound)

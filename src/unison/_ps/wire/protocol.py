@@ -69,7 +69,7 @@ __all__ = [
     "FunctionFailed", "WorkerRequest",
 ]
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped whenever a header changes (1 was the positional tuples of unison <= 0.1; 3: a table
 export carries its policy parts, and ``TableCreate``'s config its admission and capacity; 4: delta
 checkpoints and serving exports of a table, and an export's ``removed`` ids; 5: a table config's disk tier, ``storage``,
@@ -77,7 +77,8 @@ which an older ps task would drop, keeping every row in memory; 6: a table push'
 the global step of a synchronous job's push; 7: row pushes have no reply unless they fail, and
 ``Failed.earlier``; 8: a synchronous push's ``pushers`` (the shard sums a global step's pushes and
 applies them once) and a lookup's ``after_step`` and ``wait_s``; 9: a lookup's ``lookers``, whose lookups of
-a global step the shard makes as one)."""
+a global step the shard makes as one; 10: ``Hello.replies_apart``, a same-host session's replies
+on a socket of their own, handed to the ps task after ``Accepted``)."""
 
 
 class ProtocolError(ValueError):
@@ -183,9 +184,12 @@ class Request(abc.ABC):
 # -- the session ------------------------------------------------------------------------------
 @_message
 class Hello:
-    """Opens a ps session: the requester's protocol version."""
+    """Opens a ps session: the requester's protocol version; ``replies_apart``: on a same-host
+    link, the replies go on a socket of their own that the requester hands over after
+    ``Accepted`` (``unison._ps.wire.links.open_link``)."""
 
     version: int
+    replies_apart: bool = False
 
 
 @_message
