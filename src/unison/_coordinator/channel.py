@@ -23,7 +23,8 @@ another host (or in another network namespace) cannot see the name, and connects
 A Unix socket's default send buffer (208 KB) is smaller than a ps task's reply to a 256 KB
 row pull, where TCP's grows to 4 MB: the tensor links widen theirs
 (``unison._ps.wire.links.widen_send_buffer``; without it a ParameterServerStrategy job looking
-rows up in two ps tasks ran 0.88x its speed over TCP, RESULTS, issue 45).
+rows up in two ps tasks ran 0.88x its speed over TCP, RESULTS, issue 45), and such a job's links
+take the replies on a socket of their own (``unison._ps.wire.links.open_link``).
 """
 
 from __future__ import annotations
