@@ -85,9 +85,8 @@ def _hand_over_replies(channel: Channel) -> socket.socket:
 
     Why a socket of their own: a Unix socket wakes every thread asleep on it whenever the bytes
     it sent are read (TCP only a writer that ran out of room). On one socket both ways, a ps
-    task asleep for the next request was woken as its worker read each part of its reply, and
-    a worker asleep for a reply as the ps task read its request (``benchmarks/RESULTS.md``,
-    issue 45)."""
+    task asleep for the next request was woken as its worker read each part of its reply
+    (``benchmarks/RESULTS.md``, issue 45)."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         with socket.socket(fileno=os.dup(channel.connection.fileno())) as sock:
