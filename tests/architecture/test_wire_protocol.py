@@ -111,7 +111,7 @@ def _example(cls: type):
         "hyper": {"lr": 0.1},
         "full": False, "at_step": 5, "pushers": 2, "after_step": 4, "wait_s": 1.5, "lookers": 2, "sequence": 3,
         "table_id": "0f3a",
-        "delta": True, "export_id": "9c1d", "number": 2,
+        "delta": True, "export_id": "9c1d", "number": 2, "replies_apart": True,
     }
     return cls(*(values[name] for name in cls.__slots__))
 
