@@ -159,3 +159,22 @@ def test_a_same_host_link_that_asks_takes_its_replies_on_a_socket_of_their_own(p
     finally:
         client.close()
         plain.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+@pytest.mark.timeout(60)
+def test_a_worker_waiting_on_its_reply_socket_sees_the_session_end():
+    """When the ps task ends a session (``Server.join`` once the coordinator is done), a worker
+    waiting for a reply on the socket it handed over sees the end, not a silence."""
+    key = generate_authkey()
+    server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=key, bind_address="127.0.0.1:0")
+    link = open_link(server.address, key, "ps", "ps:0", 10, replies_apart=True)
+    try:
+        assert isinstance(link.request(wire.Ping())[0], wire.Ok)
+        server._close_sessions()  # what join does
+        with pytest.raises((EOFError, OSError)) as ended:
+            link.recv(timeout=20)
+        assert not isinstance(ended.value, TimeoutError), "the worker was left waiting"
+    finally:
+        link.close()
+        server.stop()
