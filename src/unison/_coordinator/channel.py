@@ -82,6 +82,8 @@ _BACKOFF_FIRST, _BACKOFF_LAST = 0.05, 1.0
 _DESCRIPTOR_ACCEPT_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # How long accepting must go without a failure before an overload episode may end.
 _CALM_SECONDS = 1.0
+# How long close() waits for an accept loop to leave accept() (and its socket to be freed).
+_ACCEPT_EXIT_WAIT = 2.0
 # How long the accept loop waits for cut handshakes to close their sockets before accepting.
 _CUT_CLOSE_WAIT = 1.0
 # accept() errors that concern only the connection being accepted (see accept(2)).
@@ -311,9 +313,12 @@ class ChannelListener:
         self._thread = threading.Thread(target=self._accept_loop, args=(self._socket,),
                                         name=f"unison-listener-{self.address}", daemon=True)
         self._thread.start()
+        self._accepting = [self._thread]
         if self._local is not None:
-            threading.Thread(target=self._accept_loop, args=(self._local,),
-                             name=f"unison-listener-{self.address}-same-host", daemon=True).start()
+            local_thread = threading.Thread(target=self._accept_loop, args=(self._local,),
+                                            name=f"unison-listener-{self.address}-same-host", daemon=True)
+            local_thread.start()
+            self._accepting.append(local_thread)
 
     def _accept_loop(self, listening: socket.socket) -> None:
         try:
@@ -415,6 +420,11 @@ class ChannelListener:
             except OSError:
                 pass
             listening.close()
+        # A socket blocked in accept() keeps its address until that call returns: wait for the
+        # accept loops, so that the same-host name (and the port) can be bound again at once.
+        for thread in self._accepting:
+            if thread is not threading.current_thread():
+                thread.join(_ACCEPT_EXIT_WAIT)
         self.handshakes.close()
 
 
