@@ -35,16 +35,19 @@ __all__ = ["SAME_HOST_SEND_BUFFER", "TensorLink", "open_link", "serving_link", "
 _REPLIES_MARK = b"R"
 
 
+def _socket_on(connection: Connection) -> socket.socket:
+    """A socket object on a duplicate of ``connection``'s descriptor (the caller closes it)."""
+    return socket.socket(fileno=os.dup(connection.fileno()))
+
+
 def set_nodelay(channel: Channel) -> None:
     """Turns off Nagle's algorithm on ``channel``: a request is several writes, and
     waiting for the peer's delayed ACK between them would add ~40 ms to each."""
-    sock = socket.socket(fileno=os.dup(channel.connection.fileno()))
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:
-        pass  # not TCP
-    finally:
-        sock.close()
+    with _socket_on(channel.connection) as sock:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass  # not TCP
 
 
 #: What a same-host (Unix socket) link asks for its send buffer: TCP's own ceiling (``tcp_wmem``'s
@@ -65,17 +68,14 @@ def widen_send_buffer(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SAME_HOST_SEND_BUFFER)
 
 
-def _ends(channel_connection: Connection, replacement: socket.socket | None) -> tuple[Connection, socket.socket]:
-    """A Connection for headers and a socket object for tensor frames, on ``replacement`` where
-    given (it is taken over), else on the channel's own descriptor."""
-    if replacement is None:
-        return channel_connection, socket.socket(fileno=os.dup(channel_connection.fileno()))
+def _ends(replacement: socket.socket) -> tuple[Connection, socket.socket]:
+    """A Connection for headers and a socket object for tensor frames on ``replacement`` (taken over)."""
     connection = Connection(replacement.detach())
-    return connection, socket.socket(fileno=os.dup(connection.fileno()))
+    return connection, _socket_on(connection)
 
 
 def _is_same_host(channel: Channel) -> bool:
-    with socket.socket(fileno=os.dup(channel.connection.fileno())) as sock:
+    with _socket_on(channel.connection) as sock:
         return sock.family == socket.AF_UNIX
 
 
@@ -89,7 +89,7 @@ def _hand_over_replies(channel: Channel) -> socket.socket:
     (``benchmarks/RESULTS.md``, issue 45)."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        with socket.socket(fileno=os.dup(channel.connection.fileno())) as sock:
+        with _socket_on(channel.connection) as sock:
             socket.send_fds(sock, [_REPLIES_MARK], [theirs.fileno()])
     except BaseException:
         mine.close()
@@ -105,7 +105,7 @@ def _take_replies(channel: Channel) -> socket.socket:
     Raises:
         EOFError: if the peer closed the connection, or sent something else.
     """
-    with socket.socket(fileno=os.dup(channel.connection.fileno())) as sock:
+    with _socket_on(channel.connection) as sock:
         mark, fds, _flags, _address = socket.recv_fds(sock, len(_REPLIES_MARK), 1)
     if mark != _REPLIES_MARK or len(fds) != 1:
         for fd in fds:
@@ -155,8 +155,9 @@ class TensorLink:
         # frames go through a socket object on the same descriptor: sendall from the tensor's
         # memory and recv_into the destination (Connection.recv_bytes_into would first read the
         # whole frame into a BytesIO, then copy it).
-        self._in_connection, self._in_socket = _ends(channel.connection, inbound)
-        self._out_connection, self._out_socket = _ends(channel.connection, outbound)
+        own = (channel.connection, _socket_on(channel.connection))
+        self._in_connection, self._in_socket = _ends(inbound) if inbound is not None else own
+        self._out_connection, self._out_socket = _ends(outbound) if outbound is not None else own
         widen_send_buffer(self._out_socket)
         self._scratch: dict[int, torch.Tensor] = {}
 
