@@ -194,6 +194,30 @@ def train_pipelined(rank: int, world: int, out_of_order: bool, barrier_directory
     }
 
 
+def two_heads_on_hosts_with_late_trips(rank: int, world: int):
+    """``two_heads_on_hosts`` where the second step's trip between hosts keeps its slice of the
+    file after its wait returned, until the next trip starts, as gloo's worker thread holds a
+    finished work until it gets round to dropping it (under load, past the next step's first
+    gradient). Nothing handed out to the gradients is held, so no bucket may leave its home."""
+    from unison._collectives.transport import host_share
+
+    made = host_share._trip
+    trips = 0
+    late: list[torch.Tensor] = []
+
+    def trip_keeping_its_slice(across, tensor, compressor):
+        nonlocal trips
+        trips += 1
+        late[:] = [tensor] if trips == 2 else []  # one bucket: a trip a step
+        return made(across, tensor, compressor)
+
+    host_share._trip = trip_keeping_its_slice
+    try:
+        return two_heads_on_hosts(rank, world)
+    finally:
+        host_share._trip = made
+
+
 def two_heads_on_hosts(rank: int, world: int):
     """``TwoHeads`` (24 gradients: one bucket in flat slots) trained with AdamW on two hosts of
     two workers, heads skipped on some steps (``_train_two_heads``). Each worker keeps its first

@@ -162,14 +162,18 @@ def test_gradients_at_home_get_the_sums_back_bit_for_bit_also_after_a_worker_lea
 @pytest.mark.parametrize("numel,world", [(1, 2), (17, 2), (17_001, 2), (5, 3), (1_000, 4), (3, 8)])
 def test_homes_spares_and_away_words_are_carved_apart_inside_the_file(numel, world):
     """Every worker's home and spare of ``numel`` elements and its ``away`` word: within the
-    file ``new_segment`` makes for ``_home_file_elements``, none overlapping another."""
+    file ``new_segment`` makes for ``_home_file_elements``, none overlapping another. A
+    worker's own home and spare are the same elements taken from the handed-out mapping."""
     from unison._collectives.transport.shared_memory import SharedSegment
 
     elements = shared_buckets._home_file_elements(numel, world)
     storage = torch.arange(float((world + 1) * elements))
+    handed_out = storage.clone()  # stands for a second mapping: other storage, the same numbers
     for rank in range(world):
-        homes = shared_buckets._carve_homes(SharedSegment(storage, world, elements), numel, world, rank)
-        assert homes.mine is homes.homes[rank]
+        homes = shared_buckets._carve_homes(SharedSegment(storage, world, elements, handed_out), numel, world, rank)
+        for own, shared in [(homes.mine, homes.homes[rank]), (homes.my_spare, homes.spares[rank])]:
+            assert own.untyped_storage().data_ptr() == handed_out.untyped_storage().data_ptr()
+            assert own.storage_offset() == shared.storage_offset() and torch.equal(own, shared)
         regions = [*homes.homes, *homes.spares]
         assert [r.numel() for r in regions] == [numel] * 2 * world and homes.away.numel() == world
         taken = torch.cat([*regions, homes.away])

@@ -75,6 +75,29 @@ def test_a_full_shared_memory_leaves_no_file_and_falls_back(shm_dir, monkeypatch
     assert "No space left on device" in caplog.text
 
 
+def test_a_handed_out_mapping_is_the_same_memory_on_a_storage_of_its_own(shm_dir):
+    """``new_segment(handed_out=True)`` maps the file twice: a write through either mapping is
+    read through the other, and holding a view of the transport's mapping (a collective's
+    thread that has not dropped its work yet) leaves the handed-out storage's holders as they
+    were, so counting them tells only what was handed out."""
+    from unison._interpose.torch_private import storage_use_count
+
+    engine = shared_memory.SharedMemoryAllReduce(0, 2, barrier=lambda: None, broadcast_ints=lambda v: v,
+                                                 agree_min=lambda value: value)
+    segment = engine.new_segment(torch.float32, 8, handed_out=True)
+    assert segment is not None and segment.handed_out is not None
+    assert list(shm_dir.iterdir()) == []  # unlinked once mapped, both times
+    mine = segment.handed_out[:8]
+    holders = storage_use_count(mine)
+    summed = segment.storage[2:6]  # the transport's view of the same elements
+    summed.fill_(3.0)
+    assert mine[2:6].tolist() == [3.0] * 4
+    mine[6:8] = 5.0
+    assert segment.storage[6:8].tolist() == [5.0, 5.0]
+    assert storage_use_count(mine) == holders
+    assert engine.new_segment(torch.float32, 8).handed_out is None  # only where asked
+
+
 def test_a_single_worker_never_uses_shared_memory():
     transport = shared_memory.SharedMemoryAllReduce(0, 1, barrier=lambda: None, broadcast_ints=lambda v: v,
                                                     agree_min=lambda value: value)

@@ -107,7 +107,8 @@ class _Homes:
     homes: list[torch.Tensor]  # [rank]: that worker's home: gradients, then flags
     spares: list[torch.Tensor]  # [rank]: where that worker's gradients go once it left its home
     away: torch.Tensor  # [rank]: 1 once that worker left its home
-    mine: torch.Tensor  # this worker's: its home, or its spare once it left
+    mine: torch.Tensor  # this worker's: its home, or its spare once it left (in the handed-out mapping)
+    my_spare: torch.Tensor  # this worker's spare, in the handed-out mapping
     divisor: int = 1  # what the sums are divided by while summed this step (1 or a power of two)
 
     def in_use(self) -> list[torch.Tensor]:
@@ -123,12 +124,20 @@ def _home_file_elements(numel: int, world_size: int) -> int:
 
 def _carve_homes(segment: SharedSegment, numel: int, world_size: int, rank: int) -> _Homes:
     """Every worker's home, then every worker's spare (``numel`` elements each), then the
-    ``away`` words, out of a segment of ``_home_file_elements`` (its slots and result unused)."""
+    ``away`` words, out of a segment of ``_home_file_elements`` (its slots and result unused).
+
+    This worker's own home and spare (``mine``, ``my_spare``) come from the segment's
+    ``handed_out`` mapping where it has one: the gradients' slots and views count the
+    holders of that storage to tell a gradient a user kept (``GradSlots.held_elsewhere``,
+    ``home_held_elsewhere``), and the transport's views, which sum and cross hosts on the
+    other mapping, are then never among them."""
     storage = segment.storage
     homes = [storage[r * numel:(r + 1) * numel] for r in range(world_size)]
     spares = [storage[(world_size + r) * numel:(world_size + r + 1) * numel] for r in range(world_size)]
     away = storage[2 * world_size * numel:2 * world_size * numel + world_size]
-    return _Homes(homes, spares, away, homes[rank])
+    own = segment.handed_out if segment.handed_out is not None else storage
+    return _Homes(homes, spares, away, own[rank * numel:(rank + 1) * numel],
+                  own[(world_size + rank) * numel:(world_size + rank + 1) * numel])
 
 
 @dataclasses.dataclass(eq=False)
@@ -159,7 +168,7 @@ def _leave_home(placed: _InSharedFile, bucket: GradientBucket, rank: int) -> Non
     homes = placed.homes
     assert homes is not None and bucket.home is not None, "leave_home: the bucket has no home"
     homes.away[rank] = 1  # the owners read it once this worker announced the bucket
-    homes.mine = homes.spares[rank]
+    homes.mine = homes.my_spare
     bucket.flat, bucket.views, bucket.home = homes.mine, views_of(homes.mine[:bucket.size], bucket.params), None
     placed.results = bucket.views
 
@@ -190,7 +199,7 @@ def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBuc
         numel = bucket.flat.numel()
         if home:
             numel = _home_file_elements(numel, engine.world_size)
-        segment = engine.new_segment(bucket.flat.dtype, numel * 2 if halves else numel)
+        segment = engine.new_segment(bucket.flat.dtype, numel * 2 if halves else numel, handed_out=home)
         if segment is None:
             return None  # the workers cannot share memory: every bucket stays on the group
         segments.append(segment)
@@ -200,7 +209,7 @@ def _into_shared_memory(engine: SharedMemoryAllReduce, buckets: list[GradientBuc
         if home:  # its own layout: the segment's slots overlap other workers' homes, never touched here
             kept = _carve_homes(segment, numel, engine.world_size, engine.rank)
             kept.mine.zero_()
-            kept.spares[engine.rank].zero_()
+            kept.my_spare.zero_()
             bucket.flat, bucket.views, bucket.home = kept.mine, views_of(kept.mine[:size], bucket.params), \
                 kept.mine[:size]
             bucket.undivided = bucket.wants_slots  # in the home: the owner divides; else the fill does

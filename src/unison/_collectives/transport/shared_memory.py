@@ -50,10 +50,18 @@ ORPHAN_AGE_S = 60.0
 
 
 class SharedSegment:
-    """One shared file: ``world_size`` input slots and one result slot of ``numel`` elements."""
+    """One shared file: ``world_size`` input slots and one result slot of ``numel`` elements.
 
-    def __init__(self, storage: torch.Tensor, world_size: int, numel: int):
+    ``handed_out``: where asked (``new_segment(..., handed_out=True)``), a second mapping of
+    the same file, for the memory handed out to gradients. Its storage is held only by what
+    was handed out and whoever kept some of it, so counting its holders tells a gradient a
+    user kept; the transport's own views (a slice a collective's thread still holds after its
+    wait returned) are on ``storage`` and never count.
+    """
+
+    def __init__(self, storage: torch.Tensor, world_size: int, numel: int, handed_out: torch.Tensor | None = None):
         self.storage = storage
+        self.handed_out = handed_out
         self.inputs = [storage[r * numel:(r + 1) * numel] for r in range(world_size)]
         self.result = storage[world_size * numel:]
 
@@ -389,9 +397,10 @@ class SharedMemoryAllReduce:
         self.signals = shm_signals.make_signals(words, self._rank, self._world_size, formed.timeout,
                                                 formed.names, self._barrier)
 
-    def new_segment(self, dtype: torch.dtype, numel: int) -> SharedSegment | None:
+    def new_segment(self, dtype: torch.dtype, numel: int, handed_out: bool = False) -> SharedSegment | None:
         """Creates and maps one shared file on every worker (a collective), or finds it cannot.
 
+        With ``handed_out``, each worker maps it twice (``SharedSegment.handed_out``).
         Returns None, with ``available`` then False on every worker, when they cannot.
         Worker 0 creates the file only once every worker has arrived, and unlinks it
         whatever happens next, before reserving its memory; so a file outlives the call
@@ -415,13 +424,15 @@ class SharedMemoryAllReduce:
                     reason = f"cannot create {size} bytes in {SHARED_MEMORY_DIR}: {exc}"
                     token = 0
             token, creator = self._broadcast_ints([token, os.getpid()])
-            storage = None
+            storage = second = None
             if not token and not reason:
                 reason = "worker 0 could not create a shared file (its log says why)"
             if token:
                 path = _path(token, creator)
                 try:
                     storage = _map_file(path, size, elements, dtype)
+                    if handed_out:
+                        second = _map_file(path, size, elements, dtype)
                 except (OSError, RuntimeError) as exc:
                     reason = f"worker {self._rank} cannot map {path}: {exc} (workers on different hosts?)"
             everyone = self._agree_min(1 if storage is not None else 0)
@@ -460,7 +471,7 @@ class SharedMemoryAllReduce:
                        "collective: %s", reason or "another worker cannot map the shared file (its log says why)")
             return None
         assert storage is not None
-        segment = SharedSegment(storage, self._world_size, numel)
+        segment = SharedSegment(storage, self._world_size, numel, second)
         self._make_signals()
         return segment if self.available else None  # the counters' file failed: everyone gave up
 
