@@ -112,6 +112,39 @@ def test_one_device_run_is_inline(one_device):
     assert one_device.run(fn) == (True, 0)
 
 
+def test_one_device_run_takes_the_same_context_on_its_short_path_and_its_general_one():
+    """A step with plain tensor arguments outside any scope (``OneDeviceStrategy.run``'s short
+    path) runs as one with keyword or PerReplica arguments, or inside the scope (the general
+    path): in the replica context, its result returned, the context gone afterwards, even
+    when the step raises."""
+    strategy = unison.OneDeviceStrategy("cpu:0")
+
+    def step(x, y=None):
+        context = get_replica_context()
+        assert context is not None and not in_cross_replica_context() and get_strategy() is strategy
+        if y is None:
+            raise RuntimeError("a failed step")
+        return x + y, context.replica_id_in_sync_group
+
+    x, y = torch.ones(2), torch.full((2,), 2.0)
+    calls = [lambda: strategy.run(step, args=(x, y)), lambda: strategy.run(step, args=(x,), kwargs={"y": y}),
+             lambda: strategy.run(step, args=(unison.PerReplica([x]), y))]
+    for call in calls:
+        total, replica = call()
+        assert torch.equal(total, torch.full((2,), 3.0)) and replica == 0
+        assert not has_strategy()
+        with strategy.scope():
+            total, replica = call()
+            assert torch.equal(total, torch.full((2,), 3.0)) and replica == 0
+            assert in_cross_replica_context()
+    with pytest.raises(RuntimeError, match="a failed step"):
+        strategy.run(step, args=(x,))
+    assert not has_strategy() and get_replica_context() is not None  # the default strategy's again
+    with pytest.raises(ValueError, match="strategies cannot be nested or mixed"):
+        with unison.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+            strategy.run(step, args=(x, y))
+
+
 def test_same_strategy_scope_reenters(mirrored2):
     with mirrored2.scope():
         with mirrored2.scope():

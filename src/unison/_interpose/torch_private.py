@@ -22,11 +22,15 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 __all__ = ["GRAD_DESCRIPTOR", "TENSOR_USE_COUNT", "current_graph_task_id", "has_nccl_all_reduce",
-           "queue_end_of_backward", "storage_use_count", "unflatten_dense_tensors"]
+           "queue_end_of_backward", "storage_use_count", "torch_function_modes", "unflatten_dense_tensors"]
 
 GRAD_DESCRIPTOR: Any = torch._C.TensorBase.grad
 """The C descriptor behind ``Tensor.grad``: its ``__get__``/``__set__`` read and write a
 gradient without ``__torch_function__`` (mapped over every gradient of a step)."""
+
+torch_function_modes: Callable[[], int] = torch._C._len_torch_function_stack
+"""How many torch-function modes this thread has pushed (the C function itself: read on
+every one-device step)."""
 
 current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 """An id of the backward pass running on this thread (-1 outside one)."""

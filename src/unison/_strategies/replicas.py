@@ -32,7 +32,7 @@ from unison.errors import MergeCallError
 if TYPE_CHECKING:  # pragma: no cover
     from unison._strategies.base import Strategy
 
-__all__ = ["InlineReplicaRunner", "ThreadedReplicaRunner", "replica_runner"]
+__all__ = ["PLAIN_TENSOR", "InlineReplicaRunner", "ThreadedReplicaRunner", "replica_runner"]
 
 
 def replica_runner(strategy: Strategy, devices: Sequence[str]) -> InlineReplicaRunner | ThreadedReplicaRunner:
@@ -45,8 +45,8 @@ def _first_replica_id(strategy: Strategy, num_local: int) -> int:
     return strategy.extended.components.worker_index * num_local
 
 
-_PLAIN_TENSOR = frozenset({torch.Tensor})
-"""``_PLAIN_TENSOR.issuperset(map(type, args))``: every argument a plain tensor (the common step),
+PLAIN_TENSOR = frozenset({torch.Tensor})
+"""``PLAIN_TENSOR.issuperset(map(type, args))``: every argument a plain tensor (the common step),
 checked in C, without a Python frame."""
 
 
@@ -66,14 +66,21 @@ class InlineReplicaRunner:
             self._context = ReplicaContext(self._strategy, 0, _first_replica_id(self._strategy, 1), self._merge)
         return self._context
 
+    @property
+    def entry(self) -> ContextEntry:
+        """What ``run`` pushes on the thread's context stack (made on first use)."""
+        if self._entry is None:
+            self._entry = ContextEntry(self._strategy, self.context)
+        return self._entry
+
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         # The fast path: no pytree walk for plain arguments, no generator-based context
         # manager; one cached entry pushed on this thread's context stack.
-        if (kwargs or not _PLAIN_TENSOR.issuperset(map(type, args))) and may_hold_components((args, kwargs)):
+        if (kwargs or not PLAIN_TENSOR.issuperset(map(type, args))) and may_hold_components((args, kwargs)):
             args, kwargs = select_replica(0, (args, kwargs))
         entry = self._entry
         if entry is None:
-            entry = self._entry = ContextEntry(self._strategy, self.context)
+            entry = self.entry
         stack = STATE.stack()
         stack.append(entry)
         try:
