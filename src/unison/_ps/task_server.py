@@ -103,6 +103,7 @@ class Server:
         self._session_lock = threading.Lock()
         self._sessions: dict[threading.Thread, Channel] = {}
         self._sessions_lock = threading.Lock()
+        self._sessions_closed = False  # join closed them: a session admitted since is refused
         self._ps_sessions = threading.Condition()
         self._ps_sessions_opened = self._ps_sessions_open = 0
         self._server = StandardServer(cluster, job_name, task_index, authkey=self._authkey, bind_address=bind_address,
@@ -173,6 +174,7 @@ class Server:
 
     def _close_sessions(self, wait: float = 10.0) -> None:
         with self._sessions_lock:
+            self._sessions_closed = True  # one admitted before the listener closed must not start now
             sessions = dict(self._sessions)
         for channel in sessions.values():
             try:  # wakes a thread blocked in recv: it sees EOF and returns
@@ -186,9 +188,15 @@ class Server:
         for thread in sessions:
             thread.join(wait)
 
-    def _track(self, channel: Channel) -> None:
+    def _track(self, channel: Channel) -> bool:
+        """Records this thread's session for ``join`` to close; False (the caller closes the
+        channel and serves nothing) once ``join`` has closed the sessions: a thread still
+        serving while the process exits can abort it inside torch."""
         with self._sessions_lock:
+            if self._sessions_closed:
+                return False
             self._sessions[threading.current_thread()] = channel
+            return True
 
     def _untrack(self) -> None:
         with self._sessions_lock:
@@ -207,35 +215,41 @@ class Server:
         if self._store is None:
             channel.close()
             return
-        if not accept_session(channel, message[1] if len(message) > 1 else None):
+        if not self._track(channel):  # join closed the sessions: this one serves nothing
             channel.close()
             return
-        self._track(channel)
-        with self._ps_sessions:
-            self._ps_sessions_opened += 1
-            self._ps_sessions_open += 1
-        serve_at_batch_priority()  # this session's thread: its wakeups do not preempt a worker on this host
         try:
-            try:
-                link = serving_link(channel, message[1].replies_apart)  # a Hello: accept_session took it
-            except (EOFError, OSError):  # the peer went away as the session opened
+            if not accept_session(channel, message[1] if len(message) > 1 else None):
                 channel.close()
                 return
+            with self._ps_sessions:
+                self._ps_sessions_opened += 1
+                self._ps_sessions_open += 1
+            serve_at_batch_priority()  # this session's thread: its wakeups do not preempt a worker on this host
             try:
-                serve_ps_session(self._store, link)
+                try:
+                    link = serving_link(channel, message[1].replies_apart)  # a Hello: accept_session took it
+                except (EOFError, OSError):  # the peer went away as the session opened
+                    channel.close()
+                    return
+                try:
+                    serve_ps_session(self._store, link)
+                finally:
+                    link.close()  # and its reply socket: a worker waiting on it sees the end
             finally:
-                link.close()  # and its reply socket: a worker waiting on it sees the end
+                with self._ps_sessions:
+                    self._ps_sessions_open -= 1
+                    self._ps_sessions.notify_all()
         finally:
             self._untrack()
-            with self._ps_sessions:
-                self._ps_sessions_open -= 1
-                self._ps_sessions.notify_all()
 
     def _worker_session(self, channel: Channel, message: Any) -> None:
         """Runs the coordinator's functions, one at a time, until it disconnects."""
         install_step_hooks()
         set_nodelay(channel)
-        self._track(channel)
+        if not self._track(channel):
+            channel.close()
+            return
         with self._session_lock:  # one coordinator at a time
             config = message[1]
             client = PSClient(config["ps"], self._authkey, timeout=config["timeout"], shared=ps_shared_memory(),

@@ -178,3 +178,44 @@ def test_a_worker_waiting_on_its_reply_socket_sees_the_session_end():
     finally:
         link.close()
         server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_session_admitted_before_the_listener_closed_serves_nothing_once_join_returned():
+    """A ps session whose thread had been admitted but had not started when ``join`` closed the
+    sessions is refused, not served: once ``join`` returns no session thread may still work
+    inside torch, or the process can abort as it exits ("terminate called without an active
+    exception", a daemon thread stopped inside a torch op)."""
+    import threading
+
+    key = generate_authkey()
+    server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=key, bind_address="127.0.0.1:0")
+    arrived, go = threading.Event(), threading.Event()
+    track = server._track
+
+    def late_track(channel):  # the session's thread, paused where it is admitted but not yet tracked
+        arrived.set()
+        go.wait(30)
+        return track(channel)
+
+    server._track = late_track
+    outcome: list[BaseException | object] = []
+
+    def open_and_ping():
+        try:
+            link = open_link(server.address, key, "ps", "ps:0", 20)
+            outcome.append(link.request(wire.Ping())[0])
+            link.close()
+        except BaseException as e:  # noqa: BLE001 - what the peer saw is the result
+            outcome.append(e)
+
+    peer = threading.Thread(target=open_and_ping)
+    peer.start()
+    try:
+        assert arrived.wait(20)
+        server.stop()
+        assert server.join(10)
+    finally:
+        go.set()
+        peer.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], (ParameterServerError, EOFError, OSError)), outcome
