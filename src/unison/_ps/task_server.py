@@ -32,7 +32,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from unison._cluster.env import ps_in_workers, ps_shared_memory
 from unison._cluster.multi_worker_util import normalize_cluster_spec
@@ -212,36 +212,39 @@ class Server:
 
     # -- sessions -----------------------------------------------------------------------
     def _ps_session(self, channel: Channel, message: Any) -> None:
-        if self._store is None:
-            channel.close()
-            return
-        if not self._track(channel):  # join closed the sessions: this one serves nothing
+        if self._store is None or not self._track(channel):  # no ps here; or join closed the sessions
             channel.close()
             return
         try:
-            if not accept_session(channel, message[1] if len(message) > 1 else None):
+            hello = message[1] if len(message) > 1 else None
+            if accept_session(channel, hello):
+                self._serve_ps(channel, cast(wire.Hello, hello))  # accept_session takes only a Hello
+            else:
                 channel.close()
-                return
-            with self._ps_sessions:
-                self._ps_sessions_opened += 1
-                self._ps_sessions_open += 1
-            serve_at_batch_priority()  # this session's thread: its wakeups do not preempt a worker on this host
-            try:
-                try:
-                    link = serving_link(channel, message[1].replies_apart)  # a Hello: accept_session took it
-                except (EOFError, OSError):  # the peer went away as the session opened
-                    channel.close()
-                    return
-                try:
-                    serve_ps_session(self._store, link)
-                finally:
-                    link.close()  # and its reply socket: a worker waiting on it sees the end
-            finally:
-                with self._ps_sessions:
-                    self._ps_sessions_open -= 1
-                    self._ps_sessions.notify_all()
         finally:
             self._untrack()
+
+    def _serve_ps(self, channel: Channel, hello: wire.Hello) -> None:
+        """Serves an accepted ps session, counted open (``wait_for_ps_sessions``) while it lasts."""
+        assert self._store is not None
+        with self._ps_sessions:
+            self._ps_sessions_opened += 1
+            self._ps_sessions_open += 1
+        serve_at_batch_priority()  # this session's thread: its wakeups do not preempt a worker on this host
+        try:
+            try:
+                link = serving_link(channel, hello.replies_apart)
+            except (EOFError, OSError):  # the peer went away as the session opened
+                channel.close()
+                return
+            try:
+                serve_ps_session(self._store, link)
+            finally:
+                link.close()  # and its reply socket: a worker waiting on it sees the end
+        finally:
+            with self._ps_sessions:
+                self._ps_sessions_open -= 1
+                self._ps_sessions.notify_all()
 
     def _worker_session(self, channel: Channel, message: Any) -> None:
         """Runs the coordinator's functions, one at a time, until it disconnects."""
