@@ -25,7 +25,7 @@ part() {  # part NAME SECONDS COMMAND...: runs it under a limit, output to $OUT/
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
-part real_models 200 "$PY" -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_real_models_cuda.py
+part real_models 200 "$PY" -m pytest -q -s -p no:cacheprovider -rs -n 0 tests/gpu/test_real_models_cuda.py
 part cuda_tests 170 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu --deselect tests/gpu/test_real_models_cuda.py \
   tests/input/test_input_iterator.py \
   tests/collectives/compat/test_gradients.py tests/strategies/test_configuration.py

@@ -3,7 +3,10 @@ MultiWorkerMirroredStrategy in an NCCL group of one, eager and ``torch.compile``
 (inductor, Triton kernels), against plain PyTorch on the same GPU.
 
 Skipped without a CUDA device and NCCL (CI has neither); ``benchmarks/gpu_check.sh`` runs
-it where a GPU is lent. One worker process trains every case (compilation dominates).
+it where a GPU is lent. One worker process trains every case (compilation dominates), in a
+module fixture. Under xdist each pytest worker that got one of the cases would run that
+fixture: on 2026-11-30 (H200, ``-n 2``) two ran it at once and both passed their 180 s,
+where one alone takes 74 s. The module's tests are therefore one xdist group.
 
 First run (H200, torch 2.11): GPT-2 built in a GPU scope started from other weights than
 plain PyTorch's (Transformers swaps ``nn.init``'s functions while it builds a model, and
@@ -22,7 +25,8 @@ from unison._testing import run_workers
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
                                  reason="needs a CUDA device and NCCL"),
               h.requires("torchvision", "transformers"),
-              pytest.mark.timeout(200)]
+              pytest.mark.timeout(200),
+              pytest.mark.xdist_group("real_models_cuda")]  # the fixture trains once (see above)
 
 CASES = [("resnet18", False), ("resnet18", True), ("resnet18_64", True), ("gpt2", False), ("gpt2", True)]
 EAGER_TOLERANCE = 1e-5
