@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping
@@ -53,6 +55,9 @@ from unison._ps.worker.runtime import RUNTIME, WorkerRuntime, build_dataset
 from unison.errors import ParameterServerError
 
 __all__ = ["Server", "HostedPS", "hosted_ps_indices"]
+
+SESSION_EXIT_WAIT_S = 10.0
+"""How long ``join`` waits, in all, for the session threads it closed to end."""
 
 
 def _resolve(cluster: Any, job_name: str | None, task_index: int | None) -> tuple[Any, str, int]:
@@ -172,7 +177,13 @@ class Server:
             self._hosted.stop()
         return True
 
-    def _close_sessions(self, wait: float = 10.0) -> None:
+    def _close_sessions(self) -> None:
+        """Wakes every open session's thread (its socket is shut down) and waits for them to end.
+
+        A thread still running after ``SESSION_EXIT_WAIT_S`` is named in a warning with its stack:
+        if it is inside a torch op when the process exits, Python 3.11's finalisation stops it
+        there and the process aborts ("terminate called without an active exception").
+        """
         with self._sessions_lock:
             self._sessions_closed = True  # one admitted before the listener closed must not start now
             sessions = dict(self._sessions)
@@ -185,8 +196,23 @@ class Server:
                     sock.close()
             except (OSError, ValueError):
                 pass
+        ends_by = time.monotonic() + SESSION_EXIT_WAIT_S
         for thread in sessions:
-            thread.join(wait)
+            thread.join(max(0.0, ends_by - time.monotonic()))
+        stuck = {thread: channel for thread, channel in sessions.items() if thread.is_alive()}
+        if stuck:
+            frames = sys._current_frames()
+            stacks = "\n".join(
+                f"session with {channel.peer} ({thread.name}):\n"
+                + "".join(traceback.format_stack(frames[thread.ident]) if thread.ident in frames else ["  (no stack)\n"])
+                for thread, channel in stuck.items()
+            )
+            warnings.warn(
+                f"{self._server.name}: {len(stuck)} session(s) still running {SESSION_EXIT_WAIT_S:g} s after the "
+                f"cluster stopped; a thread inside a torch op when the process exits aborts it (Python stops "
+                f"daemon threads where they are). Their stacks:\n{stacks}",
+                RuntimeWarning, stacklevel=3,
+            )
 
     def _track(self, channel: Channel) -> bool:
         """Records this thread's session for ``join`` to close; False (the caller closes the

@@ -219,3 +219,35 @@ def test_a_session_admitted_before_the_listener_closed_serves_nothing_once_join_
         go.set()
         peer.join(30)
     assert len(outcome) == 1 and isinstance(outcome[0], (ParameterServerError, EOFError, OSError)), outcome
+
+
+@pytest.mark.timeout(60)
+def test_a_session_that_outlives_joins_wait_is_named_with_its_stack(monkeypatch):
+    """``join`` waits a bounded time for the sessions it closed; one still running then is named,
+    with its stack, in a warning: it could abort the process at exit inside a torch op, and the
+    warning says where it was."""
+    import threading
+
+    from unison._ps import task_server
+
+    key = generate_authkey()
+    server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=key, bind_address="127.0.0.1:0")
+    serving, release = threading.Event(), threading.Event()
+
+    def serve_that_ignores_its_socket(store, link):  # a session busy past the socket's shutdown
+        serving.set()
+        release.wait(30)
+
+    monkeypatch.setattr(task_server, "serve_ps_session", serve_that_ignores_its_socket)
+    monkeypatch.setattr(task_server, "SESSION_EXIT_WAIT_S", 0.3)
+    link = open_link(server.address, key, "ps", "ps:0", 20)
+    try:
+        assert serving.wait(20)
+        server.stop()
+        with pytest.warns(RuntimeWarning, match=r"ps:0: 1 session\(s\) still running 0.3 s after") as caught:
+            assert server.join(10)
+        text = str(caught[0].message)
+        assert "serve_that_ignores_its_socket" in text and "release.wait(30)" in text, text
+    finally:
+        release.set()
+        link.close()
