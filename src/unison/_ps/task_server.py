@@ -204,7 +204,7 @@ class Server:
             frames = sys._current_frames()
             stacks = "\n".join(
                 f"session with {channel.peer} ({thread.name}):\n"
-                + "".join(traceback.format_stack(frames[thread.ident]) if thread.ident in frames else ["  (no stack)\n"])
+                + ("".join(traceback.format_stack(frames[thread.ident])) if thread.ident in frames else "  (ended)\n")
                 for thread, channel in stuck.items()
             )
             warnings.warn(
