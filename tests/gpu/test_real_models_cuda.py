@@ -5,7 +5,7 @@ MultiWorkerMirroredStrategy in an NCCL group of one, eager and ``torch.compile``
 Skipped without a CUDA device and NCCL (CI has neither); ``benchmarks/gpu_check.sh`` runs
 it where a GPU is lent. One worker process trains every case (compilation dominates), in a
 module fixture. Under xdist each pytest worker that got one of the cases would run that
-fixture: on 2026-11-30 (H200, ``-n 2``) two ran it at once and both passed their 180 s,
+fixture: on 2026-11-30 (H200, ``-n 2``) two ran it at once and both ran past their 180 s,
 where one alone takes 74 s. The module's tests are therefore one xdist group.
 
 First run (H200, torch 2.11): GPT-2 built in a GPU scope started from other weights than
