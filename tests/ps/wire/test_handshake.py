@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 
 import pytest
 import torch
 
 import unison
 from unison._coordinator.channel import connect, generate_authkey
+from unison._ps import task_server
 from unison._ps.wire import protocol as wire
 from unison._ps.wire.client import PSClient
 from unison._ps.wire.links import open_link
@@ -186,8 +188,6 @@ def test_a_session_admitted_before_the_listener_closed_serves_nothing_once_join_
     sessions is refused, not served: once ``join`` returns no session thread may still work
     inside torch, or the process can abort as it exits ("terminate called without an active
     exception", a daemon thread stopped inside a torch op)."""
-    import threading
-
     key = generate_authkey()
     server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=key, bind_address="127.0.0.1:0")
     arrived, go = threading.Event(), threading.Event()
@@ -226,10 +226,6 @@ def test_a_session_that_outlives_joins_wait_is_named_with_its_stack(monkeypatch)
     """``join`` waits a bounded time for the sessions it closed; one still running then is named,
     with its stack, in a warning: it could abort the process at exit inside a torch op, and the
     warning says where it was."""
-    import threading
-
-    from unison._ps import task_server
-
     key = generate_authkey()
     server = unison.Server({"ps": ["127.0.0.1:1"]}, "ps", 0, authkey=key, bind_address="127.0.0.1:0")
     serving, release = threading.Event(), threading.Event()
