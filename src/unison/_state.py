@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ContextEntry", "OwnComponentWrites", "ProcessState", "STATE"]
+__all__ = ["ContextEntry", "OwnComponentWrites", "PerThread", "ProcessState", "STATE"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,17 @@ class OwnComponentWrites(threading.local):
         self.depth = 0
 
 
+class PerThread(threading.local):
+    """One thread's slots: its context stack (made at the thread's first access, so the hot path
+    reads an attribute, with no call and no ``AttributeError`` to catch) and the coordinator's."""
+
+    def __init__(self) -> None:
+        self.stack: list[ContextEntry] = []
+        self.reference_resolver: Any = None
+        self.worker_context: Any = None
+        self.set_strategy_scope: Any = None
+
+
 class ProcessState:
     """Holds the context stacks of every thread of this process, and the replica threads' flags.
 
@@ -73,18 +84,16 @@ class ProcessState:
     """
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self.per_thread = PerThread()
+        """This thread's slots. ``strategy.run``'s one-device fast path reads
+        ``per_thread.stack`` itself: a method call there cost a D step about 1 us of its 112
+        (``benchmarks/RESULTS.md``, 'OneDevice D')."""
         self.own_component_writes = OwnComponentWrites()
         self.busy_replica_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
     def stack(self) -> list[ContextEntry]:
-        """This thread's stack itself, for the hot path of ``strategy.run`` (append, then pop)."""
-        try:
-            return self._local.stack  # type: ignore[no-any-return]
-        except AttributeError:  # this thread's first
-            stack: list[ContextEntry] = []
-            self._local.stack = stack
-            return stack
+        """This thread's stack itself (append, then pop)."""
+        return self.per_thread.stack
 
     def depth(self) -> int:
         """How many entries this thread's stack holds."""
@@ -98,29 +107,29 @@ class ProcessState:
     def reference_resolver(self) -> Any:
         """The resolver of the worker-side unpickling in progress on this thread, or None
         (``unison._ps.wire.worker_references.loads_on_worker`` sets it for one call)."""
-        return getattr(self._local, "reference_resolver", None)
+        return self.per_thread.reference_resolver
 
     @reference_resolver.setter
     def reference_resolver(self, resolve: Any) -> None:
-        self._local.reference_resolver = resolve
+        self.per_thread.reference_resolver = resolve
 
     @property
     def worker_context(self) -> Any:
         """The distribute coordinator's WorkerContext of this thread, or None."""
-        return getattr(self._local, "worker_context", None)
+        return self.per_thread.worker_context
 
     @worker_context.setter
     def worker_context(self, context: Any) -> None:
-        self._local.worker_context = context
+        self.per_thread.worker_context = context
 
     @property
     def set_strategy_scope(self) -> Any:
         """The scope ``experimental_set_strategy`` entered in this thread and left open, or None."""
-        return getattr(self._local, "set_strategy_scope", None)
+        return self.per_thread.set_strategy_scope
 
     @set_strategy_scope.setter
     def set_strategy_scope(self, scope: Any) -> None:
-        self._local.set_strategy_scope = scope
+        self.per_thread.set_strategy_scope = scope
 
     @contextmanager
     def push(self, strategy: Any, replica_context: Any) -> Iterator[None]:

@@ -64,3 +64,14 @@ def test_busy_replica_threads_drop_finished_threads():
     thread.join(10)
     del thread
     assert len(state.busy_replica_threads) == 0
+
+
+def test_context_stack_is_per_thread_and_per_state_from_a_threads_first_access():
+    state, other = ProcessState(), ProcessState()
+    state.stack().append("entry")
+    seen_elsewhere: list[list] = []
+    thread = threading.Thread(target=lambda: seen_elsewhere.append(list(state.per_thread.stack)))
+    thread.start()
+    thread.join(10)
+    assert (state.per_thread.stack, seen_elsewhere, other.stack()) == (["entry"], [[]], [])
+    assert state.stack() is state.per_thread.stack  # the hot path's attribute and the method: one list

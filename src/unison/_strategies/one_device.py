@@ -52,8 +52,9 @@ class OneDeviceStrategy(Strategy):
         """
         # The usual step (plain tensor arguments, outside any scope, nothing to finish) takes
         # one frame between the caller and fn: the general path's three cost D's 112 us step
-        # 6.2 us above plain PyTorch, this one 3.6 (benchmarks/RESULTS.md, 'OneDevice D').
-        stack = STATE.stack()
+        # 6.2 us above plain PyTorch, this one 3.6, and 2.4 reading the stack as an attribute
+        # (benchmarks/RESULTS.md, 'OneDevice D').
+        stack = STATE.per_thread.stack
         if (stack or kwargs or not PLAIN_TENSOR.issuperset(map(type, args)) or self._extended._pending
                 or torch_function_modes()):
             return super().run(fn, args, kwargs)

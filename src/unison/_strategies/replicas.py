@@ -81,7 +81,7 @@ class InlineReplicaRunner:
         entry = self._entry
         if entry is None:
             entry = self.entry
-        stack = STATE.stack()
+        stack = STATE.per_thread.stack
         stack.append(entry)
         try:
             return fn(*args, **kwargs)
