@@ -72,14 +72,20 @@ AR_TENSORS, AR_NUMEL = 400, 4096  # 400 x 16 KB of float32
 WEIGHT_TOLERANCE = 1e-5
 TARGET_VS_FLAT = 0.85
 TARGET_VS_SEPARATE = 5.0
-TRAIN_VARIANTS = ("plain", "ddp", "unison", "unison_ring", "no_sync", "barrier_only")
+TRAIN_VARIANTS = ("plain", "ddp", "unison", "unison_ring", "no_sync", "barrier_only", "bare_reduce")
 """``no_sync`` is a reference, not a data-parallel run: each process trains its own plain model
 on its half of the batch and never communicates. Its throughput over DDP's is the most any
 2-process data-parallel design can reach on this machine (the goals above it are out of reach).
 ``barrier_only`` is ``no_sync`` plus one barrier a step through the workers' shared counters
 (unison's own): no data moves, but each step waits for the slower worker, as any synchronous
 data-parallel step must. What a step costs above ``no_sync`` is reported as a share of DDP's
-(``(t - t_no_sync) / (t_ddp - t_no_sync)``, issue 32), and above ``barrier_only`` likewise."""
+(``(t - t_no_sync) / (t_ddp - t_no_sync)``, issue 32), and above ``barrier_only`` likewise.
+``bare_reduce`` is ``no_sync`` plus the least a synchronous mean of the gradients does, written
+out in the step after ``backward()`` on one of unison's shared files: one copy of the gradients
+in, one barrier, one sum and one division, one copy out (two slots used in turn, so one barrier
+a step suffices). No hooks, no buckets, no checks: a lower bound on what any transparent
+implementation (the user's plain loop) pays, so a goal below its share is out of reach here.
+Its weights are checked against DDP's like unison's."""
 AR_VARIANTS = ("unison_batch_reduce_to", "unison_packed", "unison_one_tensor", "unison_batch_reduce_to_ring",
                "unison_packed_ring", "copy_then_flat", "copy_into_flat", "flat", "flat_halves", "separate",
                "separate_async")
@@ -168,6 +174,40 @@ def _with_barrier(step: Callable, strategy: Any) -> Callable:
     return synchronised
 
 
+def _bare_reduce_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+                      strategy: Any, rank: int) -> Callable:
+    """``bare_reduce`` (see TRAIN_VARIANTS): a plain step, and the workers' mean of its gradients
+    done by hand on a shared file of unison's (two slots per worker, used in turn)."""
+    engine = strategy.extended.cross_device_ops.transport.shared_memory
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    numel = sum(sizes)
+    segment = engine.new_segment(torch.float32, 2 * numel)  # a collective: both workers, same order
+    if segment is None:
+        raise SystemExit("bare_reduce: the workers cannot share a file here (unison's log says why)")
+    slots = [[peer[turn * numel:(turn + 1) * numel] for peer in segment.inputs] for turn in (0, 1)]
+    mine = [[v.view_as(p) for v, p in zip(slots[turn][rank].split(sizes), params)] for turn in (0, 1)]
+    sums = torch.empty(numel)
+    sum_views = [v.view_as(p) for v, p in zip(sums.split(sizes), params)]
+    two = torch.tensor(float(WORLD_SIZE), dtype=torch.float64)  # a 0-dim divisor: no wrapping per call
+    turn = [0]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        grads = [p.grad for p in params]
+        now = turn[0]
+        turn[0] ^= 1
+        torch._foreach_copy_(mine[now], grads)
+        engine.sync("bare reduce")  # both slots of this turn are written; the other turn's are free
+        torch.add(slots[now][0], slots[now][1], out=sums)
+        sums.div_(two)
+        torch._foreach_copy_(grads, sum_views)
+        opt.step()
+
+    return step
+
+
 class _Runner:
     """A step function, its batches and how many steps it took (so DDP and unison see the same data)."""
 
@@ -215,6 +255,7 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
     plain_model = _make_model(workload)
     alone_model = _make_model(workload)  # no_sync: this process's half of the batch, never reduced
     waiting_model = _make_model(workload)  # barrier_only: the same, and a barrier each step
+    bare_model = _make_model(workload)  # bare_reduce: the least a mean of the gradients does, by hand
     runners = {
         "plain": _Runner(_make_step(plain_model, torch.optim.SGD(plain_model.parameters(), lr=LR), loss_fn), batches),
         "ddp": _Runner(_make_step(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=LR), loss_fn), local),
@@ -225,6 +266,8 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
         "barrier_only": _Runner(_with_barrier(_make_step(waiting_model,
                                                          torch.optim.SGD(waiting_model.parameters(), lr=LR),
                                                          loss_fn), strategy), local),
+        "bare_reduce": _Runner(_bare_reduce_step(bare_model, torch.optim.SGD(bare_model.parameters(), lr=LR), loss_fn,
+                                                 strategy, rank), local),
     }
 
     def run(name: str, n: int) -> list[float]:
@@ -250,6 +293,7 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
         unison_params = list(unison_model.parameters())
         weight_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, unison_params))
         ring_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, ring_model.parameters()))
+        bare_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, bare_model.parameters()))
         plain_diff = max((a - b).abs().max().item() for a, b in zip(plain_model.parameters(), ddp_params)) \
             if rank == 0 else None
     return {
@@ -257,6 +301,7 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
         "steps_taken": {name: runner.taken for name, runner in runners.items()},
         "max_abs_weight_diff_unison_vs_ddp": weight_diff,
         "max_abs_weight_diff_unison_ring_vs_ddp": ring_diff,
+        "max_abs_weight_diff_bare_reduce_vs_ddp": bare_diff,
         "max_abs_weight_diff_plain_vs_ddp": plain_diff,
         "num_gradient_tensors": len(unison_params),
         "gradient_bytes": sum(p.numel() * p.element_size() for p in unison_params),
@@ -397,6 +442,7 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
                         for d, u in zip(data["samples"]["ddp"], data["samples"]["unison"])]
         weight_diff = max(r["train"][workload]["max_abs_weight_diff_unison_vs_ddp"] for r in results)
         ring_diff = max(r["train"][workload]["max_abs_weight_diff_unison_ring_vs_ddp"] for r in results)
+        bare_diff = max(r["train"][workload]["max_abs_weight_diff_bare_reduce_vs_ddp"] for r in results)
         ratio = rows["unison"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
         ring_ratio = rows["unison_ring"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
         floor_ratio = rows["no_sync"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
@@ -417,6 +463,7 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
             "no_sync_vs_ddp": floor_ratio,
             "unison_above_floor": above("unison", "no_sync"),  # issue 32's measure: a share of DDP's
             "barrier_only_above_floor": above("barrier_only", "no_sync"),
+            "bare_reduce_above_floor": above("bare_reduce", "no_sync"),
             "unison_above_barrier_floor": above("unison", "barrier_only"),
             "unison_vs_ddp_round_ratios": round_ratios,
             "unison_vs_ddp_round_ratio_summary": describe(round_ratios),
@@ -426,7 +473,8 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
             "pass": ratio >= TARGETS[workload],
             "max_abs_weight_diff_unison_vs_ddp": weight_diff,
             "max_abs_weight_diff_unison_ring_vs_ddp": ring_diff,
-            "weights_match_ddp": max(weight_diff, ring_diff) <= WEIGHT_TOLERANCE,
+            "max_abs_weight_diff_bare_reduce_vs_ddp": bare_diff,
+            "weights_match_ddp": max(weight_diff, ring_diff, bare_diff) <= WEIGHT_TOLERANCE,
             "max_abs_weight_diff_plain_vs_ddp": data["max_abs_weight_diff_plain_vs_ddp"],
             "steps_taken": data["steps_taken"],
         }
@@ -493,15 +541,18 @@ def format_tables(summary: dict[str, Any]) -> str:
         lines.append(
             f"{workload:<8} unison {row['unison_above_floor']:.3f}   barrier_only {row['barrier_only_above_floor']:.3f}"
             f"   unison above barrier_only {row['unison_above_barrier_floor']:.3f}"
+            f"   bare_reduce {row['bare_reduce_above_floor']:.3f}"
             f"   (median ms: no_sync {row['variants']['no_sync']['median_step_ms']:.3f}, barrier_only "
             f"{row['variants']['barrier_only']['median_step_ms']:.3f}, "
+            f"bare_reduce {row['variants']['bare_reduce']['median_step_ms']:.3f}, "
             f"unison {row['variants']['unison']['median_step_ms']:.3f}, "
             f"ddp {row['variants']['ddp']['median_step_ms']:.3f})")
     for workload, row in summary["train"].items():
         lines.append(
             f"{workload}: weights match DDP: {'yes' if row['weights_match_ddp'] else 'no'} "
             f"(max |diff| {row['max_abs_weight_diff_unison_vs_ddp']:.2e}, "
-            f"ring {row['max_abs_weight_diff_unison_ring_vs_ddp']:.2e}, after {row['steps_taken']['unison']} "
+            f"ring {row['max_abs_weight_diff_unison_ring_vs_ddp']:.2e}, bare_reduce "
+            f"{row['max_abs_weight_diff_bare_reduce_vs_ddp']:.2e}, after {row['steps_taken']['unison']} "
             f"identical steps; plain vs DDP {row['max_abs_weight_diff_plain_vs_ddp']:.2e})"
         )
     ar = summary["all_reduce"]
@@ -539,7 +590,7 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
         print("matplotlib is not installed (pip install unison[bench]): no chart written", file=sys.stderr)
         return False
     colors = {"plain": "#888888", "ddp": "#ee7733", "unison": "#4477aa", "unison_ring": "#66ccee", "no_sync": "#cccccc",
-              "barrier_only": "#aaaaaa"}
+              "barrier_only": "#aaaaaa", "bare_reduce": "#999999"}
     workloads = list(summary["train"])
     columns = max(2, len(workloads))
     top = workloads + workloads[-1:] * (columns - len(workloads))
@@ -550,7 +601,7 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
         row = summary["train"][workload]
         values = [row["variants"][n]["samples_per_s"] for n in TRAIN_VARIANTS]
         bars = ax.bar(["plain\n1 proc", "DDP\n2 procs", "unison\n2 procs", "unison\nRING (gloo)", "no sync\n(ceiling)",
-                       "barrier\nonly"],
+                       "barrier\nonly", "bare\nreduce"],
                       values,
                       color=[colors[n] for n in TRAIN_VARIANTS])
         notes = [f"{v:.0f}" for v in values]
@@ -558,6 +609,7 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
         notes[3] += f"\n{row['unison_ring_vs_ddp']:.3f}x DDP"
         notes[4] += f"\n{row['no_sync_vs_ddp']:.3f}x DDP"
         notes[5] += f"\n{row['barrier_only_above_floor']:.2f} of DDP's\ntime above no sync"
+        notes[6] += f"\n{row['bare_reduce_above_floor']:.2f}"
         for bar, note in zip(bars, notes):
             ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=9)
