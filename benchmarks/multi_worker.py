@@ -83,8 +83,10 @@ data-parallel step must. What a step costs above ``no_sync`` is reported as a sh
 ``bare_reduce`` is ``no_sync`` plus the least a synchronous mean of the gradients does, written
 out in the step after ``backward()`` on one of unison's shared files: one copy of the gradients
 in, one barrier, one sum and one division, one copy out (two slots used in turn, so one barrier
-a step suffices). No hooks, no buckets, no checks: a lower bound on what any transparent
-implementation (the user's plain loop) pays, so a goal below its share is out of reach here.
+a step suffices). No hooks, no buckets, no checks. A transparent implementation (the user's
+plain loop) also needs hooks and an end-of-backward callback, and could save at most the copy in
+(gradients that live in the file) or, where the sums come back into each worker's own memory, the
+copy out: on a step of few gradients (D) its share is about the least any such design pays.
 Its weights are checked against DDP's like unison's."""
 AR_VARIANTS = ("unison_batch_reduce_to", "unison_packed", "unison_one_tensor", "unison_batch_reduce_to_ring",
                "unison_packed_ring", "copy_then_flat", "copy_into_flat", "flat", "flat_halves", "separate",
