@@ -86,8 +86,8 @@ class ProcessState:
     def __init__(self) -> None:
         self.per_thread = PerThread()
         """This thread's slots. ``strategy.run``'s one-device fast path reads
-        ``per_thread.stack`` itself: a method call there cost a D step about 1 us of its 112
-        (``benchmarks/RESULTS.md``, 'OneDevice D')."""
+        ``per_thread.stack`` itself: a method call there cost a D step about 1 us of its 112,
+        timed in one process (``benchmarks/RESULTS.md``, "OneDevice's step path in cache terms")."""
         self.own_component_writes = OwnComponentWrites()
         self.busy_replica_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 

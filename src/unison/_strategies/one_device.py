@@ -52,8 +52,9 @@ class OneDeviceStrategy(Strategy):
         """
         # The usual step (plain tensor arguments, outside any scope, nothing to finish) takes
         # one frame between the caller and fn: the general path's three cost D's 112 us step
-        # 6.2 us above plain PyTorch, this one 3.6, and 2.4 reading the stack as an attribute
-        # (benchmarks/RESULTS.md, 'OneDevice D').
+        # 6.2 us above plain PyTorch, this one 3.6 (own processes). The stack is read as an
+        # attribute: in one process, 2.4 us over calling fn directly, against 3.3-3.6 through a
+        # method (benchmarks/RESULTS.md, 'OneDevice D', "OneDevice's step path in cache terms").
         stack = STATE.per_thread.stack
         if (stack or kwargs or not PLAIN_TENSOR.issuperset(map(type, args)) or self._extended._pending
                 or torch_function_modes()):
