@@ -180,17 +180,18 @@ def _bare_reduce_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Cal
                       strategy: Any, rank: int) -> Callable:
     """``bare_reduce`` (see TRAIN_VARIANTS): a plain step, and the workers' mean of its gradients
     done by hand on a shared file of unison's (two slots per worker, used in turn)."""
+    from unison._collectives.transport.flat_buffers import views_of  # the layout unison's buckets use
+
     engine = strategy.extended.cross_device_ops.transport.shared_memory
     params = list(model.parameters())
-    sizes = [p.numel() for p in params]
-    numel = sum(sizes)
+    numel = sum(p.numel() for p in params)
     segment = engine.new_segment(torch.float32, 2 * numel)  # a collective: both workers, same order
     if segment is None:
         raise SystemExit("bare_reduce: the workers cannot share a file here (unison's log says why)")
     slots = [[peer[turn * numel:(turn + 1) * numel] for peer in segment.inputs] for turn in (0, 1)]
-    mine = [[v.view_as(p) for v, p in zip(slots[turn][rank].split(sizes), params)] for turn in (0, 1)]
+    mine = [views_of(slots[turn][rank], params) for turn in (0, 1)]
     sums = torch.empty(numel)
-    sum_views = [v.view_as(p) for v, p in zip(sums.split(sizes), params)]
+    sum_views = views_of(sums, params)
     two = torch.tensor(float(WORLD_SIZE), dtype=torch.float64)  # a 0-dim divisor: no wrapping per call
     turn = [0]
 
