@@ -72,7 +72,8 @@ AR_TENSORS, AR_NUMEL = 400, 4096  # 400 x 16 KB of float32
 WEIGHT_TOLERANCE = 1e-5
 TARGET_VS_FLAT = 0.85
 TARGET_VS_SEPARATE = 5.0
-TRAIN_VARIANTS = ("plain", "ddp", "unison", "unison_ring", "no_sync", "barrier_only", "bare_reduce", "bare_slots")
+TRAIN_VARIANTS = ("plain", "ddp", "unison", "unison_ring", "no_sync", "barrier_only", "bare_reduce", "bare_slots",
+                  "bare_slots_hooked")
 """``no_sync`` is a reference, not a data-parallel run: each process trains its own plain model
 on its half of the batch and never communicates. Its throughput over DDP's is the most any
 2-process data-parallel design can reach on this machine (the goals above it are out of reach).
@@ -92,7 +93,9 @@ place in this worker's part of a shared file, zeroed (so autograd adds into the 
 after it, one barrier, each worker sums its half of both parts (scaled by 1/2 as it adds, as DDP
 divides first) into both, and a second barrier (the sums are the gradients: no copy out). That is
 unison's design for many small gradients (W2) without hooks, checks or bookkeeping: the least that
-design pays. Both rows' weights are checked against DDP's like unison's."""
+design pays. ``bare_slots_hooked`` adds what a transparent implementation cannot do without: a
+hook after each parameter's gradient accumulation (as DDP's and unison's), each returning at once
+but the first of a backward pass. These rows' weights are checked against DDP's like unison's."""
 AR_VARIANTS = ("unison_batch_reduce_to", "unison_packed", "unison_one_tensor", "unison_batch_reduce_to_ring",
                "unison_packed_ring", "copy_then_flat", "copy_into_flat", "flat", "flat_halves", "separate",
                "separate_async")
@@ -217,11 +220,14 @@ def _bare_reduce_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Cal
 
 
 def _bare_slots_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
-                     strategy: Any, rank: int) -> Callable:
+                     strategy: Any, rank: int, hooked: bool = False) -> Callable:
     """``bare_slots`` (see TRAIN_VARIANTS): a plain step whose gradients accumulate in this worker's
-    part of a shared file; each worker sums its half of every part into all of them, by hand."""
+    part of a shared file; each worker sums its half of every part into all of them, by hand.
+    ``hooked``: with a hook after each parameter's accumulation that does nothing but note the
+    first of a backward pass (``bare_slots_hooked``)."""
     from unison._collectives.transport.flat_buffers import views_of
     from unison._gradient_sync.grad_access import set_grads  # t.grad = g for each pair, in one C-level pass
+    from unison._interpose.torch_private import current_graph_task_id
 
     engine = strategy.extended.cross_device_ops.transport.shared_memory
     params = list(model.parameters())
@@ -234,6 +240,16 @@ def _bare_slots_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Call
     lo, hi = engine.my_slice(numel)
     halves = [part[lo:hi] for part in parts]  # this worker's half of every part
     scale = 1.0 / WORLD_SIZE  # a power of two: scaling as it adds gives the bits of dividing first
+    first_of = [-1]  # the backward pass whose first gradient the hooks saw
+
+    def on_gradient(param: torch.Tensor) -> None:
+        if first_of[0] == current_graph_task_id() != -1:
+            return
+        first_of[0] = current_graph_task_id()
+
+    if hooked:
+        for param in params:
+            param.register_post_accumulate_grad_hook(on_gradient)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         opt.zero_grad()
@@ -302,6 +318,7 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
     waiting_model = _make_model(workload)  # barrier_only: the same, and a barrier each step
     bare_model = _make_model(workload)  # bare_reduce: the least a mean of the gradients does, by hand
     slots_model = _make_model(workload)  # bare_slots: the same, the gradients accumulated in the shared file
+    hooked_model = _make_model(workload)  # bare_slots_hooked: and a hook per parameter
     runners = {
         "plain": _Runner(_make_step(plain_model, torch.optim.SGD(plain_model.parameters(), lr=LR), loss_fn), batches),
         "ddp": _Runner(_make_step(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=LR), loss_fn), local),
@@ -316,6 +333,8 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
                                                  strategy, rank), local),
         "bare_slots": _Runner(_bare_slots_step(slots_model, torch.optim.SGD(slots_model.parameters(), lr=LR),
                                                loss_fn, strategy, rank), local),
+        "bare_slots_hooked": _Runner(_bare_slots_step(hooked_model, torch.optim.SGD(hooked_model.parameters(), lr=LR),
+                                                      loss_fn, strategy, rank, hooked=True), local),
     }
 
     def run(name: str, n: int) -> list[float]:
@@ -343,6 +362,7 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
         ring_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, ring_model.parameters()))
         bare_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, bare_model.parameters()))
         slots_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, slots_model.parameters()))
+        hooked_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, hooked_model.parameters()))
         plain_diff = max((a - b).abs().max().item() for a, b in zip(plain_model.parameters(), ddp_params)) \
             if rank == 0 else None
     return {
@@ -351,7 +371,7 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
         "max_abs_weight_diff_unison_vs_ddp": weight_diff,
         "max_abs_weight_diff_unison_ring_vs_ddp": ring_diff,
         "max_abs_weight_diff_bare_reduce_vs_ddp": bare_diff,
-        "max_abs_weight_diff_bare_slots_vs_ddp": slots_diff,
+        "max_abs_weight_diff_bare_slots_vs_ddp": max(slots_diff, hooked_diff),
         "max_abs_weight_diff_plain_vs_ddp": plain_diff,
         "num_gradient_tensors": len(unison_params),
         "gradient_bytes": sum(p.numel() * p.element_size() for p in unison_params),
@@ -516,6 +536,7 @@ def summarize(results: list[dict[str, Any]], cfg: dict) -> dict[str, Any]:
             "barrier_only_above_floor": above("barrier_only", "no_sync"),
             "bare_reduce_above_floor": above("bare_reduce", "no_sync"),
             "bare_slots_above_floor": above("bare_slots", "no_sync"),
+            "bare_slots_hooked_above_floor": above("bare_slots_hooked", "no_sync"),
             "unison_above_barrier_floor": above("unison", "barrier_only"),
             "unison_vs_ddp_round_ratios": round_ratios,
             "unison_vs_ddp_round_ratio_summary": describe(round_ratios),
@@ -595,10 +616,12 @@ def format_tables(summary: dict[str, Any]) -> str:
             f"{workload:<8} unison {row['unison_above_floor']:.3f}   barrier_only {row['barrier_only_above_floor']:.3f}"
             f"   unison above barrier_only {row['unison_above_barrier_floor']:.3f}"
             f"   bare_reduce {row['bare_reduce_above_floor']:.3f}   bare_slots {row['bare_slots_above_floor']:.3f}"
+            f"   bare_slots_hooked {row['bare_slots_hooked_above_floor']:.3f}"
             f"   (median ms: no_sync {row['variants']['no_sync']['median_step_ms']:.3f}, barrier_only "
             f"{row['variants']['barrier_only']['median_step_ms']:.3f}, "
             f"bare_reduce {row['variants']['bare_reduce']['median_step_ms']:.3f}, "
             f"bare_slots {row['variants']['bare_slots']['median_step_ms']:.3f}, "
+            f"bare_slots_hooked {row['variants']['bare_slots_hooked']['median_step_ms']:.3f}, "
             f"unison {row['variants']['unison']['median_step_ms']:.3f}, "
             f"ddp {row['variants']['ddp']['median_step_ms']:.3f})")
     for workload, row in summary["train"].items():
@@ -606,7 +629,7 @@ def format_tables(summary: dict[str, Any]) -> str:
             f"{workload}: weights match DDP: {'yes' if row['weights_match_ddp'] else 'no'} "
             f"(max |diff| {row['max_abs_weight_diff_unison_vs_ddp']:.2e}, "
             f"ring {row['max_abs_weight_diff_unison_ring_vs_ddp']:.2e}, bare_reduce "
-            f"{row['max_abs_weight_diff_bare_reduce_vs_ddp']:.2e}, bare_slots "
+            f"{row['max_abs_weight_diff_bare_reduce_vs_ddp']:.2e}, bare_slots (both) "
             f"{row['max_abs_weight_diff_bare_slots_vs_ddp']:.2e}, after {row['steps_taken']['unison']} "
             f"identical steps; plain vs DDP {row['max_abs_weight_diff_plain_vs_ddp']:.2e})"
         )
@@ -645,7 +668,8 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
         print("matplotlib is not installed (pip install unison[bench]): no chart written", file=sys.stderr)
         return False
     colors = {"plain": "#888888", "ddp": "#ee7733", "unison": "#4477aa", "unison_ring": "#66ccee", "no_sync": "#cccccc",
-              "barrier_only": "#aaaaaa", "bare_reduce": "#999999", "bare_slots": "#777777"}
+              "barrier_only": "#aaaaaa", "bare_reduce": "#999999", "bare_slots": "#777777",
+              "bare_slots_hooked": "#555555"}
     workloads = list(summary["train"])
     columns = max(2, len(workloads))
     top = workloads + workloads[-1:] * (columns - len(workloads))
@@ -656,7 +680,7 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
         row = summary["train"][workload]
         values = [row["variants"][n]["samples_per_s"] for n in TRAIN_VARIANTS]
         bars = ax.bar(["plain\n1 proc", "DDP\n2 procs", "unison\n2 procs", "unison\nRING (gloo)", "no sync\n(ceiling)",
-                       "barrier\nonly", "bare\nreduce", "bare\nslots"],
+                       "barrier\nonly", "bare\nreduce", "bare\nslots", "bare slots\nhooked"],
                       values,
                       color=[colors[n] for n in TRAIN_VARIANTS])
         notes = [f"{v:.0f}" for v in values]
@@ -666,6 +690,7 @@ def plot(summary: dict[str, Any], path: Path, machine: dict[str, Any]) -> bool:
         notes[5] += f"\n{row['barrier_only_above_floor']:.2f} of DDP's\ntime above no sync"
         notes[6] += f"\n{row['bare_reduce_above_floor']:.2f}"
         notes[7] += f"\n{row['bare_slots_above_floor']:.2f}"
+        notes[8] += f"\n{row['bare_slots_hooked_above_floor']:.2f}"
         for bar, note in zip(bars, notes):
             ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=9)
