@@ -11,7 +11,7 @@ import time
 import pytest
 
 from unison._coordinator.channel import ChannelListener, connect, require_authkey
-from unison.coordinator import StandardServer, generate_authkey, read_authkey
+from unison.coordinator import StandardServer, generate_authkey, read_authkey, stop_standard_servers
 from unison.errors import AuthenticationError, ClusterError
 
 KEY = bytes(range(32))
@@ -178,6 +178,33 @@ def test_standard_server_refuses_wrong_key_and_keeps_serving(tmp_path):
         assert _refused_count_reaches(server, 1) and not marker.exists()
         request = RunRequest(lambda s: "ran as the right client", None, cluster, "worker", 0, "tcp", use_barrier=False)
         assert _drive_task(server.address, KEY, request, threading.Barrier(1), timeout=5) == "ran as the right client"
+
+
+@pytest.mark.timeout(30)
+def test_join_returns_once_the_thread_that_served_the_stop_has_ended(monkeypatch):
+    """A ps task exits right after join(): the thread that served the client's stop must have ended
+    by then (Python stops a daemon thread still running at exit wherever it is; inside a torch op
+    that aborts the process). Here that thread still has 0.3 s of work after serving the stop."""
+    served = []
+    serve = StandardServer._serve
+
+    def serve_then_linger(self, channel):
+        served.append(threading.current_thread())
+        serve(self, channel)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(StandardServer, "_serve", serve_then_linger)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cluster = {"worker": [f"127.0.0.1:{port}"]}
+    server = StandardServer(cluster, "worker", 0, authkey=KEY).start()
+    try:
+        assert stop_standard_servers(cluster, authkey=KEY, timeout=10) == ["worker:0"]
+        assert server.join(timeout=10)
+        assert len(served) == 1 and not served[0].is_alive()
+    finally:
+        server.stop()
 
 
 @pytest.mark.timeout(30)

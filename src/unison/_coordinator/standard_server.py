@@ -32,6 +32,8 @@ __all__ = ["RunRequest", "StandardServer", "run_standard_server", "stop_standard
 
 _JOIN_SLICE_S = 0.5
 """The longest ``StandardServer.join`` sleeps before it runs a signal handler left pending."""
+_STOPPER_EXIT_WAIT_S = 5.0
+"""How long ``StandardServer.join`` waits for the thread that served the client's stop to end."""
 
 
 @dataclasses.dataclass
@@ -128,6 +130,7 @@ class StandardServer:
         self._rpc_layer = rpc_layer
         self._listener: ChannelListener | None = None
         self._stopped = threading.Event()
+        self._stopped_by: threading.Thread | None = None  # the serving thread that handled a client's stop
 
     @property
     def name(self) -> str:
@@ -170,11 +173,22 @@ class StandardServer:
 
         Without a timeout it waits in slices of ``_JOIN_SLICE_S``: a Ctrl-C the kernel handed to one
         of the server's threads only marks Python's handler pending, and the main thread runs it
-        (KeyboardInterrupt here) only when it wakes (``unison._launch.interrupts`` says more)."""
+        (KeyboardInterrupt here) only when it wakes (``unison._launch.interrupts`` says more).
+
+        Once stopped by a client, it also waits for the thread that served the stop to end, so a
+        process that exits after ``join`` has none of the server's threads left: Python 3.11 stops
+        a daemon thread still running at exit wherever it next takes the GIL, which inside a torch
+        op aborts the process (``benchmarks/RESULTS.md``, 'A ps task's abort at exit'). That thread
+        was still closing its socket at exit in about one ps task exit in 32."""
         if timeout is not None:
-            return self._stopped.wait(timeout)
-        while not self._stopped.wait(_JOIN_SLICE_S):
-            pass
+            if not self._stopped.wait(timeout):
+                return False
+        else:
+            while not self._stopped.wait(_JOIN_SLICE_S):
+                pass
+        stopper = self._stopped_by
+        if stopper is not None and stopper is not threading.current_thread():
+            stopper.join(_STOPPER_EXIT_WAIT_S)
         return True
 
     def stop(self) -> None:
@@ -203,6 +217,8 @@ class StandardServer:
                     channel.send(("pong", self.task_type, self.task_id))
                 elif message[0] == "stop":
                     channel.send(("stopped", self.task_type, self.task_id))
+                    channel.close()  # before join returns: all that is left to this thread is to end (see join)
+                    self._stopped_by = threading.current_thread()
                     self.stop()
                     return
                 elif message[0] in self._sessions:
