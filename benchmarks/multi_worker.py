@@ -222,7 +222,8 @@ def _bare_reduce_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Cal
 def _bare_slots_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
                      strategy: Any, rank: int, hooked: bool = False) -> Callable:
     """``bare_slots`` (see TRAIN_VARIANTS): a plain step whose gradients accumulate in this worker's
-    part of a shared file; each worker sums its half of every part into all of them, by hand.
+    part of a shared file; each worker sums its half of every part into all of them (the shared-memory
+    engine's own slice sum, the one unison's buckets use).
     ``hooked``: with a hook after each parameter's accumulation that does nothing but note the
     first of a backward pass (``bare_slots_hooked``)."""
     from unison._collectives.transport.flat_buffers import views_of
@@ -237,9 +238,6 @@ def _bare_slots_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Call
         raise SystemExit("bare_slots: the workers cannot share a file here (unison's log says why)")
     parts = segment.inputs[:WORLD_SIZE]  # [rank]: that worker's gradients, then the sums
     mine = views_of(parts[rank], params)
-    lo, hi = engine.my_slice(numel)
-    halves = [part[lo:hi] for part in parts]  # this worker's half of every part
-    scale = 1.0 / WORLD_SIZE  # a power of two: scaling as it adds gives the bits of dividing first
     first_of = [-1]  # the backward pass whose first gradient the hooks saw
 
     def on_gradient(param: torch.Tensor) -> None:
@@ -257,12 +255,9 @@ def _bare_slots_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Call
         set_grads(params, mine)  # autograd adds each gradient into its place in the file
         loss_fn(model(x), y).backward()
         engine.sync("bare slots: gradients written")
-        first, *rest = halves
-        torch.mul(first, scale, out=first)
-        for other in rest:
-            first.add_(other, alpha=scale)
-        for other in rest:
-            other.copy_(first)
+        # this worker's half of every part, each scaled by 1/2 as it is added (the bits of DDP's
+        # dividing first), into all of them: one multiply, one add, one copy over the half
+        engine.sum_my_slice_into(parts, WORLD_SIZE)
         engine.sync("bare slots: sums written")
         opt.step()
 
