@@ -6,7 +6,9 @@ imports unison. Here every sample is a fresh interpreter running one variant for
 number of steps (``--threads`` intra-op threads, 2 by default as on this machine), and the
 rounds alternate the variants' order. Reported per workload: the median per-step time of
 each variant and the median of the per-round ratios plain/one_device (>= 0.97 is the goal:
-issues 42 and 45).
+issues 42 and 45). ``run_floor`` is the reference: the plain step called as
+``run(step, args=(x, y))`` through a function that only pushes an entry on a thread-local
+stack around ``fn(*args)``, the least ``strategy.run``'s API and its replica context cost.
 
 Workloads are ``multi_worker.py``'s: W1 (MLP 784-1024-1024-10, batch 256), W2 (200 x
 Linear(64, 64) residual, batch 256), D (Linear(10, 10), batch 8), SGD(lr=0.01).
@@ -68,6 +70,30 @@ if variant == "plain":
         loss_fn(model(x), y).backward()
         opt.step()
     call = step
+elif variant == "run_floor":
+    # The least a `run(fn, args=...)` with a per-thread context can do, without unison: the
+    # call passes through a function that pushes an entry on a thread-local stack and
+    # calls fn(*args). plain/run_floor is the ceiling of any such API on this machine.
+    import threading
+    class PerThread(threading.local):
+        def __init__(self):
+            self.stack = []
+    per_thread, entry = PerThread(), object()
+    model, batches, loss_fn = model_and_batches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    def step(x, y):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    def run(fn, args=(), kwargs=None):
+        stack = per_thread.stack
+        stack.append(entry)
+        try:
+            return fn(*args)
+        finally:
+            stack.pop()
+    def call(x, y):
+        run(step, args=(x, y))
 else:
     import unison
     strategy = unison.OneDeviceStrategy("cpu:0")
@@ -111,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", type=Path, default=None, help="an old tree: adds the variant one_device@old")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
-    variants = ["plain", "one_device"] + (["one_device@old"] if args.tree is not None else [])
+    variants = ["plain", "one_device", "run_floor"] + (["one_device@old"] if args.tree is not None else [])
     report: dict[str, dict] = {}
     load_before = os.getloadavg()
     for workload in args.workloads.split(","):
@@ -123,10 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                 samples[variant].append(_sample(variant, workload, args.threads, tree))
         ratios = {v: statistics.median(p / s for p, s in zip(samples["plain"], samples[v], strict=True))
                   for v in variants[1:]}
+        # how close unison's run comes to the least any run(fn, args) costs (1.0: at that floor)
+        against_floor = {v: statistics.median(f / s for f, s in zip(samples["run_floor"], samples[v], strict=True))
+                         for v in variants if v.startswith("one_device")}
         report[workload] = {"median_us": {v: statistics.median(s) * 1e6 for v, s in samples.items()},
-                            "plain_over": ratios, "samples_s": samples}
+                            "plain_over": ratios, "run_floor_over": against_floor, "samples_s": samples}
         cells = "  ".join(f"{v} {statistics.median(s) * 1e6:9.1f} us" for v, s in samples.items())
-        print(f"{workload:3s} {cells}  " + "  ".join(f"plain/{v} {x:.3f}" for v, x in ratios.items()), flush=True)
+        print(f"{workload:3s} {cells}  " + "  ".join(f"plain/{v} {x:.3f}" for v, x in ratios.items())
+              + "  " + "  ".join(f"run_floor/{v} {x:.3f}" for v, x in against_floor.items()), flush=True)
     load_after = os.getloadavg()
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     args.out.mkdir(parents=True, exist_ok=True)
