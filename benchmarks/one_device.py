@@ -62,7 +62,7 @@ def model_and_batches():
     return model, [(torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen))
                    for _ in range(8)], nn.functional.mse_loss
 
-if variant == "plain":
+if variant in ("plain", "run_floor"):
     model, batches, loss_fn = model_and_batches()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     def step(x, y):
@@ -70,30 +70,24 @@ if variant == "plain":
         loss_fn(model(x), y).backward()
         opt.step()
     call = step
-elif variant == "run_floor":
-    # The least a `run(fn, args=...)` with a per-thread context can do, without unison: the
-    # call passes through a function that pushes an entry on a thread-local stack and
-    # calls fn(*args). plain/run_floor is the ceiling of any such API on this machine.
-    import threading
-    class PerThread(threading.local):
-        def __init__(self):
-            self.stack = []
-    per_thread, entry = PerThread(), object()
-    model, batches, loss_fn = model_and_batches()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    def step(x, y):
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    def run(fn, args=(), kwargs=None):
-        stack = per_thread.stack
-        stack.append(entry)
-        try:
-            return fn(*args)
-        finally:
-            stack.pop()
-    def call(x, y):
-        run(step, args=(x, y))
+    if variant == "run_floor":
+        # The least a `run(fn, args=...)` with a per-thread context can do, without unison: the
+        # call passes through a function that pushes an entry on a thread-local stack and
+        # calls fn(*args). plain/run_floor is the ceiling of any such API on this machine.
+        import threading
+        class PerThread(threading.local):
+            def __init__(self):
+                self.stack = []
+        per_thread, entry = PerThread(), object()
+        def run(fn, args=(), kwargs=None):
+            stack = per_thread.stack
+            stack.append(entry)
+            try:
+                return fn(*args)
+            finally:
+                stack.pop()
+        def call(x, y):
+            run(step, args=(x, y))
 else:
     import unison
     strategy = unison.OneDeviceStrategy("cpu:0")
