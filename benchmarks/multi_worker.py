@@ -281,6 +281,11 @@ class _Runner:
         return times
 
 
+def _max_abs_diff(ours: Any, theirs: Any) -> float:
+    """The largest elementwise difference between two models' parameters, in order."""
+    return max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True))
+
+
 def _strategy(rank: int, cfg: dict, implementation: str = "AUTO") -> Any:
     import unison
 
@@ -353,13 +358,12 @@ def _train(rank: int, workload: str, cfg: dict) -> dict[str, Any]:
     with torch.no_grad():
         ddp_params = list(ddp_model.module.parameters())
         unison_params = list(unison_model.parameters())
-        weight_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, unison_params))
-        ring_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, ring_model.parameters()))
-        bare_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, bare_model.parameters()))
-        slots_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, slots_model.parameters()))
-        hooked_diff = max((a - b).abs().max().item() for a, b in zip(ddp_params, hooked_model.parameters()))
-        plain_diff = max((a - b).abs().max().item() for a, b in zip(plain_model.parameters(), ddp_params)) \
-            if rank == 0 else None
+        weight_diff = _max_abs_diff(ddp_params, unison_params)
+        ring_diff = _max_abs_diff(ddp_params, ring_model.parameters())
+        bare_diff = _max_abs_diff(ddp_params, bare_model.parameters())
+        slots_diff = _max_abs_diff(ddp_params, slots_model.parameters())
+        hooked_diff = _max_abs_diff(ddp_params, hooked_model.parameters())
+        plain_diff = _max_abs_diff(plain_model.parameters(), ddp_params) if rank == 0 else None
     return {
         "samples": samples,
         "steps_taken": {name: runner.taken for name, runner in runners.items()},
